@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: install demo test check-export check-clean nbtest pytest docs clean-docs
+.PHONY: install demo test check-export check-clean nbtest pytest docs docs-browser clean-docs
 
 $(VENV)/.installed: setup.py settings.ini pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -57,6 +57,10 @@ pytest: install
 # Docs: nbdev_docs needs Quarto, which cannot be installed here; render every notebook with nbconvert.
 docs: install
 	$(PY) .ci/check_docs.py
+
+# The browser part alone (headless Chromium over the pages `make docs` rendered).
+docs-browser: install
+	$(PY) .ci/browser_check.py
 
 clean-docs:
 	rm -rf _docs _proc
