@@ -1,0 +1,141 @@
+"Tests of dapo_ref.tiny beyond the notebook: task determinism and correctness, tokenizer round trip, model loading, cache."
+import json, random, re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dapo_ref import tiny
+from dapo_ref.data import PROMPT_TEMPLATE
+from dapo_ref.tiny import (MAX_OPS, RESPONSE_PREFIX, build_tiny_model, build_tiny_tokenizer, ensure_tiny_model,
+                           is_heldout, tiny_model_dir, tiny_problem, tiny_splits)
+
+QUICK = dict(steps=3, batch_size=4)  # a warm start of a few steps: the cache logic, not the accuracy
+
+
+def _independent_answer(problem):
+    "Parse the words back and fold them with Python; no code shared with dapo_ref.tiny."
+    value = int(re.match(r"Start at (\d+)\. ", problem).group(1))
+    for verb, d in re.findall(r"(add|subtract|multiply by) (\d+)", problem.lower()):
+        value = {"add": value + int(d), "subtract": value - int(d), "multiply by": value * int(d)}[verb]
+    return value
+
+
+def _score(solution, answer):
+    "+1 when every line of working is right arithmetic and the last line is `Answer: <answer>`, else -1."
+    *steps, last = solution.split("\n")
+    ok = all(eval(s.split("=")[0]) == int(s.split("=")[1]) for s in steps)
+    chained = all(steps[i].split("=")[1] == re.match(r"\d+", steps[i + 1]).group(0) for i in range(len(steps) - 1))
+    return 1.0 if ok and chained and last == f"Answer: {answer}" else -1.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_problems_are_deterministic_and_correct(seed):
+    a = [tiny_problem(random.Random(seed), n) for n in range(1, MAX_OPS + 1)]
+    b = [tiny_problem(random.Random(seed), n) for n in range(1, MAX_OPS + 1)]
+    assert a == b
+    rng = random.Random(1000 + seed)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        problem, answer, solution = tiny_problem(rng, n)
+        assert isinstance(answer, int) and 0 <= answer <= 99
+        assert _independent_answer(problem) == answer
+        assert _score(solution, answer) == 1.0
+        assert len(solution.split("\n")) == n + 1
+        assert _score(solution, answer + 1) == -1.0
+
+
+def test_splits_deterministic_disjoint_and_all_lengths():
+    tr1, ev1 = tiny_splits(300, 150, seed=3)
+    tr2, ev2 = tiny_splits(300, 150, seed=3)
+    assert [e.question for e in tr1 + ev1] == [e.question for e in tr2 + ev2]
+    assert not {e.question for e in tr1} & {e.question for e in ev1}
+    # held-out problems are never in any seed's train split
+    tr_other, _ = tiny_splits(1000, 1, seed=4)
+    assert not {e.question for e in tr_other} & {e.question for e in ev1}
+    for e in tr1 + ev1:
+        problem = e.question.split("\n\n")[1]
+        assert e.question == PROMPT_TEMPLATE.format(problem=problem)
+        assert int(e.ground_truth) == _independent_answer(problem)
+        assert _score(e.extra_info["solution"], e.ground_truth) == 1.0
+    assert {e.extra_info["n_ops"] for e in ev1} == set(range(1, MAX_OPS + 1))
+    with pytest.raises(ValueError, match="distinct"):
+        tiny_splits(10, 1000, max_ops=1)
+
+
+def test_heldout_fraction_about_one_in_five():
+    rng = random.Random(0)
+    texts = {tiny_problem(rng, rng.randint(2, 6))[0] for _ in range(3000)}
+    frac = sum(map(is_heldout, texts)) / len(texts)
+    assert 0.16 < frac < 0.24, frac
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    tok = build_tiny_tokenizer()
+    return tok, build_tiny_model(tok, tmp_path_factory.mktemp("tiny") / "m")
+
+
+def test_tokenizer_round_trips_through_autotokenizer(tiny_folder):
+    tok, path = tiny_folder
+    loaded = AutoTokenizer.from_pretrained(path)
+    tr, ev = tiny_splits(100, 50, seed=7)
+    strings = [e.question for e in tr + ev] + [RESPONSE_PREFIX + e.extra_info["solution"] for e in tr + ev]
+    strings += ["Answer: 1234567890", "x = 5\n\nAnswer: $\\frac{1}{2}$", "héllo wörld ✓", "  two  spaces\t\n"]
+    for s in strings:
+        a = loaded(s, add_special_tokens=False)["input_ids"]
+        assert a == tok(s, add_special_tokens=False)["input_ids"], s
+        assert loaded.decode(a) == s
+    assert loaded.eos_token == loaded.pad_token == "<|endoftext|>"
+    assert loaded.eos_token_id == tok.eos_token_id
+    # the template compresses to a reasonable number of tokens; the longest responses stay short
+    n_prompt = [len(tok(e.question)["input_ids"]) for e in ev]
+    n_resp = [len(tok(RESPONSE_PREFIX + e.extra_info["solution"])["input_ids"]) + 1 for e in ev]
+    assert 55 <= min(n_prompt) and max(n_prompt) <= 100, (min(n_prompt), max(n_prompt))
+    assert max(n_resp) <= 70, max(n_resp)
+
+
+def test_model_loads_with_auto_classes(tiny_folder):
+    tok, path = tiny_folder
+    model = AutoModelForCausalLM.from_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2"
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] >= 32
+    assert cfg["vocab_size"] == len(tok)
+    assert (path / "model.safetensors").exists()
+    ids = torch.tensor([tok("Start at 7. Add 3.")["input_ids"]])
+    assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tok))
+    with pytest.raises(ValueError, match="head_dim"):
+        build_tiny_model(tok, path.parent / "bad", hidden_size=64, num_attention_heads=4)
+
+
+def test_ensure_tiny_model_builds_once_and_reuses(tmp_path, monkeypatch):
+    monkeypatch.setenv("DAPO_REF_CACHE", str(tmp_path))
+    path = ensure_tiny_model(verbose=False, **QUICK)
+    assert path.parent == tmp_path and path.name.startswith(tiny.TINY_VERSION + "-")
+    assert path == tiny_model_dir(**QUICK)
+    assert tiny_model_dir() == tmp_path / tiny.TINY_VERSION    # the default recipe has the plain versioned name
+    assert json.loads((path / "tiny_build.json").read_text())["warm_start"]["steps"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary folder left behind
+    AutoModelForCausalLM.from_pretrained(path)
+    AutoTokenizer.from_pretrained(path)
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+
+    def boom(*a, **k):
+        raise AssertionError("rebuilt although cached")
+    monkeypatch.setattr(tiny, "warm_start", boom)
+    assert ensure_tiny_model(verbose=False, **QUICK) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_ensure_tiny_model_is_deterministic_and_cleans_up(tmp_path, monkeypatch):
+    a = ensure_tiny_model(tmp_path / "a", verbose=False, **QUICK)
+    b = ensure_tiny_model(tmp_path / "b", verbose=False, **QUICK)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+    def fail(*a, **k):
+        raise RuntimeError("killed mid-build")
+    monkeypatch.setattr(tiny, "warm_start", fail)
+    with pytest.raises(RuntimeError):
+        ensure_tiny_model(tmp_path / "c", verbose=False, **QUICK)
+    assert list((tmp_path / "c").iterdir()) == []               # nothing half-built is left to be mistaken for a model
