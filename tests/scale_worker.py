@@ -1,0 +1,86 @@
+"""One rank of the two-process DeepSpeed checks in tests/test_scale.py (run it with torchrun, not pytest).
+
+    torchrun --nproc_per_node 2 tests/scale_worker.py OUT_DIR
+
+Each rank builds the same fixed DAPO mini-batch (`fixed_batch`), keeps its share of the groups (`shard`), and for
+ZeRO-3, ZeRO-2 and ZeRO-3 with gradient checkpointing: computes old log-probs, does one `DeepSpeedLearner.update`,
+and syncs the new weights into a rollout engine (`HFRolloutEngine`). Rank 0 writes to OUT_DIR/stage{3,2,3gc}.pt: the full weights the learner streamed,
+DeepSpeed's own consolidated weights, the engine's weights on every rank, the old log-probs and the update's metrics.
+The one-device comparison is done by the test, in its own process, with `trainer.Learner`."""
+import copy, os, sys
+from pathlib import Path
+
+import torch
+
+G, N_GROUPS = 4, 5  # 5 groups of 4: rank 0 gets groups 0, 2, 4 and rank 1 groups 1, 3 (unequal shares)
+
+
+def test_cfg():
+    "The tiny recipe with a learning rate that moves the weights visibly, and a small token budget (several micro-batches)."
+    from dapo_ref.core import config_from_dict
+    return config_from_dict(dict(model="tiny", group_size=G, prompts_per_step=N_GROUPS, gen_batch_size=N_GROUPS,
+                                 mini_batch_size=G * N_GROUPS, lr=1e-3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0,
+                                 micro_token_budget=96, zero_stage=3, dtype="float32", l_max=32, l_cache=8))
+
+
+def fixed_batch(vocab: int = 392, seed: int = 0):
+    "N_GROUPS * G responses with random token ids, lengths and advantages (deterministic; no generation)."
+    from dapo_ref.trainer import RolloutBatch
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for _ in range(N_GROUPS):
+        p = torch.randint(1, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(G):
+            prompts.append(p)
+            responses.append(torch.randint(1, vocab, (int(torch.randint(2, 24, (1,), generator=g)),), generator=g).tolist())
+    adv = torch.randn(N_GROUPS * G, generator=g)  # (B,)
+    return RolloutBatch(prompts, responses, adv, torch.zeros(N_GROUPS * G, dtype=torch.bool), adv.clone())
+
+
+def local_share(batch, rank, world):
+    "This rank's groups of the batch, kept whole."
+    from dapo_ref.scale import shard
+    groups = shard(list(range(N_GROUPS)), rank, world)
+    return batch.select([k * G + t for k in groups for t in range(G)])
+
+
+def run_stage(name: str, out: Path):
+    "name: ZeRO stage, with a `gc` suffix for gradient checkpointing (e.g. `3gc`)."
+    import torch.distributed as dist
+    from dapo_ref.scale import DeepSpeedLearner, dist_env, all_gather
+    from dapo_ref.trainer import load_policy
+    from dapo_ref.rollout import HFRolloutEngine
+    rank, world, _ = dist_env()
+    cfg = test_cfg(); cfg.zero_stage = stage = int(name[0]); cfg.gradient_checkpointing = name.endswith("gc")
+    model, tok = load_policy("tiny")
+    engine = HFRolloutEngine(copy.deepcopy(model), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    learner = DeepSpeedLearner(model, cfg, tok.pad_token_id)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    ckpt = [m.gradient_checkpointing and m.training for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    batch = local_share(fixed_batch(), rank, world)
+    n_micro = len(learner.micro_batches(batch))
+    old, _ = learner.compute_logprobs(batch)
+    metrics = learner.update(batch, old)
+    learner.end_step()
+    streamed = {n: t.clone() for n, t in learner.named_weights()}  # every rank iterates: a collective
+    engine.load_weights(learner.named_weights())
+    eng_sd = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    consolidated = (learner.engine._zero3_consolidated_16bit_state_dict() if stage == 3
+                    else {n: t.clone() for n, t in learner.engine.module.state_dict().items()})  # DeepSpeed's own gather
+    engines = all_gather(eng_sd)
+    olds, n_micros = all_gather(old), all_gather(n_micro)
+    if rank == 0:
+        torch.save(dict(streamed=streamed, consolidated=consolidated, engines=engines, old=olds, n_micro=n_micros,
+                        metrics=metrics, world=world, checkpointed_layers=ckpt), out / f"stage{name}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+    stages = sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc"]
+    for s in stages: run_stage(s, out)
+    import torch.distributed as dist
+    dist.destroy_process_group()
