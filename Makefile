@@ -33,7 +33,7 @@ check-export: install
 	$(BIN)/nbdev_export; \
 	after=$$(find dapo_ref -name '*.py' -type f | sort | xargs sha256sum); \
 	if [ "$$before" != "$$after" ]; then \
-	  diff <(echo "$$before") <(echo "$$after") | sed -n 's/^> [0-9a-f]* */  changed: /p'; \
+	  { diff <(echo "$$before") <(echo "$$after") || true; } | sed -n 's/^> [0-9a-f]* */  changed: /p'; \
 	  echo "notebooks and dapo_ref/ are out of sync: run nbdev_export (then review and commit dapo_ref/)"; exit 1; fi; \
 	echo "check-export: dapo_ref/ matches the notebooks"
 
@@ -43,7 +43,7 @@ check-clean: install
 	$(BIN)/nbdev_clean; \
 	after=$$(find nbs -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' | sort | xargs sha256sum); \
 	if [ "$$before" != "$$after" ]; then \
-	  diff <(echo "$$before") <(echo "$$after") | sed -n 's/^> [0-9a-f]* */  changed: /p'; \
+	  { diff <(echo "$$before") <(echo "$$after") || true; } | sed -n 's/^> [0-9a-f]* */  changed: /p'; \
 	  echo "notebook not clean: run nbdev_clean (then review and commit nbs/)"; exit 1; fi; \
 	echo "check-clean: notebooks are clean"
 
