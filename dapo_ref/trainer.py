@@ -436,7 +436,9 @@ class Trainer:
         lr = self.learner.lr
         groups, seen, gstats = self.collect(self.step_idx, timer)    # lines 1-5: sample, generate, reward, filter
         batch = make_batch(groups, cfg.group_size)                     # line 6: advantages
-        updates, bstats = self.train_on(batch, timer)                  # line 7: old log-probs, mini-batch updates
+        self.engine.sleep()                                            # free the sampler's GPU memory for the update (vLLM sleep mode; a no-op otherwise)
+        try: updates, bstats = self.train_on(batch, timer)             # line 7: old log-probs, mini-batch updates
+        finally: self.engine.wake()
         self.engine.load_weights(self.learner.named_weights())         # line 2 of the next step: new weights to the sampler
         self.learner.end_step()
         # --- metrics ---
