@@ -1,0 +1,83 @@
+"Ablation (dapo-ablate) end to end on the --quick base: the table, per-run caching, resuming an interrupted ablation."
+import json, os, subprocess, sys, time
+from pathlib import Path
+
+import pytest
+
+from dapo_ref.ablation import COLUMNS, ROWS, main, row_switches
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _cmd(out, *extra):
+    return [PY, "-m", "dapo_ref.ablation", "--quick", "--seeds", "0", "--out", str(out), *extra]
+
+
+def _meta(out):
+    return json.loads((out / "table.json").read_text())["meta"]
+
+
+def test_quick_ablation_interrupt_resume_and_cache(tmp_path):
+    out = tmp_path / "abl"
+    # 1. an ablation killed after its first two runs finished
+    p = subprocess.Popen(_cmd(out), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    try:
+        while len(list(out.glob("runs/*/seed-0/result.json"))) < 2:
+            assert p.poll() is None, "the ablation ended before it could be interrupted"
+            assert time.time() - t0 < 90, "no run finished within 90 s"
+            time.sleep(0.2)
+    finally:
+        p.kill(); p.wait()
+    finished = len(list(out.glob("runs/*/seed-0/result.json")))
+    assert 2 <= finished < 6
+
+    # 2. the same command again resumes: the finished runs are reused, the rest are trained
+    r = subprocess.run(_cmd(out), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = _meta(out)
+    assert m["runs"] == 6 and m["cached_runs"] == finished and m["quick"] and m["seeds"] == [0]
+    table = json.loads((out / "table.json").read_text())["table"]
+    assert [t["row"] for t in table] == [r[0] for r in ROWS]
+    assert all(t["n_seeds"] == 1 for t in table)
+    for t in table:
+        assert 0.0 <= t["acc_end"] <= 1.0 and t["gen_rounds"] >= 1.0 and t["resp_len"] > 0
+    assert table[-1]["gen_rounds"] >= 1.0 and all(t["gen_rounds"] == 1.0 for t in table[:-1])  # only row 6 resamples
+    md = (out / "table.md").read_text().splitlines()
+    assert md[0].count("|") == len(COLUMNS) + 1 and len(md) == 2 + 6
+    for c in ("held-out avg@k end", "updates to 0.60", "entropy", "resp len", "truncated", "gen rounds/step"):
+        assert c in md[0]
+    for f in ("fig2b_entropy_clip_higher.png", "fig4_length_token_loss.png", "fig6_accuracy_dynamic_sampling.png",
+              "accuracy_per_row.png"):
+        assert (out / f).stat().st_size > 1000
+    # every run keeps its metrics and config, and no weights or checkpoints
+    for row, _, _ in ROWS:
+        d = out / "runs" / row / "seed-0"
+        assert (d / "metrics.jsonl").exists() and (d / "config.yaml").exists()
+        assert not (d / "checkpoints").exists() and not (d / "final").exists()
+        cfg = json.loads((d / "result.json").read_text())["key"]["config"]
+        assert {k: cfg[k] for k in row_switches(row)} == row_switches(row)
+
+    # 3. a third invocation reuses every run and is much faster
+    assert main(["--quick", "--seeds", "0", "--out", str(out), "--no-figures"]) == 0
+    m3 = _meta(out)
+    assert m3["cached_runs"] == 6
+    # the six runs took wall_runs_total seconds to train; reusing them takes a small fraction of that
+    assert m3["wall_this_invocation"] < m3["wall_runs_total"] / 3, (m3["wall_this_invocation"], m3["wall_runs_total"])
+
+    # 4. a different base config is not served from the cache
+    assert main(["--quick", "--seeds", "0", "--out", str(out), "--rows", "1-grpo", "--no-figures", "lr=1e-4"]) == 0
+    assert _meta(out)["cached_runs"] == 0
+
+
+def test_cli_errors(capsys):
+    assert main(["--rows", "3-clip-hihger"]) == 2
+    assert "rows are: 1-grpo" in capsys.readouterr().err
+    assert main(["--base", "recipes/no-such.yaml"]) == 2
+
+
+def test_python_m_help():
+    r = subprocess.run([PY, "-m", "dapo_ref.ablation", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0 and "--quick" in r.stdout and "--seeds" in r.stdout
