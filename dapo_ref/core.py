@@ -12,9 +12,11 @@ from typing import Any
 import yaml
 
 # %% auto #0
-__all__ = ['LOSS_AGGS', 'DAPOConfig', 'validate', 'config_from_dict', 'load_config', 'save_config', 'parse_overrides']
+__all__ = ['REWARD_MODES', 'LOSS_AGGS', 'DAPOConfig', 'validate', 'config_from_dict', 'load_config', 'save_config',
+           'parse_overrides']
 
 # %% ../nbs/00_core.ipynb #6a2a6c54
+REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 @dataclass
@@ -32,6 +34,9 @@ class DAPOConfig:
     mini_batch_size: int = 512      # responses per gradient update (paper 512: 512*16/512 = 16 updates per rollout step)
     dynamic_sampling: bool = True   # drop groups whose accuracies are all equal (Eq. 11)
     max_num_gen_batches: int = 10   # bound on generation rounds per step (reference script 10); 0 = unbounded
+    # --- rule-based reward (Section 2.4, Eq. 7) ---
+    reward: str = "dapo-reference"  # "dapo-reference" (the reference recipe's verdicts) | "dapo-strict" | "math-verify"
+    reward_timeout: float = 5.0     # seconds per math-verify call; a call past it scores -1 (counted in reward_timeouts)
     # --- overlong reward shaping (Section 3.4, Eq. 13) ---
     l_max: int = 20480              # L_max: maximum response length = 16384 expected + 4096 cache (paper)
     l_cache: int = 4096             # L_cache: soft punishment interval before L_max (paper 4096)
@@ -89,6 +94,8 @@ _RANGES = {  # field: (check, allowed range in words)
     "max_num_gen_batches": (lambda v: v >= 0, "max_num_gen_batches >= 0 (0 = unbounded)"),
     "l_max": (lambda v: v >= 1, "l_max >= 1"),
     "l_cache": (lambda v: v >= 0, "0 <= l_cache < l_max"),
+    "reward": (lambda v: v in REWARD_MODES, "one of " + ", ".join(REWARD_MODES)),
+    "reward_timeout": (lambda v: v > 0, "reward_timeout > 0 (seconds)"),
     "overlong_penalty_factor": (lambda v: v >= 0, "overlong_penalty_factor >= 0"),
     "max_prompt_length": (lambda v: v >= 1, "max_prompt_length >= 1"),
     "lr": (lambda v: v > 0, "lr > 0"),
