@@ -73,7 +73,7 @@ class DAPOConfig:
     rollout_backend: str = "hf"     # rollout engine: "hf" (transformers, one device) | "vllm"
     nnodes: int = 1                 # nodes (paper run 16)
     gpus_per_node: int = 1          # GPUs per node (paper run 8)
-    zero_stage: int = 3             # DeepSpeed ZeRO stage of the learner: 2 | 3
+    zero_stage: int = 0             # learner: 0 = plain PyTorch AdamW | 2, 3 = DeepSpeed ZeRO stage (reference: FSDP, all sharded)
     gradient_checkpointing: bool = False  # recompute activations in backward (reference script: on)
     offload_params: bool = False    # ZeRO-3 parameter offload to CPU (reference script: on)
     offload_optimizer: bool = False # ZeRO optimizer-state offload to CPU (reference script: on)
@@ -118,7 +118,7 @@ _RANGES = {  # field: (check, allowed range in words)
     "rollout_backend": (lambda v: v in ("hf", "vllm"), "hf or vllm"),
     "nnodes": (lambda v: v >= 1, "nnodes >= 1"),
     "gpus_per_node": (lambda v: v >= 1, "gpus_per_node >= 1"),
-    "zero_stage": (lambda v: v in (2, 3), "2 or 3"),
+    "zero_stage": (lambda v: v in (0, 2, 3), "0 (plain PyTorch learner), 2 or 3 (DeepSpeed ZeRO)"),
     "vllm_tensor_parallel": (lambda v: v >= 1, "vllm_tensor_parallel >= 1"),
     "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "0 < vllm_gpu_memory_utilization < 1"),
 }
