@@ -12,7 +12,7 @@ from torch import Tensor
 from .core import LOSS_AGGS
 
 # %% auto #0
-__all__ = ['clipped_token_loss', 'agg_loss', 'policy_loss', 'overlong_filter', 'token_logprobs', 'token_entropy']
+__all__ = ['clipped_token_loss', 'loss_counts', 'agg_loss', 'policy_loss', 'overlong_filter', 'token_logprobs', 'token_entropy']
 
 # %% ../nbs/04_loss.ipynb #45d21a25
 def clipped_token_loss(ratio: Tensor,      # (B, T) r = pi_theta / pi_old per token
@@ -31,31 +31,49 @@ def clipped_token_loss(ratio: Tensor,      # (B, T) r = pi_theta / pi_old per to
     return loss
 
 # %% ../nbs/04_loss.ipynb #a89f8545
+def loss_counts(mask: Tensor,  # (B, T) loss mask of a micro-batch (after overlong filtering)
+               ) -> tuple[int, int]:  # (num_tokens, num_seqs)
+    "Loss tokens and rows with at least one loss token in `mask`; summed over micro-batches and ranks they are the global denominators."
+    n_tok = mask.bool().sum(-1)                                    # (B,) loss tokens per row
+    return int(n_tok.sum()), int((n_tok > 0).sum())
+
+def _check_global(name: str, value, local: int, what: str):
+    "A global denominator can never be smaller than this batch's own count: that means it was not summed over the mini-batch."
+    if value is not None and float(value) < local:
+        raise ValueError(f"{name} = {float(value):g} is smaller than this batch's own {what} ({local}); pass the "
+                         f"count of the whole mini-batch (all micro-batches, all ranks), or None for this batch alone")
+
 def agg_loss(loss_mat: Tensor,    # (B, T) per-token loss
-             mask: Tensor,        # (B, T) 1 on response tokens, 0 on padding (bool, int or float)
+             mask: Tensor,        # (B, T) 1 on loss tokens, 0 on padding and filtered rows (bool, int or float)
              agg: str = "token-mean",  # one of LOSS_AGGS
-             num_tokens: int | float | Tensor | None = None,  # token-mean only: global token count of the mini-batch
-            ) -> Tensor:          # 0-dim loss
-    "Aggregate a (B, T) per-token loss into a scalar: token-level (DAPO), sample-level (GRPO) or Dr. GRPO."
+             *,
+             num_tokens: int | float | Tensor | None = None,  # token-mean: loss tokens of the whole mini-batch; None = mask's
+             num_seqs: int | float | Tensor | None = None,    # seq-mean-*: rows with >= 1 loss token in the whole mini-batch; None = mask's
+             max_len: int | float | None = None,              # seq-mean-token-sum-norm: constant length, the config's l_max; None = T
+            ) -> Tensor:          # 0-dim: this batch's additive share of the mini-batch loss
+    "Aggregate a (B, T) per-token loss into this batch's share of the mini-batch loss: token-level (DAPO), sample-level (GRPO) or Dr. GRPO."
     if agg not in LOSS_AGGS:
         raise ValueError(f"agg = {agg!r} is not a loss aggregation; allowed values: {', '.join(LOSS_AGGS)}")
-    if num_tokens is not None and agg != "token-mean":
-        raise ValueError(f"num_tokens is only used by agg='token-mean' (got agg={agg!r}); for the seq-mean "
-                         "aggregations weight each micro-batch by its share of sequences instead")
     keep = mask.bool()                                             # (B, T)
     masked = torch.where(keep, loss_mat, torch.zeros_like(loss_mat))  # (B, T) padding contributes exactly 0
-    B, T = loss_mat.shape
+    n_tok = keep.sum(-1)                                           # (B,) loss tokens per row
     if agg == "token-mean":
+        if num_tokens is not None: _check_global("num_tokens", num_tokens, int(n_tok.sum()), "loss-token count")
         denom = keep.sum() if num_tokens is None else torch.as_tensor(num_tokens)
         return masked.sum() / denom.clamp(min=1).to(loss_mat.dtype)
-    n_tok = keep.sum(-1)                                           # (B,) tokens per response
-    if agg == "seq-mean-token-mean":
-        seq = masked.sum(-1) / n_tok.clamp(min=1).to(loss_mat.dtype)  # (B,) per-response token mean
-        n_seq = (n_tok > 0).sum().clamp(min=1)                     # responses with at least one token
-        return seq.sum() / n_seq.to(loss_mat.dtype)
-    if agg == "seq-mean-token-sum":
-        return masked.sum(-1).mean()
-    return masked.sum() / (B * T)                                  # seq-mean-token-sum-norm
+    if num_seqs is not None: _check_global("num_seqs", num_seqs, int((n_tok > 0).sum()), "count of rows with a loss token")
+    row = masked.sum(-1)                                           # (B,) token sum per row; exactly 0 for an empty row
+    if agg == "seq-mean-token-mean": row = row / n_tok.clamp(min=1).to(loss_mat.dtype)  # (B,) token mean per row
+    n_seq = (n_tok > 0).sum() if num_seqs is None else torch.as_tensor(num_seqs)
+    denom = n_seq.clamp(min=1).to(loss_mat.dtype)                 # empty rows are not sequences of the mean
+    if agg == "seq-mean-token-sum-norm":
+        longest = int(n_tok.max()) if len(n_tok) else 0
+        if max_len is None: max_len = max(1, loss_mat.shape[-1])
+        elif not max_len >= max(1, longest):
+            raise ValueError(f"max_len = {max_len} must be >= 1 and >= the longest response in this batch ({longest} "
+                             "loss tokens); pass the config's l_max, the longest a response can be")
+        denom = denom * max_len
+    return row.sum() / denom
 
 # %% ../nbs/04_loss.ipynb #078361d0
 def _masked_mean(x: Tensor, keep: Tensor, empty: float = 0.0) -> float:
@@ -72,9 +90,11 @@ def policy_loss(logp: Tensor,        # (B, T) log pi_theta of the sampled tokens
                 eps_high: float = 0.28,  # ε_high, Clip-Higher (paper 0.28)
                 clip_c: float | None = None,  # dual-clip bound c > 1 (reference script 10); None = off
                 agg: str = "token-mean",      # Eq. 12; see `agg_loss`
-                num_tokens: int | float | Tensor | None = None,  # global token count when this is a micro-batch
+                num_tokens: int | float | Tensor | None = None,  # token-mean: loss tokens of the whole mini-batch
+                num_seqs: int | float | Tensor | None = None,    # seq-mean-*: rows with a loss token in the whole mini-batch
+                max_len: int | float | None = None,              # seq-mean-token-sum-norm: the config's l_max
                ) -> tuple[Tensor, dict[str, float]]:
-    "DAPO policy loss (Eq. 8-12): decoupled-clip, optionally dual-clipped, aggregated by `agg`; returns (loss, metrics)."
+    "DAPO policy loss (Eq. 8-12), decoupled-clip, optionally dual-clipped, aggregated by `agg`; (this batch's share of the loss, metrics)."
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(f"logp, old_logp and mask must all be (B, T); got {tuple(logp.shape)}, "
                          f"{tuple(old_logp.shape)}, {tuple(mask.shape)}")
@@ -87,7 +107,7 @@ def policy_loss(logp: Tensor,        # (B, T) log pi_theta of the sampled tokens
     log_ratio = torch.where(keep, logp - old_logp, torch.zeros_like(logp))      # (B, T) 0 on padding
     ratio = log_ratio.clamp(-20.0, 20.0).exp()                                  # (B, T) Eq. 10
     tok_loss = clipped_token_loss(ratio, adv, eps_low, eps_high, clip_c)        # (B, T)
-    loss = agg_loss(tok_loss, keep, agg, num_tokens)                            # 0-dim
+    loss = agg_loss(tok_loss, keep, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)  # 0-dim
 
     with torch.no_grad():
         a = adv.expand_as(logp)                                                 # (B, T)

@@ -52,14 +52,15 @@ def loop_losses(logp, old, adv, mask, eps_low, eps_high, clip_c):
 
 
 def loop_agg(rows, agg, T):
-    "Aggregate per-token python losses by `agg`, as written in the issue."
+    "Aggregate per-token python losses by `agg`; rows without a loss token are not sequences of any mean."
     toks = [x for r in rows for x in r if x is not None]
     if agg == "token-mean": return sum(toks) / max(len(toks), 1)
     if agg == "seq-mean-token-mean":
         means = [sum(x for x in r if x is not None) / n for r in rows if (n := sum(x is not None for x in r))]
         return sum(means) / len(means) if means else 0.0
-    if agg == "seq-mean-token-sum": return sum(sum(x for x in r if x is not None) for r in rows) / len(rows)
-    return sum(toks) / (len(rows) * T)
+    sums = [sum(x for x in r if x is not None) for r in rows if any(x is not None for x in r)]  # rows with a token
+    if agg == "seq-mean-token-sum": return sum(sums) / max(len(sums), 1)
+    return sum(sums) / (max(len(sums), 1) * T)
 
 
 @settings(**SETTINGS)
