@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #bb6d6cbb
 from __future__ import annotations
-import dataclasses, difflib
+import contextlib, dataclasses, difflib, math, sys
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Any
@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 
 # %% auto #0
-__all__ = ['REWARD_MODES', 'LOSS_AGGS', 'DAPOConfig', 'validate', 'config_from_dict', 'load_config', 'save_config',
-           'parse_overrides']
+__all__ = ['REWARD_MODES', 'LOSS_AGGS', 'USER_ERRORS', 'DAPOConfig', 'InputError', 'validate', 'find_recipe', 'read_yaml',
+           'config_from_dict', 'load_config', 'save_config', 'parse_overrides', 'one_line', 'cli_errors']
 
 # %% ../nbs/00_core.ipynb #6a2a6c54
 REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
@@ -81,6 +81,10 @@ class DAPOConfig:
     vllm_gpu_memory_utilization: float = 0.7  # GPU memory fraction vLLM may take (reference 0.7-0.8)
     vllm_enable_chunked_prefill: bool = True  # vLLM chunked prefill (reference script: on)
 
+# %% ../nbs/00_core.ipynb #e3863112
+class InputError(ValueError):
+    "Bad input from the user (a config value, a file, a command-line flag); the message is one line naming the input and the fix."
+
 # %% ../nbs/00_core.ipynb #d687a386
 _RANGES = {  # field: (check, allowed range in words)
     "eps_low": (lambda v: 0 <= v < 1, "0 <= eps_low < 1"),
@@ -123,44 +127,100 @@ _RANGES = {  # field: (check, allowed range in words)
     "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "0 < vllm_gpu_memory_utilization < 1"),
 }
 
+# %% ../nbs/00_core.ipynb #93fd21f0
 def _check_type(name, value, tp):
     "Coerce `value` to the field's declared type `tp` (a string annotation), or raise naming the field."
     kinds = {"float": float, "int": int, "bool": bool, "str": str}
     optional = "None" in tp
     if value is None:
         if optional: return None
-        raise ValueError(f"{name}: got null, expected {tp}")
+        raise InputError(f"{name}: got null, expected {tp}")
     base = tp.split("|")[0].strip()
     want = kinds[base]
     if want is bool:
         if isinstance(value, bool): return value
-        raise ValueError(f"{name}: got {value!r}, expected true or false")
-    if want is float and isinstance(value, (int, float)) and not isinstance(value, bool): return float(value)
-    if want is float and isinstance(value, str):  # YAML 1.1 reads `1e-6` (no dot) as a string
-        try: return float(value)
-        except ValueError: pass
+        raise InputError(f"{name}: got {value!r}, expected true or false")
+    if want is float:
+        x = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool): x = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads `1e-6` (no dot) as a string
+            try: x = float(value)
+            except ValueError: pass
+        if x is not None:
+            if math.isfinite(x): return x
+            allowed = _RANGES[name][1] if name in _RANGES else "a finite number"
+            raise InputError(f"{name} = {x} is not a finite number: allowed {allowed}")
     if want is int and isinstance(value, int) and not isinstance(value, bool): return value
     if want is int and isinstance(value, float) and value.is_integer(): return int(value)
     if want is str and isinstance(value, str): return value
-    raise ValueError(f"{name}: got {value!r} ({type(value).__name__}), expected {tp}")
+    raise InputError(f"{name}: got {value!r} ({type(value).__name__}), expected {tp}")
 
 def validate(cfg: DAPOConfig) -> DAPOConfig:
-    "Check every field of `cfg` against its type and allowed range; return `cfg` or raise `ValueError`."
+    "Check every field of `cfg` against its type and allowed range; return `cfg` or raise `InputError`."
     for f in fields(cfg):
         v = _check_type(f.name, getattr(cfg, f.name), f.type)
         setattr(cfg, f.name, v)
         if f.name in _RANGES and v is not None:
             ok, allowed = _RANGES[f.name]
-            if not ok(v): raise ValueError(f"{f.name} = {v!r} is out of range: allowed {allowed}")
+            if not ok(v): raise InputError(f"{f.name} = {v!r} is out of range: allowed {allowed}")
     if cfg.l_cache >= cfg.l_max:
-        raise ValueError(f"l_cache = {cfg.l_cache} is out of range: allowed 0 <= l_cache < l_max (= {cfg.l_max})")
+        raise InputError(f"l_cache = {cfg.l_cache} is out of range: allowed 0 <= l_cache < l_max (= {cfg.l_max})")
     if cfg.eps_high < cfg.eps_low:
-        raise ValueError(f"eps_high = {cfg.eps_high} is out of range: allowed eps_high >= eps_low (= {cfg.eps_low}); "
+        raise InputError(f"eps_high = {cfg.eps_high} is out of range: allowed eps_high >= eps_low (= {cfg.eps_low}); "
                          "Clip-Higher raises the upper bound, set eps_high = eps_low to turn it off")
     if cfg.gen_batch_size < cfg.prompts_per_step:
-        raise ValueError(f"gen_batch_size = {cfg.gen_batch_size} is out of range: allowed gen_batch_size >= "
+        raise InputError(f"gen_batch_size = {cfg.gen_batch_size} is out of range: allowed gen_batch_size >= "
                          f"prompts_per_step (= {cfg.prompts_per_step})")
     return cfg
+
+# %% ../nbs/00_core.ipynb #c99ac896
+class _UniqueKeyLoader(yaml.SafeLoader):
+    "`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try: first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError: continue  # an unhashable key: the parent class raises its own error
+            if first != key_node.start_mark.line + 1:
+                raise InputError(f"{self.name}: key '{key}' appears twice (lines {first} and "
+                                 f"{key_node.start_mark.line + 1}); keep one of them")
+        return super().construct_mapping(node, deep)
+
+def find_recipe(path: str | Path) -> Path:
+    "`path` if it exists; else, for a relative path, the same path in the dapo_ref checkout or package, if there."
+    p = Path(path).expanduser()
+    if p.exists() or p.is_absolute(): return p
+    import dapo_ref
+    pkg = Path(dapo_ref.__file__).resolve().parent
+    for base in (pkg.parent, pkg):  # a checkout (recipes/ next to dapo_ref/), or recipes shipped inside the package
+        if (base / p).exists(): return base / p
+    return p
+
+def read_yaml(path: str | Path,  # a YAML file
+              what: str = "recipe",  # names the file's role in errors
+             ) -> Any:
+    "Parse a YAML file; a folder, a missing or unreadable file, bad UTF-8, bad YAML or a repeated key raise a one-line `InputError`."
+    p = Path(path)
+    if p.is_dir():
+        hint = f"; did you mean {p / 'config.yaml'}?" if (p / "config.yaml").is_file() else ""
+        raise InputError(f"{path} is a folder, not a YAML {what}; pass the {what} file{hint}")
+    if not p.exists(): raise InputError(f"no {what} file at {path}; check the path (recipes that ship: recipes/*.yaml)")
+    try: raw = p.read_bytes()
+    except OSError as e: raise InputError(f"cannot read {path}: {e.strerror}; check its permissions") from None
+    try: text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise InputError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); save the {what} as UTF-8") from None
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(path)  # marks name the file, not "<unicode string>"
+    try: return loader.get_single_data()
+    except yaml.YAMLError as e:
+        m = getattr(e, "problem_mark", None)
+        where = f" at line {m.line + 1}, column {m.column + 1}" if m else ""
+        what_ = "; ".join(x for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+        raise InputError(f"{path}: YAML syntax error{where}: {what_}; fix that line (indentation, quotes, 'key: value')") from None
+    finally: loader.dispose()
 
 # %% ../nbs/00_core.ipynb #45068e0a
 def config_from_dict(d: dict[str, Any]) -> DAPOConfig:
@@ -168,16 +228,26 @@ def config_from_dict(d: dict[str, Any]) -> DAPOConfig:
     names = [f.name for f in fields(DAPOConfig)]
     for k in d:
         if k not in names:
-            close = difflib.get_close_matches(k, names, n=1, cutoff=0.5)
+            close = difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
-            raise ValueError(f"unknown config key '{k}'{hint}")
+            raise InputError(f"unknown config key '{k}'{hint}")
     return validate(DAPOConfig(**d))
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DAPOConfig:
-    "Read a YAML recipe from `path`, apply `overrides`, validate."
-    d = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(d, dict): raise ValueError(f"{path}: expected a mapping of config keys, got {type(d).__name__}")
-    return config_from_dict({**d, **(overrides or {})})
+    "Read a YAML recipe from `path` (see `find_recipe`), apply `overrides`, validate."
+    p = find_recipe(path)
+    d = read_yaml(p)
+    if d is None: raise InputError(f"{path} holds no config keys; an empty recipe would run the paper's full-size "
+                                   "defaults: set the fields you want (start from recipes/tiny-cpu.yaml), or write {} "
+                                   "to ask for every default")
+    if not isinstance(d, dict): raise InputError(f"{path}: expected a mapping of config keys (key: value lines), got {type(d).__name__}")
+    ov = overrides or {}
+    try: return config_from_dict({**d, **ov})
+    except InputError as e:  # name the file when the bad key came from it
+        msg = str(e)
+        key = msg.split("'")[1] if msg.startswith("unknown config key '") else msg.replace(":", " ").split(" ")[0]
+        if key in d and key not in ov: raise InputError(f"{path}: {msg}") from None
+        raise
 
 def save_config(cfg: DAPOConfig, path: str | Path) -> Path:
     "Write `cfg` as YAML to `path` (all fields, so a run's config is complete on disk)."
@@ -189,7 +259,27 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     "Parse command-line `key=value` items; values are read as YAML scalars (`1e-6`, `true`, `null`)."
     out = {}
     for it in items:
-        if "=" not in it: raise ValueError(f"override '{it}' must look like key=value, e.g. lr=1e-6")
+        if "=" not in it: raise InputError(f"override '{it}' must look like key=value, e.g. lr=1e-6")
         k, v = it.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        k = k.strip()
+        if k in out: raise InputError(f"override {k}= is given twice ({k}={out[k]!r} and {it}); keep one")
+        try: out[k] = yaml.safe_load(v)
+        except yaml.YAMLError: raise InputError(f"override {it}: the value is not a YAML scalar; quote it, e.g. {k}='{v}'") from None
     return out
+
+# %% ../nbs/00_core.ipynb #28647e8c
+USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+def one_line(e: BaseException) -> str:
+    "The message of `e` on one line (continuation lines joined with a space), or its type's name if it has none."
+    return " ".join(l.strip() for l in str(e).splitlines() if l.strip()) or type(e).__name__
+
+@contextlib.contextmanager
+def cli_errors(prog: str,                  # the command's name, e.g. "dapo-eval"
+               catch: tuple = USER_ERRORS, # exception types that are the user's to fix
+              ):
+    "Turn an input error raised in the block into `prog: error: <one line>` on stderr and `SystemExit(2)`, as argparse does."
+    try: yield
+    except catch as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
