@@ -1,0 +1,123 @@
+"""A mini-batch's loss and gradient do not depend on how it is split into micro-batches and ranks.
+
+Property test for the global denominators of `agg_loss` / `policy_loss`: for every aggregation mode, with
+and without overlong filtering (rows, and whole micro-batches, with no loss tokens), any split of a
+mini-batch into micro-batches spread over 1 or 2 ranks gives the full-batch loss and gradient within
+float32 rounding. Ranks are simulated in one process, as data parallelism works: every rank holds its own
+copy of the weights (here: its own leaf tensor of log-probs), backpropagates the sum of its micro-batch
+losses into it, and the ranks' gradients are summed (an all-reduce SUM; a framework that averages over
+ranks must multiply the loss by the world size once). Each micro-batch is cut to its own padded length
+plus random extra padding, as a collate function does, so a padding-dependent normaliser would show.
+"""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from dapo_ref.core import LOSS_AGGS
+from dapo_ref.loss import agg_loss, clipped_token_loss, loss_counts, overlong_filter, policy_loss
+
+SETTINGS = dict(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TOL = 1e-5  # float32 rounding of sums over a few dozen terms, relative to the magnitude of the result
+
+
+@st.composite
+def mini_batches(draw):
+    "A float32 mini-batch (logp, old_logp, adv, mask) and its truncation flags; some rows may have no tokens."
+    B = draw(st.integers(1, 8)); T = draw(st.integers(1, 7))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    old = -torch.rand(B, T, generator=g) * 4 - 0.01                               # (B, T) log-probs in (-4, 0)
+    logp = old + torch.randn(B, T, generator=g) * draw(st.sampled_from([0.05, 0.5]))
+    lens = torch.tensor(draw(st.lists(st.integers(0, T), min_size=B, max_size=B)))  # (B,) 0 = empty response
+    mask = torch.arange(T)[None, :] < lens[:, None]                                 # (B, T) bool
+    adv = torch.randn((B, T) if draw(st.booleans()) else (B,), generator=g)
+    truncated = torch.tensor(draw(st.lists(st.booleans(), min_size=B, max_size=B)))
+    return logp, old, adv, mask, truncated
+
+
+@st.composite
+def splits(draw, B):
+    "A partition of range(B) into micro-batches (shuffled), each given to one of `world` ranks, and extra padding."
+    world = draw(st.sampled_from([1, 2]))
+    perm = draw(st.permutations(range(B)))
+    cuts = sorted(draw(st.sets(st.integers(1, B - 1), max_size=B - 1))) if B > 1 else []
+    micro = [perm[a:b] for a, b in zip([0] + cuts, cuts + [B])]
+    ranks = [draw(st.integers(0, world - 1)) for _ in micro]
+    pads = [draw(st.integers(0, 2)) for _ in micro]
+    return world, micro, ranks, pads
+
+
+def cut(x: torch.Tensor, rows: list[int], width: int, fill: float = 0.0) -> torch.Tensor:
+    "Rows `rows` of (B, T) `x` re-padded to `width` columns (dropping or adding padding), differentiably."
+    x = x[rows]
+    if width <= x.shape[1]: return x[:, :width]
+    return torch.cat([x, x.new_full((len(rows), width - x.shape[1]), fill)], dim=1)
+
+
+def split_loss_and_grad(logp, old, adv, mask, split, agg, max_len):
+    "Loss summed over micro-batches and ranks, and the ranks' summed gradient, with denominators counted as a trainer would."
+    world, micro, ranks, pads = split
+    widths = [int(mask[rows].sum(-1).max()) + p for rows, p in zip(micro, pads)]  # collate: longest row + extra
+    # each rank counts its own micro-batches; an all-reduce SUM gives the mini-batch's counts
+    per_rank = [[0, 0] for _ in range(world)]
+    for rows, w, r in zip(micro, widths, ranks):
+        n_tok, n_seq = loss_counts(cut(mask, rows, w, False))
+        per_rank[r][0] += n_tok; per_rank[r][1] += n_seq
+    num_tokens, num_seqs = sum(c[0] for c in per_rank), sum(c[1] for c in per_rank)
+    assert (num_tokens, num_seqs) == loss_counts(mask)                        # the same as counting the whole mini-batch
+    leaves = [logp.detach().clone().requires_grad_() for _ in range(world)]   # each rank's own weights
+    total = 0.0
+    for rows, w, r in zip(micro, widths, ranks):
+        a = adv[rows] if adv.dim() == 1 else cut(adv, rows, w)
+        loss, _ = policy_loss(cut(leaves[r], rows, w, -1.0), cut(old, rows, w, -1.0), a, cut(mask, rows, w, False),
+                              clip_c=10.0, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+        assert loss.grad_fn is not None          # every micro-batch can be backpropagated, empty or not
+        if not bool(cut(mask, rows, w, False).any()): assert loss.item() == 0.0
+        loss.backward()
+        total += loss.item()
+    grads = [l.grad if l.grad is not None else torch.zeros_like(l) for l in leaves]
+    return total, torch.stack(grads).sum(0)
+
+
+@settings(**SETTINGS)
+@given(mini_batches(), st.data(), st.sampled_from(LOSS_AGGS), st.booleans(), st.integers(0, 5))
+def test_any_split_over_micro_batches_and_ranks_gives_the_full_batch_loss_and_gradient(batch, data, agg, filt, extra):
+    logp, old, adv, mask, truncated = batch
+    if filt: mask = overlong_filter(mask, truncated)                # truncated rows: no loss tokens
+    max_len = mask.shape[1] + extra                                  # the config's l_max >= any response
+    full = logp.detach().clone().requires_grad_()
+    ref, _ = policy_loss(full, old, adv, mask, clip_c=10.0, agg=agg, max_len=max_len)  # one call, whole mini-batch
+    ref.backward()
+    total, grad = split_loss_and_grad(logp, old, adv, mask, data.draw(splits(len(mask))), agg, max_len)
+    # magnitude of the result without cancellation: the same aggregation of |token loss|
+    r = (logp - old).exp()
+    tok = clipped_token_loss(r, adv if adv.dim() == 2 else adv[:, None], 0.2, 0.28, 10.0).abs()
+    scale = agg_loss(tok, mask, agg, max_len=max_len).item()
+    assert total == pytest.approx(ref.item(), rel=0, abs=TOL * scale + 1e-30)
+    assert (grad - full.grad).abs().max().item() <= TOL * full.grad.abs().max().item() + 1e-30
+    assert bool((grad[~mask] == 0).all())                           # padding and filtered rows: exactly zero
+
+
+def test_a_mini_batch_without_loss_tokens_gives_an_exact_zero_that_backpropagates():
+    logp = torch.randn(3, 4, requires_grad=True)
+    mask = overlong_filter(torch.ones(3, 4, dtype=torch.bool), torch.ones(3, dtype=torch.bool))  # all truncated
+    for agg in LOSS_AGGS:
+        loss, m = policy_loss(logp, logp.detach() - 0.1, torch.ones(3), mask, agg=agg, num_tokens=0, num_seqs=0,
+                              max_len=8)
+        assert loss.item() == 0.0 and loss.grad_fn is not None
+        loss.backward()
+        assert bool((logp.grad == 0).all())
+        assert m["ratio_min"] == m["ratio_max"] == 1.0
+
+
+def test_per_micro_batch_rescale_depends_on_the_split():
+    "The weighting this replaces: each micro-batch's own seq mean times its share of rows, len(idx)/len(batch)."
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 1, 1]]).bool()   # rows 1, 2 overlong-filtered
+    L = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
+    full = agg_loss(L, mask, "seq-mean-token-mean")                           # (1 + 2) / 2 rows = 1.5
+    assert full.item() == pytest.approx(1.5)
+    old = lambda parts: sum(agg_loss(L[p], mask[p], "seq-mean-token-mean") * len(p) / 4 for p in parts).item()
+    assert old([[0, 1], [2, 3]]) == pytest.approx(1 * 2 / 4 + 2 * 2 / 4)       # 1.5: happens to agree
+    assert old([[0, 1, 2], [3]]) == pytest.approx(1 * 3 / 4 + 2 * 1 / 4)       # 1.25
+    assert old([[0], [1, 2, 3]]) == pytest.approx(1 * 1 / 4 + 2 * 3 / 4)       # 1.75
+    new = lambda parts: sum(agg_loss(L[p], mask[p], "seq-mean-token-mean", num_seqs=2) for p in parts).item()
+    for parts in ([[0, 1], [2, 3]], [[0, 1, 2], [3]], [[0], [1, 2, 3]]): assert new(parts) == pytest.approx(1.5)
