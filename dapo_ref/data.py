@@ -7,14 +7,16 @@ from __future__ import annotations
 import json, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .core import InputError, one_line
+
 # %% auto #0
 __all__ = ['PROMPT_TEMPLATE', 'DEFAULT_STYLE', 'MathExample', 'make_example', 'example_from_row', 'example_to_row',
-           'dedup_examples', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids']
+           'dedup_examples', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids', 'check_prompt_lengths']
 
 # %% ../nbs/01_data.ipynb #793c5e71
 PROMPT_TEMPLATE = (
@@ -35,6 +37,7 @@ class MathExample:
     ability: str = "MATH"       # task family, "MATH" in DAPO-Math-17k
     extra_info: dict = field(default_factory=dict)  # free-form per-row metadata, e.g. {"index": 2}
     style: str = DEFAULT_STYLE  # reward_model.style, kept so that a file round-trips
+    source: str = field(default="", compare=False, repr=False)  # where it was read, e.g. "row 17 of data.parquet"; not saved
 
     @property
     def question(self) -> str:
@@ -140,24 +143,39 @@ def _check_format(path: Path, verb: str):
         raise ValueError(f"cannot {verb} {path}: unknown file extension {path.suffix!r}; expected one of {', '.join(_FORMATS)}")
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
-    f = pq.ParquetFile(path)
+    def unreadable(e): return ValueError(f"{path}: not a readable parquet file ({one_line(e)}); write it with pyarrow "
+                                         "or pandas (DataFrame.to_parquet), or save the rows as .jsonl")
+    try: f = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e: raise unreadable(e) from None
     cols = [c for c in f.schema_arrow.names if c in _COLUMNS]
-    i = 0
-    for batch in f.iter_batches(batch_size=65536, columns=cols):
-        for r in batch.to_pylist():
+    i, batches = 0, f.iter_batches(batch_size=65536, columns=cols)
+    while True:
+        try: rows = next(batches).to_pylist()  # a corrupt page fails here, after the footer read fine
+        except StopIteration: return
+        except (pa.ArrowException, OSError) as e: raise unreadable(e) from None
+        for r in rows:
             yield i, r
             i += 1
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
     i = 0
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try: line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading byte-order mark is allowed
+            except UnicodeDecodeError as e:
+                raise ValueError(f"row {i} of {path.name} (line {lineno}): not valid UTF-8 (byte 0x{raw[e.start]:02x} "
+                                 f"at column {e.start + 1}); save {path} as UTF-8") from None
             if not line.strip(): continue
             try: r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"row {i} of {path.name} (line {lineno}): not valid JSON ({e}); every row is one JSON object") from None
             yield i, r
             i += 1
+
+# %% ../nbs/01_data.ipynb #c0d61bbe
+def _sourced(ex: MathExample, where: str) -> MathExample:
+    ex.source = where
+    return ex
 
 def load_math_dataset(path: str | Path,    # a .parquet or .jsonl file in the DAPO-Math-17k schema
                       dedup: bool = True,   # keep only the first row of each distinct prompt
@@ -166,9 +184,10 @@ def load_math_dataset(path: str | Path,    # a .parquet or .jsonl file in the DA
     "Read and validate every row of a DAPO-Math-17k / AIME-2024 style file; deduplicate prompts unless `dedup=False`."
     path = Path(path)
     _check_format(path, "read")
+    if path.is_dir(): raise ValueError(f"{path} is a folder; give one {path.suffix} file (a partitioned dataset folder is not read)")
     if not path.is_file(): raise FileNotFoundError(f"no dataset file at {path}")
     rows = _parquet_rows(path) if path.suffix.lower() == ".parquet" else _jsonl_rows(path)
-    examples = (example_from_row(r, f"row {i} of {path.name}") for i, r in rows)  # validated one by one
+    examples = (_sourced(example_from_row(r, w), w) for i, r in rows for w in [f"row {i} of {path.name}"])  # validated one by one
     if dedup:  # streaming: a duplicate is dropped as soon as it is read, so memory grows with unique prompts only
         examples, dropped = dedup_examples(examples)
         if verbose: print(f"{path.name}: {len(examples) + dropped} rows, {len(examples)} unique prompts; "
@@ -227,3 +246,17 @@ def prompt_token_ids(example: MathExample,  # the prompt to encode
                              "only a single user message can be encoded without one (set tokenizer.chat_template)")
         text = example.question
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+# %% ../nbs/01_data.ipynb #cc67f4db
+def check_prompt_lengths(examples: Sequence[MathExample],  # the problems, in order
+                         prompt_ids: Sequence[Sequence[int]], # their prompt token ids (`prompt_token_ids`)
+                         limit: int,                          # most prompt tokens allowed
+                         setting: str = "max_prompt_length",  # the name of the setting that sets `limit`, for the message
+                        ) -> None:
+    "Raise `InputError` naming the first prompt longer than `limit` tokens by its row in the file, and the fix."
+    too_long = [i for i, p in enumerate(prompt_ids) if len(p) > limit]
+    if not too_long: return
+    i, longest = too_long[0], max(len(prompt_ids[j]) for j in too_long)
+    where = examples[i].source or f"example {i}"
+    raise InputError(f"{setting} = {limit}: {len(too_long)} of {len(examples)} prompts are longer (first: {where}, "
+                     f"{len(prompt_ids[i])} tokens; longest: {longest}); raise {setting} or drop those rows")

@@ -335,3 +335,79 @@ def test_round_trip_property(tmp_path, fmt, exs):
     assert load_math_dataset(p, dedup=False, verbose=False) == exs
     kept, dropped = dedup_examples(exs)
     assert len(load_math_dataset(p, verbose=False)) == len(kept) == len(exs) - dropped
+
+
+# ---------------------------------------------------------------- files that are not what their name says
+
+from dapo_ref.core import InputError
+from dapo_ref.data import check_prompt_lengths
+
+
+@pytest.mark.parametrize("content", [b"", b"PAR1", b"data_source,prompt\nx,y\n", b'{"prompt": []}\n'])
+def test_not_a_parquet_file(tmp_path, content):
+    p = tmp_path / "d.parquet"; p.write_bytes(content)
+    with pytest.raises(ValueError, match=r"d\.parquet: not a readable parquet file \(.*\); write it with pyarrow") as e:
+        load_math_dataset(p)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_truncated_parquet(tmp_path):
+    p = write_rows([good_row(i) for i in range(50)], tmp_path / "d.parquet")
+    data = p.read_bytes(); p.write_bytes(data[:len(data) // 2])  # the footer is gone
+    with pytest.raises(ValueError, match="not a readable parquet file"):
+        load_math_dataset(p)
+
+
+@pytest.mark.parametrize("bad,byte", [(b"caf\xe9", 0xe9), (b"\xff\xfe", 0xff), (b"\xc3", 0xc3)])
+def test_jsonl_invalid_utf8_names_file_row_and_line(tmp_path, bad, byte):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes((json.dumps(good_row(0)) + "\n\n").encode() + b'{"prompt": "' + bad + b'"}\n')
+    with pytest.raises(ValueError) as e: load_math_dataset(p)
+    msg = str(e.value)
+    col = len('{"prompt": "') + bad.index(bytes([byte])) + 1  # 1-based column of the first bad byte
+    assert msg.startswith(f"row 1 of d.jsonl (line 3): not valid UTF-8 (byte 0x{byte:02x} at column {col})")
+    assert msg.endswith(f"save {p} as UTF-8")
+
+
+def test_jsonl_utf16_file(tmp_path):
+    p = tmp_path / "d.jsonl"; p.write_bytes((json.dumps(good_row(0)) + "\n").encode("utf-16"))
+    with pytest.raises(ValueError, match=r"row 0 of d\.jsonl \(line 1\): not valid UTF-8"):
+        load_math_dataset(p)
+
+
+def test_jsonl_byte_order_mark_accepted(tmp_path):
+    p = tmp_path / "d.jsonl"; p.write_bytes(b"\xef\xbb\xbf" + (json.dumps(good_row(0)) + "\n").encode())
+    assert load_math_dataset(p, verbose=False) == [example_from_row(good_row(0))]
+
+
+def test_dataset_folder(tmp_path):
+    (tmp_path / "d.parquet").mkdir()
+    with pytest.raises(ValueError, match="d.parquet is a folder; give one .parquet file"):
+        load_math_dataset(tmp_path / "d.parquet")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_source_is_file_row_before_dedup(tmp_path, fmt):
+    rows = [good_row(0), good_row(1), good_row(0), good_row(0), good_row(2)]  # rows 2 and 3 repeat row 0
+    exs = load_math_dataset(write_rows(rows, tmp_path / f"d.{fmt}"), verbose=False)
+    assert [e.source for e in exs] == [f"row {i} of d.{fmt}" for i in (0, 1, 4)]
+    exs = load_math_dataset(tmp_path / f"d.{fmt}", dedup=False, verbose=False)
+    assert [e.source for e in exs] == [f"row {i} of d.{fmt}" for i in range(5)]
+    assert exs[0] == exs[2] and ", source=" not in repr(exs[0])  # where it was read is not part of the example
+
+
+def test_check_prompt_lengths_names_file_row(tmp_path):
+    rows = [good_row(0), good_row(0), good_row(1), good_row(2)]
+    rows[3]["prompt"][0]["content"] += " x" * 50
+    exs = load_math_dataset(write_rows(rows, tmp_path / "d.jsonl"), verbose=False)
+    ids = [list(range(len(e.question.split()))) for e in exs]  # one "token" per word
+    n0, n2 = len(ids[0]), len(ids[2])
+    assert n2 == n0 + 50
+    check_prompt_lengths(exs, ids, n2)
+    with pytest.raises(InputError) as e: check_prompt_lengths(exs, ids, n2 - 1, "--max-prompt-length")
+    assert str(e.value) == (f"--max-prompt-length = {n2 - 1}: 1 of 3 prompts are longer (first: row 3 of d.jsonl, "
+                            f"{n2} tokens; longest: {n2}); raise --max-prompt-length or drop those rows")
+    with pytest.raises(InputError, match=r"3 of 3 prompts are longer \(first: row 0 of d.jsonl"):
+        check_prompt_lengths(exs, ids, n0 - 1)
+    with pytest.raises(InputError, match=r"first: example 1,"):  # examples built in code have no file row
+        check_prompt_lengths([make_example("a", 1), make_example("a b c", 1)], [[1], [1, 2, 3]], 2)
