@@ -1,5 +1,6 @@
-"""dapo_ref.plan: parameter counts against transformers (meta device), model states against DeepSpeed's
-own ZeRO-2/ZeRO-3 estimators, activations by hand, the advice, and the `dapo-plan` command end to end."""
+"""dapo_ref.plan: parameter counts against transformers (meta device), model states and the load against DeepSpeed's
+own ZeRO-2/ZeRO-3 estimators (both zero_init values), the rollout topology and the weight-sync phase, activations by
+hand, the advice, and the `dapo-plan` command end to end, bad input included."""
 import contextlib, dataclasses, io, json, re, subprocess, sys
 from pathlib import Path
 
@@ -8,8 +9,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dapo_ref.core import load_config, parse_overrides
-from dapo_ref.plan import (QWEN25, ModelArch, n_params, largest_layer_params, resolve_arch, model_state_bytes,
-                           activation_bytes, engine_bytes, plan_memory, advise, format_plan, main)
+from dapo_ref.plan import (QWEN25, ModelArch, n_params, layer_params, largest_layer_params, resolve_arch, model_state_bytes,
+                           load_bytes, activation_bytes, engine_bytes, sync_bytes, valid_tensor_parallel, plan_memory,
+                           advise, format_plan, main, SLEEP_KEEPS, BUCKET_BYTES)
 
 ROOT = Path(__file__).resolve().parents[1]
 R32, R7, R1 = (ROOT / "recipes" / f for f in ("dapo-qwen2.5-32b.yaml", "dapo-qwen2.5-7b-8gpu.yaml", "dapo-qwen2.5-1.5b-1gpu.yaml"))
@@ -68,8 +70,9 @@ def _ds3():
     return estimate_zero3_model_states_mem_needs, estimate_zero3_model_states_mem_needs_all_cold
 
 def _gpu_states(plan):
-    g = plan["per_gpu"]
-    return (g["params"] + g["grads"] + g["optimizer"] + g["zero3_gathered"]) * GiB
+    "Model states on one GPU during the update: what DeepSpeed's GPU column counts."
+    it = plan["items"]
+    return sum(it[k]["update"] for k in ("params", "grads", "optimizer", "gathered")) * GiB
 
 @pytest.mark.parametrize("recipe", [R32, R7], ids=["32b", "7b"])
 @pytest.mark.parametrize("offload", [(False, False), (False, True), (True, True)], ids=["none", "optim", "optim+params"])
@@ -160,10 +163,14 @@ def test_long_sequence_sets_the_activation_tokens():
     assert plan["tokens"] == 2048 + 20480
     assert any("goes alone" in n for n in plan["notes"])
 
-def test_no_sleep_adds_the_engine_to_the_update():
+def test_no_sleep_keeps_the_engine_through_update_and_sync():
     cfg = load_config(R32)
     a, b = plan_memory(cfg), plan_memory(cfg, sleep=False)
-    assert b["update_gb"] - a["update_gb"] == pytest.approx(0.9 * 0.8 * 80, abs=0.02)
+    share = cfg.vllm_gpu_memory_utilization * 80
+    # asleep: weights and KV cache discarded, SLEEP_KEEPS of the share left; awake: the whole share
+    assert b["phases_gb"]["update"] - a["phases_gb"]["update"] == pytest.approx((1 - SLEEP_KEEPS) * share, abs=0.02)
+    assert b["phases_gb"]["sync"] - a["phases_gb"]["sync"] == pytest.approx(share - a["engine_weights_gb"] - SLEEP_KEEPS * share, abs=0.02)
+    assert b["phases_gb"]["rollout"] == a["phases_gb"]["rollout"]
     assert not b["fits"]
 
 # --- the recipes' plans and the advice -------------------------------------------------------------------------------
@@ -215,11 +222,12 @@ def test_main_json(capsys):
     assert main([str(R1), "--json", "--gpu-memory-gb", "141"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["gpu_memory_gb"] == 141 and plan["world_size"] == 1 and plan["fits"]
+    assert set(plan["phases_gb"]) == {"load", "update", "sync", "rollout"}
 
 def test_python_dash_m_end_to_end():
     r = subprocess.run([sys.executable, "-m", "dapo_ref.plan", str(R32)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "peak per GPU" in r.stdout and "fits" in r.stdout
+    assert "peak per GPU" in r.stdout and "fits" in r.stdout and "binding: rollout" in r.stdout
 
 def test_cpu_memory_is_checked_when_given():
     ov = dict(nnodes=1, offload_params=False, offload_optimizer=False)
@@ -227,8 +235,174 @@ def test_cpu_memory_is_checked_when_given():
     free = plan_memory(cfg)                        # CPU not checked: offloading the optimizer is enough
     assert "offload_optimizer=true" in free["advice"]
     off = plan_memory(load_config(R32, {**ov, "offload_optimizer": True}))
-    assert off["cpu_per_node_gb"] == pytest.approx(16 * n_params(QWEN25["32B"]) / GiB + 8 * 2 * n_params(QWEN25["32B"]) / 4 / GiB, abs=0.02)
-    tight = plan_memory(cfg, cpu_memory_gb=512)    # 16 B/param x 32.8B = 488 GiB of ZeRO states + 122 GiB of vLLM weights > 512
+    N = n_params(QWEN25["32B"])
+    # 4 B fp32 gradients + 12 B master/m/v per parameter, all 8 shares on the one node; the sleeping engine parks nothing
+    assert off["cpu_per_node_gb"] == pytest.approx(16 * N / GiB, abs=0.02)
+    tight = plan_memory(cfg, cpu_memory_gb=400)    # 16 B/param x 32.8B = 488 GiB of ZeRO states > 400
     assert "offload_optimizer=true" not in tight["advice"] and tight["advice"]
     for adv in tight["advice"]:
-        assert plan_memory(load_config(R32, {**ov, **parse_overrides(adv.split())}), cpu_memory_gb=512)["fits"], adv
+        assert plan_memory(load_config(R32, {**ov, **parse_overrides(adv.split())}), cpu_memory_gb=400)["fits"], adv
+
+# --- the load: partitioned init against DeepSpeed's estimator, both zero_init values ---------------------------------------
+
+@pytest.mark.parametrize("zero_init", [True, False])
+def test_32b_load_matches_deepspeed_estimator(zero_init):
+    """DeepSpeed's ZeRO-3 estimator on the arch's parameter counts (transformers on the meta device), against
+    `dapo-plan recipes/dapo-qwen2.5-32b.yaml`. GPU: the model states, which DeepSpeed does not tie to zero_init.
+    CPU per node: with zero_init the offloaded states (the load stays below them); without it DeepSpeed counts each
+    rank building the whole model in fp32 (4 B/param) where the trainer's from_pretrained(dtype=bfloat16) builds it
+    in bf16 (2 B/param): equal in float32, half in bf16."""
+    est, _ = _ds3()
+    cfg = load_config(R32)
+    total, largest = meta_counts(resolve_arch(cfg.model))
+    ds_cpu, ds_gpu, _ = est(total, largest, num_gpus_per_node=cfg.gpus_per_node, num_nodes=cfg.nnodes, cpu_offload=True,
+                            cpu_offload_params=True, zero_init=zero_init, additional_buffer_factor=1.0)
+    plan = plan_memory(cfg)
+    assert plan["partitioned_init"]
+    assert _gpu_states(plan) == pytest.approx(ds_gpu, rel=0.10)
+    if zero_init:
+        assert plan["cpu_load_gb"] * GiB == pytest.approx(ds_cpu, rel=0.10)
+        assert plan["cpu_per_node_gb"] * GiB == pytest.approx(ds_cpu, rel=0.10)
+    else:
+        assert plan["cpu_load_no_init_gb"] * GiB == pytest.approx(ds_cpu * 2 / 4, rel=0.10)
+        fp32 = plan_memory(load_config(R32, dict(dtype="float32")))
+        assert fp32["cpu_load_no_init_gb"] * GiB == pytest.approx(ds_cpu, rel=0.10)
+        assert plan["load_no_init_gb"] == pytest.approx(2 * total / GiB, abs=0.01)   # the whole bf16 model on each GPU
+
+@pytest.mark.parametrize("zero_init", [True, False])
+def test_7b_load_without_param_offload_matches_deepspeed(zero_init):
+    est, _ = _ds3()
+    cfg = load_config(R7)                           # ZeRO-3, optimizer offloaded, parameters on GPU
+    total, largest = meta_counts(resolve_arch(cfg.model))
+    ds_cpu, ds_gpu, _ = est(total, largest, num_gpus_per_node=8, num_nodes=1, cpu_offload=True, cpu_offload_params=False,
+                            zero_init=zero_init, additional_buffer_factor=1.0)
+    plan = plan_memory(cfg)
+    assert _gpu_states(plan) == pytest.approx(ds_gpu, rel=0.10)
+    ours = plan["cpu_load_gb"] if zero_init else plan["cpu_load_no_init_gb"]
+    assert ours * GiB == pytest.approx(ds_cpu * (1 if zero_init else 2 / 4), rel=0.10)
+
+def test_load_bytes_by_hand():
+    n, ll, dp, g = 8 * 10**9, 10**9, 16, 8
+    s = model_state_bytes(n, ll, dp, g, 3, offload_params=True, offload_optimizer=True)
+    part = load_bytes(n, ll, dp, g, s, zero_init=True, offload_params=True)
+    assert part["gpu"] == 2 * ll                                  # nothing resident + one bf16 module
+    assert part["cpu_per_node"] == max(g * (2 * n / dp + 2 * ll), g * 18 * n / dp)
+    whole = load_bytes(n, ll, dp, g, s, zero_init=False)
+    assert whole == dict(gpu=2 * n, cpu_per_node=g * 2 * n)
+    s0 = model_state_bytes(n, ll, 1, 1, 0)                        # plain PyTorch: the load is the resident states
+    assert load_bytes(n, ll, 1, 1, s0, zero_init=False)["gpu"] == 8 * n
+
+def test_zero2_and_zero0_have_no_partitioned_init():
+    for z in (0, 2):
+        plan = plan_memory(load_config(R1, dict(zero_stage=z)))
+        assert not plan["partitioned_init"] and plan["items"]["gathered"]["load"] == 0
+        assert "without partitioned init" not in format_plan(plan)
+    z0 = plan_memory(load_config(R1, dict(zero_stage=0)))
+    N = n_params(QWEN25["1.5B"])
+    assert sum(z0["items"][k]["update"] for k in ("params", "grads", "optimizer")) == pytest.approx(8 * N / GiB, abs=0.02)
+
+# --- the rollout topology and the weight sync ------------------------------------------------------------------------
+
+def test_one_engine_per_tensor_parallel_group():
+    N = n_params(QWEN25["32B"])
+    for tp in (1, 2, 4, 8):
+        plan = plan_memory(load_config(R32, dict(vllm_tensor_parallel=tp)))
+        assert plan["engines"] == 128 // tp and plan["tensor_parallel"] == tp
+        assert plan["engine_weights_gb"] == pytest.approx(2 * N / tp / GiB, abs=0.01)
+        kv_per_gpu_token = 2 * 64 * 1024 * 2 / tp                 # 8 K/V heads split over tp <= 8
+        assert plan["kv_cache_tokens"] == max(0, int((0.7 * 80 * GiB - 2 * N / tp) // kv_per_gpu_token))
+
+def test_32b_tp1_cannot_hold_a_sequence():
+    plan = plan_memory(load_config(R32, dict(vllm_tensor_parallel=1)))
+    assert plan["kv_cache_tokens"] == 0 and plan["binding"] == "KV cache" and not plan["fits"]
+    assert "vllm_tensor_parallel=2" in plan["advice"]
+    for adv in plan["advice"]:
+        assert plan_memory(load_config(R32, {"vllm_tensor_parallel": 1, **parse_overrides(adv.split())}))["fits"], adv
+
+def test_sync_phase_by_hand():
+    "Learner states + the gathered module + one bucket + awake vLLM weights + the sleeping engine's context."
+    cfg = load_config(R7)                                    # ZeRO-3, parameters on GPU, optimizer offloaded, TP 1
+    a = QWEN25["7B"]; N, LL = n_params(a), largest_layer_params(a)
+    plan = plan_memory(cfg)
+    bucket = BUCKET_BYTES + 2 * max(LL, layer_params(a))
+    want = 2 * N / 8 + 2 * LL + bucket + 2 * N + SLEEP_KEEPS * 0.8 * 80 * GiB
+    assert plan["phases_gb"]["sync"] == pytest.approx(want / GiB, abs=0.02)
+    assert sync_bytes(a, zero_stage=3)["bucket"] == bucket
+    # woken in the other order the KV cache would sit next to the gathered module and the bucket
+    kv_first = 2 * N / 8 + 2 * LL + bucket + 0.8 * 80 * GiB
+    assert plan["phases_gb"]["sync"] < kv_first / GiB - 40
+
+def test_binding_phase_is_the_largest():
+    for r, ov in [(R32, {}), (R32, dict(gradient_checkpointing=False)), (R7, {}), (R1, {})]:
+        plan = plan_memory(load_config(r, ov))
+        assert plan["binding"] == max(plan["phases_gb"], key=plan["phases_gb"].get)
+        assert plan["peak_gb"] == max(plan["phases_gb"].values())
+
+def test_valid_tensor_parallel_sizes():
+    assert valid_tensor_parallel(QWEN25["32B"]) == [1, 2, 4, 8, 40]      # 40 heads, 8 K/V heads
+    assert valid_tensor_parallel(QWEN25["7B"], 8) == [1, 2, 4]           # 28 heads, 4 K/V heads
+    for t in valid_tensor_parallel(QWEN25["72B"]):                        # 64 heads, 8 K/V heads
+        assert 64 % t == 0 and (8 % t == 0 or t % 8 == 0)
+
+def test_gpu_recipes_set_zero_stage_explicitly():
+    "zero_stage defaults to 0 (plain PyTorch on one device): every GPU recipe must choose its ZeRO stage."
+    import yaml
+    for r in (R32, R7, R1):
+        assert "zero_stage" in yaml.safe_load(r.read_text()), r.name
+    raw = yaml.safe_load(R32.read_text())
+    assert raw["vllm_gpu_memory_utilization"] == 0.7 and raw["clip_c"] == 10.0
+
+# --- bad input through the real command line -------------------------------------------------------------------------
+
+def _cli(*args, cwd=ROOT):
+    exe = Path(sys.executable).parent / "dapo-plan"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "dapo_ref.plan"]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "syntax.yaml").write_text("model: Qwen/Qwen2.5-32B\nnnodes: [16,\ngpus_per_node: 8\n")
+    (d / "tabs.yaml").write_text("model: Qwen/Qwen2.5-32B\n\tnnodes: 16\n")
+    (d / "folder").mkdir()
+    return d
+
+@pytest.mark.parametrize("case", [
+    ("--gpu-memory-gb", "0", "--gpu-memory-gb = 0.0", "finite number of GiB > 0"),
+    ("--gpu-memory-gb", "-5", "--gpu-memory-gb = -5.0", "finite number of GiB > 0"),
+    ("--gpu-memory-gb", "nan", "--gpu-memory-gb = nan", "finite number of GiB > 0"),
+    ("--gpu-memory-gb", "inf", "--gpu-memory-gb = inf", "finite number of GiB > 0"),
+    ("--cpu-memory-gb", "-1", "--cpu-memory-gb = -1.0", "or leave it out"),
+    ("--reserve-gb", "1000", "--reserve-gb = 1000.0", "below the GPU memory (80)"),
+    ("--reserve-gb", "-1", "--reserve-gb = -1.0", "must be >= 0"),
+    ("vllm_tensor_parallel=3", None, "vllm_tensor_parallel = 3", "use one of 1, 2, 4, 8"),
+    ("vllm_tensor_parallel=64", None, "vllm_tensor_parallel = 64", "use one of 1, 2, 4, 8"),
+    ("vllm_tensor_parallel=40", None, "does not divide the 128 GPUs", "use one of 1, 2, 4, 8"),
+    ("--gpu-memory-gb", "lots", "--gpu-memory-gb", "--help"),
+], ids=["gpu0", "gpu-5", "gpu-nan", "gpu-inf", "cpu-1", "reserve1000", "reserve-1", "tp3", "tp64", "tp40", "gpu-word"])
+def test_bad_flags_one_line_exit_2(case):
+    flag, value, names, fix = case
+    r = _cli(R32, *(a for a in (flag, value) if a is not None))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == "" and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dapo-plan: error: "), r.stderr
+    assert names in lines[0] and fix in lines[0], lines[0]
+
+@pytest.mark.parametrize("name,names,fix", [
+    ("syntax.yaml", "syntax.yaml: YAML syntax error at line", "fix that line"),
+    ("tabs.yaml", "tabs.yaml: YAML syntax error at line 2", "fix that line"),
+    ("folder", "is a folder", "pass the recipe file"),
+    ("missing.yaml", "no recipe file at", "check the path"),
+])
+def test_bad_recipe_files_one_line_exit_2(bad_files, name, names, fix):
+    r = _cli(bad_files / name)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0] and fix in lines[0], r.stderr
+
+def test_bad_model_folder_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    r = _cli(R1, f"model={tmp_path}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "config.json is not valid JSON" in r.stderr
