@@ -8,7 +8,7 @@ import argparse, hashlib, json, math, os, shutil, statistics, sys, time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .core import DAPOConfig, load_config, save_config, parse_overrides
+from .core import DAPOConfig, InputError, cli_errors, load_config, save_config, parse_overrides
 
 # %% auto #0
 __all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'DEFAULT_BASE', 'row_switches',
@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     "`dapo-ablate [--quick] [--seeds 0 1 2] [--out DIR] [--rows ...] [--jobs N]`: Table 1 on the tiny task."
     ap = argparse.ArgumentParser(prog="dapo-ablate", description="Table 1 of the DAPO paper in miniature: six cumulative "
                                  "rows x seeds on the tiny task, cached per run; writes table.md/json and figures.")
-    ap.add_argument("--base", default=DEFAULT_BASE, help="shared base recipe of all rows (YAML)")
+    ap.add_argument("--base", default=DEFAULT_BASE, help="shared base recipe of all rows (YAML; a relative path not found here "
+                    "is looked up in the dapo_ref checkout or package)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 tiny rollout steps per run (< 2 min in all)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rows", nargs="+", default=None, help="row names (default all): " + " ".join(r[0] for r in ROWS))
@@ -309,15 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-figures", action="store_true")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the base config (all rows)")
     a = ap.parse_args(argv)
+    out = a.out or ("runs/ablation-quick" if a.quick else "benchmarks/ablation")
+    with cli_errors("dapo-ablate"):  # every input is checked before torch is imported or a run starts
+        base = load_config(a.base, parse_overrides(a.overrides))
+        for r in a.rows or []: row_switches(r)
+        if len(set(a.seeds)) < len(a.seeds): raise InputError(f"--seeds {' '.join(map(str, a.seeds))}: a seed is repeated; give each once")
+        for flag, ok, allowed in [("--seeds", min(a.seeds) >= 0, "seeds >= 0"), ("--jobs", a.jobs >= 1, ">= 1"),
+                                  ("--threads", a.threads >= 1, ">= 1"), ("--target", 0 <= a.target <= 1, "0 <= target <= 1")]:
+            if not ok: raise InputError(f"{flag} {getattr(a, flag[2:])} is out of range: allowed {allowed}")
+        if Path(out).exists() and not Path(out).is_dir(): raise InputError(f"--out {out} is a file; give a folder for the runs, table and figures")
     if not __import__("torch").cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    out = a.out or ("runs/ablation-quick" if a.quick else "benchmarks/ablation")
-    try:
-        base = load_config(a.base, parse_overrides(a.overrides))
-        if a.rows: [row_switches(r) for r in a.rows]
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"dapo-ablate: error: {e}", file=sys.stderr); return 2
     t0 = time.perf_counter()
     r = run_ablation(base, a.seeds, a.rows, out, quick=a.quick, target=a.target, jobs=a.jobs, threads=a.threads,
                      figures=not a.no_figures, command=" ".join(["dapo-ablate", *(sys.argv[1:] if argv is None else argv)]))

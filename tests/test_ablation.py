@@ -73,9 +73,22 @@ def test_quick_ablation_interrupt_resume_and_cache(tmp_path):
 
 
 def test_cli_errors(capsys):
-    assert main(["--rows", "3-clip-hihger"]) == 2
-    assert "rows are: 1-grpo" in capsys.readouterr().err
-    assert main(["--base", "recipes/no-such.yaml"]) == 2
+    for argv, msg in [(["--rows", "3-clip-hihger"], "rows are: 1-grpo"),
+                      (["--base", "recipes/no-such.yaml"], "no recipe file at recipes/no-such.yaml"),
+                      (["--threads", "-1"], "--threads -1 is out of range: allowed >= 1"),
+                      (["--target", "nan"], "--target nan is out of range"),
+                      (["lr=inf"], "lr = inf is not a finite number")]:
+        with pytest.raises(SystemExit) as e: main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("dapo-ablate: error: ") and msg in err and err.count("\n") == 1, err
+
+
+def test_default_base_from_another_directory(tmp_path, monkeypatch, capsys):
+    "The default --base resolves in the checkout, not the working directory (a bad flag stops the command after it loaded)."
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit): main(["--jobs", "0"])
+    assert "--jobs 0 is out of range" in capsys.readouterr().err  # the base loaded; the flag is what failed
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_python_m_help():
