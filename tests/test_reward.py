@@ -1,6 +1,7 @@
-"""Tests of dapo_ref.reward that do not belong in the lesson: the full case table, properties, fuzzing,
-adversarial inputs, and math-verify in threads and in daemonic worker processes."""
-import math, multiprocessing as mp, re, time
+"""Tests of dapo_ref.reward that do not belong in the lesson: the dapo-strict case table, properties, fuzzing,
+adversarial inputs, math-verify in threads, daemonic workers and torchrun ranks, and `score_batch` under load.
+The dapo-reference (default) case table is in tests/test_reward_reference.py."""
+import math, multiprocessing as mp, os, re, signal, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -8,12 +9,14 @@ import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from dapo_ref import reward as R
-from dapo_ref.reward import extract_answer, normalize_answer, score_response, overlong_penalty
+from dapo_ref.reward import extract_answer, normalize_answer, score_response, score_batch, overlong_penalty
+
+STRING_MODES = ("dapo-reference", "dapo-strict")
 
 MINUS = "\u2212"  # Unicode minus sign: normalised to ASCII "-" (our addition; the reference keeps it apart)
 
-# (response, ground truth, expected score, why). Each expected score was worked out by hand from the rules:
-# last `Answer:` on its line, last 300 characters, then the normaliser (see nbs/02_reward.ipynb).
+# dapo-strict: (response, ground truth, expected score, why). Each expected score was worked out by hand from
+# its rules: last `Answer:` on its line, last 300 characters, then the normaliser with our merges (nbs/02_reward.ipynb).
 CASES = [
     ("Answer: 42", "42", 1, "plain integer"),
     ("Answer: 42", "43", -1, "wrong integer"),
@@ -82,15 +85,27 @@ CASES = [
 
 @pytest.mark.parametrize("response,gt,expected,why", CASES, ids=[c[3] for c in CASES])
 def test_case_table(response, gt, expected, why):
-    d = score_response(response, gt)
+    d = score_response(response, gt, mode="dapo-strict")
     assert d["score"] == float(expected) and d["acc"] == (expected == 1), (why, d)
     assert isinstance(d["pred"], str)
 
 def test_table_size(): assert len(CASES) >= 40
 
 def test_invalid_pred():
-    assert score_response("no answer", "7") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
-    assert score_response("Answer: 7", "[INVALID]")["score"] == -1.0
+    for mode in STRING_MODES:
+        assert score_response("no answer", "7", mode=mode) == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+        assert score_response("Answer: 7", "[INVALID]", mode=mode)["score"] == -1.0
+    assert score_response("no answer", "[INVALID]", mode="dapo-strict")["score"] == -1.0  # the reference: +1
+
+def test_strict_only_merges():
+    "dapo-strict accepts every pair dapo-reference accepts whose marker lies on one line with its answer."
+    for r, gt, *_ in CASES:
+        if score_response(r, gt)["acc"] and extract_answer(r[-300:]) is not None:
+            assert score_response(r, gt, mode="dapo-strict")["acc"], (r, gt)
+
+def test_unknown_mode():
+    with pytest.raises(ValueError, match="reward mode = 'exact'"): score_response("Answer: 1", "1", mode="exact")
+    with pytest.raises(ValueError, match="reward mode = 'exact'"): score_batch(["Answer: 1"], ["1"], mode="exact")
 
 # ---- the linear scans agree with the reference rules written as regular expressions ----
 _tokens = st.lists(st.sampled_from(["$", "a", "1", "{", "}", "\n", " ", "\\text{", "\\boxed{", "\\textbf{"]), max_size=30)
@@ -106,8 +121,9 @@ def test_scans_match_regex_rules(toks):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(max_size=400))
 def test_score_never_raises(text):
-    d = score_response(text, "7")
-    assert d["score"] in (1.0, -1.0) and isinstance(d["pred"], str)
+    for mode in STRING_MODES:
+        d = score_response(text, "7", mode=mode)
+        assert d["score"] in (1.0, -1.0) and isinstance(d["pred"], str)
     assert isinstance(normalize_answer(text), str)
 
 @settings(max_examples=200, deadline=None)
@@ -162,18 +178,21 @@ def _timed(f):
 def test_adversarial_100k_characters():
     big = "Answer: 1 " + "$" + "\\text{a" * 14000 + "x" * 1000  # a single $ and unclosed \text{: quadratic for regexes
     for resp in (big, "Answer: " + "9" * 100_000):
-        d, dt = _timed(lambda: score_response(resp, "7"))
-        assert d["score"] == -1.0 and dt < 10
+        for mode in STRING_MODES:
+            d, dt = _timed(lambda: score_response(resp, "7", mode=mode))
+            assert d["score"] == -1.0 and dt < 10
     s, dt = _timed(lambda: normalize_answer(big))  # the ground-truth side is not windowed
     assert dt < 10
-    d, dt = _timed(lambda: score_response("Answer: 7", big))
-    assert d["score"] == -1.0 and dt < 10
+    for mode in STRING_MODES:
+        d, dt = _timed(lambda: score_response("Answer: 7", big, mode=mode))
+        assert d["score"] == -1.0 and dt < 10
 
 def test_adversarial_nested_braces():
     nested = "{" * 10_000 + "1" + "}" * 10_000
     for resp, gt in [("Answer: " + nested, "1"), ("Answer: \\boxed" + nested, "1"), ("Answer: 1", nested)]:
-        d, dt = _timed(lambda: score_response(resp, gt))
-        assert d["score"] == -1.0 and dt < 10
+        for mode in STRING_MODES:
+            d, dt = _timed(lambda: score_response(resp, gt, mode=mode))
+            assert d["score"] == -1.0 and dt < 10
 
 def test_math_verify_pathological_bounded():
     R.math_verify_equal("1", "1")  # start a worker outside the timing
@@ -207,9 +226,111 @@ def test_math_verify_in_forked_workers_do_not_share_parent_pipes():
     assert res == [1.0] * 4
     assert R.math_verify_equal("2", "4/2")  # the parent's worker still answers correctly
 
-def test_worker_start_failures(monkeypatch):
+def test_server_start_failures(monkeypatch):
     with pytest.raises(TimeoutError, match="did not start within"):
-        R._MathVerifyWorker(start_timeout=0.001)
-    monkeypatch.setattr(R, "_WORKER_SRC", "import math_verify_missing_module")
+        R._VerifyPool(start_timeout=0.001)
+    monkeypatch.setattr(R, "_POOL_SRC", "import math_verify_missing_module")
     with pytest.raises(RuntimeError, match="pip install math-verify"):
-        R._MathVerifyWorker()
+        R._VerifyPool()
+
+# ---- score_batch ----
+_MIX = ["Answer: 42", "Answer:\n42", "Answer: \\dfrac{84}{2}", "Answer: 0.5", "Answer: 41", "no answer", "Answer: 2\\sqrt{3}",
+        f"Answer: {MINUS}7", "The Answer: is Answer: 42", "Answer: \\frac{1}{2}", "Answer: x=42", "Answer: (A)"]
+_TRUTHS = ["42", "\\frac{1}{2}", "\\sqrt{12}", "-7", "A"]
+
+@pytest.mark.parametrize("mode", ["dapo-reference", "dapo-strict", "math-verify"])
+def test_batch_equals_one_by_one(mode):
+    pairs = [(r, g) for r in _MIX for g in _TRUTHS]
+    scores, accs, metrics, preds = score_batch([p[0] for p in pairs], [p[1] for p in pairs], mode=mode, return_preds=True)
+    one = [score_response(r, g, mode=mode) for r, g in pairs]
+    assert scores.tolist() == [d["score"] for d in one] and accs.tolist() == [d["acc"] for d in one]
+    assert preds == [d["pred"] for d in one] and scores.dtype == torch.float32 and accs.dtype == torch.bool
+    assert metrics["reward_timeouts"] == metrics["reward_errors"] == 0
+    if mode == "math-verify":  # math-verify found more equal pairs than strings do: 0.5 = 1/2, 2sqrt3 = sqrt12, (A) = A
+        assert accs.sum() > score_batch([p[0] for p in pairs], [p[1] for p in pairs], mode="dapo-strict")[1].sum()
+    else: assert metrics["reward_math_verify_calls"] == 0
+
+def _round(n=1024, n_adv=16, seed=0):
+    "A generation round of `n` short solutions, 40% right; every n // n_adv-th answer is a distinct pathological one."
+    import random
+    rng, resp, gts = random.Random(seed), [], []
+    for i in range(n):
+        gt = str(rng.randint(0, 999))
+        resp.append(f"Add the two numbers.\nThen subtract.\nAnswer: {gt if rng.random() < 0.4 else rng.randint(0, 999)}")
+        gts.append(gt)
+    adv = [i * (n // n_adv) for i in range(n_adv)] if n_adv else []
+    for k, i in enumerate(adv): resp[i] = f"Answer: 9^{{9^{{9^{{9^{{{k + 2}}}}}}}}}"  # a power tower: sympy never finishes
+    return resp, gts, adv
+
+def test_batch_1024_with_16_pathological():
+    "1024 responses, 16 pathological: about the ordinary time plus one per-call limit, not 16 of them."
+    timeout = 4.0
+    resp, gts, adv = _round()
+    t = time.monotonic(); score_batch(*_round(n_adv=0)[:2], mode="math-verify", timeout=timeout); normal = time.monotonic() - t
+    t = time.monotonic(); scores, accs, m = score_batch(resp, gts, mode="math-verify", timeout=timeout); dt = time.monotonic() - t
+    assert m["reward_timeouts"] == 16 and m["reward_errors"] == 0
+    assert scores[adv].tolist() == [-1.0] * 16
+    ref = score_batch(resp, gts, mode="dapo-strict")[0]
+    assert scores.tolist() == ref.tolist()  # integers: math-verify agrees with the strings on every other response
+    # generous: 2 workers running the 16 calls to their limits one pair at a time would take 16 * 4 / 2 = 32 s more
+    assert dt < 2 * normal + timeout + 10, (dt, normal)
+
+def _descendants(pid):
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    kids = {}
+    for p, pp in zip(out[::2], out[1::2]): kids.setdefault(int(pp), []).append(int(p))
+    todo, seen = [pid], []
+    while todo: seen += kids.get(todo.pop(), []); todo += kids.get(seen[-1], []) if seen else []
+    return set(seen)
+
+def _alive(pid):
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    with open(f"/proc/{pid}/stat") as f: return f.read().split(")")[-1].split()[0] != "Z"
+
+def test_shutdown_leaves_no_process():
+    score_batch(["Answer: 0.5"], ["\\frac12"], mode="math-verify")
+    server = R._POOL["pool"].proc.pid
+    procs = _descendants(server) | {server}
+    assert len(procs) >= 2  # the server and at least one worker
+    R._shutdown_pool()
+    assert R._POOL["pool"] is None and not any(_alive(p) for p in procs)
+    assert score_batch(["Answer: 0.5"], ["\\frac12"], mode="math-verify")[0].tolist() == [1.0]  # starts again
+
+_CLIENT = """
+import os, sys, time
+from dapo_ref.reward import score_batch, _POOL
+score_batch(["Answer: 0.5"], ["\\\\frac12"], mode="math-verify")
+print(_POOL["pool"].proc.pid, flush=True)
+score_batch(["Answer: 9^{9^{9^{9}}}"], ["1"], mode="math-verify", timeout=600)  # killed in the middle of this
+"""
+
+def test_killed_client_leaves_no_process():
+    p = subprocess.Popen([sys.executable, "-c", _CLIENT], stdout=subprocess.PIPE, text=True)
+    server = int(p.stdout.readline())
+    time.sleep(1.0)
+    procs = _descendants(server) | {server}
+    assert len(procs) >= 2
+    p.send_signal(signal.SIGKILL); p.wait()
+    t = time.monotonic()
+    while any(_alive(q) for q in procs) and time.monotonic() - t < 20: time.sleep(0.2)
+    assert not any(_alive(q) for q in procs)
+
+_RANK = """
+import os, torch.distributed as dist
+from dapo_ref.reward import score_batch, default_workers
+dist.init_process_group("gloo")
+r = dist.get_rank()
+s, a, m = score_batch(["Answer: 0.5", "Answer: 0.6", "Answer: 9^{9^{9^{9}}}"], ["\\\\frac12"] * 3, mode="math-verify", timeout=2)
+print("RANK", r, s.tolist(), m["reward_timeouts"], default_workers(), flush=True)
+dist.destroy_process_group()
+"""
+
+def test_in_torchrun_workers(tmp_path):
+    (tmp_path / "rank.py").write_text(_RANK)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "rank.py")],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    lines = sorted(l for l in out.stdout.splitlines() if l.startswith("RANK"))
+    cpus = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert lines == [f"RANK {r} [1.0, -1.0, -1.0] 1 {cpus}" for r in (0, 1)], out.stdout + out.stderr[-2000:]
