@@ -381,7 +381,7 @@ def format_plan(plan: dict) -> str:
               + f" (load {plan['cpu_load_gb']:.2f}, ZeRO offload {plan['cpu_zero_gb']:.2f})"]
     if plan["partitioned_init"]:
         lines.append(f"without partitioned init the load would need {plan['load_no_init_gb']:.2f} GiB per GPU and "
-                     f"{plan['cpu_load_no_init_gb']:.2f} GiB CPU per node (the whole model on every rank)")
+                     f"up to {plan['cpu_load_no_init_gb']:.2f} GiB CPU per node (the whole model on every rank)")
     lines += [f"note: {n}" for n in plan["notes"]]
     if not plan["fits"]:
         lines += [f"to fit, set: {a}" for a in plan["advice"]] or [
