@@ -1,0 +1,179 @@
+"""dapo_ref.zero on this CPU machine.
+
+- two real processes (torchrun --nproc_per_node 2, DeepSpeed ZeRO-3 on gloo), a ~57M-parameter Qwen2 built in code
+  with random weights and saved in 12 safetensors shards into a local HF hub cache (so the model is named by its hub
+  name, resolved offline): right after `from_pretrained_zero3` every parameter is a ZeRO-3 placeholder holding half
+  its elements on each rank, the gathered weights equal the checkpoint's, and each rank's peak resident memory
+  during construction stays below 0.75x the model's bytes; after `deepspeed.initialize` and one step, the streamed
+  export costs rank 0 less than 0.5x the model and `from_pretrained` of the folder equals the learner exactly;
+- in-process: the Karmarkar-Karp partition (hypothesis), hub / local resolution, the error messages, the plain path.
+
+Measured on 2 shared cores: the two-process launch ~35 s (construction ~3 s, export ~1 s of it)."""
+import json, os, random, subprocess, sys, time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from dapo_ref.zero import (balance_by_tokens, checkpoint_folder, from_pretrained_zero3, load_checkpoint_streamed,
+                           read_safetensors_header, save_pretrained_streamed)
+
+ROOT = Path(__file__).resolve().parents[1]
+HUB_NAME = "dapo-ref/zero-test-57m"
+
+
+def _port() -> str:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); return str(s.getsockname()[1])
+
+
+def qwen2_57m():
+    """A Qwen2 of 57.4M parameters. Its largest module (the 4096 x 512 embedding, 3.7% of the model) is a share
+    close to Qwen2.5-32B's (152064 x 5120, 2.4%): a rank's peak is its partition plus about two such modules."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=14,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def fake_hub(cache: Path, name: str, model, **save_kwargs) -> Path:
+    "Save `model` as the `main` snapshot of hub repo `name` in an HF cache folder (the layout huggingface_hub reads offline)."
+    repo = cache / f"models--{name.replace('/', '--')}"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / sha
+    model.save_pretrained(snap, **save_kwargs)
+    (repo / "refs").mkdir(parents=True); (repo / "refs" / "main").write_text(sha)
+    return snap
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero")
+    model = qwen2_57m()
+    snap = fake_hub(tmp / "hub", HUB_NAME, model, max_shard_size="20MB")
+    ckpt = {k: v.clone() for k, v in model.state_dict().items()}
+    del model
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu",
+           "HF_HUB_CACHE": str(tmp / "hub"), "HF_HUB_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _port(),
+                        "tests/zero_worker.py", HUB_NAME, str(tmp / "out")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ranks = [json.loads((tmp / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    print(f"\ntwo-process ZeRO-3 construction + export: {time.perf_counter() - t0:.1f} s; peak / model bytes: "
+          + "; ".join(f"rank {r['rank']} construction {r['construct_extra'] / r['model_bytes']:.2f}, "
+                      f"export {r['export_extra'] / r['model_bytes']:.2f}" for r in ranks))
+    return dict(ranks=ranks, out=tmp / "out", snap=snap, ckpt=ckpt)
+
+
+def test_construction_is_partitioned(two_rank_run):
+    ckpt = two_rank_run["ckpt"]
+    n_params = len(ckpt)  # untied: one parameter per state_dict entry (Qwen2 has no persistent buffers)
+    full = sum(v.numel() for v in ckpt.values())
+    for r in two_rank_run["ranks"]:
+        assert r["all_partitioned"] and r["hf_ds_config_alive"]
+        assert r["full_numel"] == full and r["model_bytes"] == 4 * full
+        # each parameter's partition holds ceil(numel / 2) elements (DeepSpeed pads the last one)
+        assert full / 2 <= r["local_numel"] <= full / 2 + n_params, (r["local_numel"], full)
+        assert r["matches_checkpoint"]  # the hub snapshot's weights, read module by module, gathered back exactly
+        assert r["construct_extra"] < 0.75 * r["model_bytes"], (r["rank"], r["construct_extra"] / r["model_bytes"])
+
+
+def test_streamed_export_is_small_and_exact(two_rank_run):
+    from transformers import AutoModelForCausalLM
+    out, ckpt = two_rank_run["out"], two_rank_run["ckpt"]
+    r0 = two_rank_run["ranks"][0]
+    assert r0["export_extra"] < 0.5 * r0["model_bytes"], r0["export_extra"] / r0["model_bytes"]
+    index = json.loads((out / "export" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 8 and all((out / "export" / f).exists() for f in files)  # shards of <= model / 8 bytes
+    assert index["metadata"]["total_size"] == r0["model_bytes"]
+    learner = torch.load(out / "learner.pt")
+    assert any(not torch.equal(learner[k], v) for k, v in ckpt.items())  # the AdamW step moved the weights
+    back = AutoModelForCausalLM.from_pretrained(out / "export", dtype=torch.float32).state_dict()
+    assert set(back) == set(learner) == set(ckpt)
+    for k, v in learner.items(): assert torch.equal(back[k], v), k
+
+
+# --- one process ---
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 20000), max_size=80), k=st.integers(1, 9), equal=st.booleans())
+def test_balance_by_tokens(lengths, k, equal):
+    if equal: lengths = lengths[:len(lengths) - len(lengths) % k]
+    parts = balance_by_tokens(lengths, k, equal_size=equal)
+    assert len(parts) == k
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))  # every response exactly once
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(lengths, default=0)
+    if equal: assert {len(p) for p in parts} == {len(lengths) // k}
+    assert balance_by_tokens(list(lengths), k, equal_size=equal) == parts  # deterministic: every rank agrees
+
+
+def test_balance_beats_generator_placement():
+    "All of a mini-batch's groups generated on rank 0 (the acceptance case): balanced, loads differ by < one response."
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 3000) for _ in range(32 * 4)]
+    parts = balance_by_tokens(lengths, 8)
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(lengths) and min(loads) > 0
+
+
+def test_balance_errors():
+    with pytest.raises(ValueError, match="divide by k"): balance_by_tokens([1, 2, 3], 2, equal_size=True)
+    with pytest.raises(ValueError, match="at least one rank"): balance_by_tokens([1], 0)
+    assert balance_by_tokens([], 3) == [[], [], []]
+
+
+def _small(tie=True, layers=2):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)).eval()
+
+
+def test_checkpoint_folder_local_and_hub(tmp_path):
+    m = _small()
+    snap = fake_hub(tmp_path / "hub", "org/small", m)
+    folder, wm = checkpoint_folder("org/small", cache_dir=tmp_path / "hub", local_files_only=True)
+    assert folder == snap and set(wm) == set(read_safetensors_header(snap / "model.safetensors")[0])
+    assert "lm_head.weight" not in wm  # tied: saved once
+    assert checkpoint_folder(snap)[0] == snap
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"): checkpoint_folder(tmp_path / "empty")
+
+
+def test_load_checks_names_and_shapes(tmp_path):
+    _small().save_pretrained(tmp_path / "a")
+    with pytest.raises(ValueError, match="not in the checkpoint"):  # 3 layers into a 2-layer checkpoint
+        load_checkpoint_streamed(_small(layers=3), *checkpoint_folder(tmp_path / "a"))
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    wide = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="has shape"): load_checkpoint_streamed(wide, *checkpoint_folder(tmp_path / "a"))
+
+
+def test_plain_path_and_dtype_check(tmp_path):
+    m = _small(tie=False)
+    m.save_pretrained(tmp_path / "m")
+    plain = from_pretrained_zero3(tmp_path / "m", {"zero_optimization": {"stage": 2}})  # not ZeRO-3: from_pretrained
+    assert not hasattr(plain, "hf_ds_config")
+    for k, v in m.state_dict().items(): assert torch.equal(plain.state_dict()[k], v)
+    with pytest.raises(ValueError, match="dtype torch.float32 but"):  # checked before any process group is needed
+        from_pretrained_zero3(tmp_path / "m", {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
+
+
+def test_export_overwrite(tmp_path):
+    m = _small(tie=False)
+    save_pretrained_streamed(m, tmp_path / "x", shard_bytes=20_000)
+    assert len(list((tmp_path / "x").glob("*.safetensors"))) > 1
+    with pytest.raises(FileExistsError, match="not empty"): save_pretrained_streamed(m, tmp_path / "x")
+    save_pretrained_streamed(m, tmp_path / "x", overwrite=True)  # one shard now: no stale shards or index left
+    assert sorted(p.name for p in (tmp_path / "x").glob("model*")) == ["model.safetensors"]
+    from transformers import AutoModelForCausalLM
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "x", dtype=torch.float32)
+    for k, v in m.state_dict().items(): assert torch.equal(back.state_dict()[k], v)
