@@ -4,20 +4,22 @@
 
 # %% ../nbs/08_eval.ipynb #8a19df05
 from __future__ import annotations
-import argparse, itertools, json, math, re, sys, time
+import argparse, itertools, json, math, os, re, sys, tempfile, time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from .core import DAPOConfig
-from .data import MathExample, load_math_dataset, prompt_token_ids
-from .reward import normalize_answer, score_response
+from .core import DAPOConfig, REWARD_MODES, InputError, cli_errors, one_line
+from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
+from .reward import normalize_answer, score_batch
 from .rollout import RolloutEngine, SamplingParams
 
 # %% auto #0
-__all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k', 'evaluate', 'main']
+__all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k', 'evaluate', 'check_output_file',
+           'resolve_model', 'load_model_config', 'generation_memory', 'available_memory', 'check_generation_memory',
+           'main']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
@@ -106,12 +108,14 @@ def evaluate(engine: RolloutEngine,        # generates k completions per prompt
              max_tokens: int,               # response length limit; longer responses count as truncated
              seed: int = 0,                 # batch b of prompts is sampled with seed + b
              batch_prompts: int = 64,       # prompts per engine call
-             use_math_verify: bool = False, # also accept answers math-verify finds equivalent (score_response)
+             reward: str = "dapo-reference", # how a response is judged (`score_batch` mode, REWARD_MODES)
+             use_math_verify: bool = False, # the older spelling of reward="math-verify"
              return_per_prompt: bool = False, # add "per_prompt": per-problem predictions and counts
              progress: bool = False,        # pass use_tqdm=True to the engine (a progress bar per call)
             ) -> dict:
     "Sample k responses per prompt and report avg@k, pass@k (any of k correct), maj@k, length and truncation."
     if not examples: raise ValueError("evaluate needs at least one example, got none")
+    if use_math_verify: reward = "math-verify"
     if k < 1 or batch_prompts < 1 or max_tokens < 1:
         raise ValueError(f"evaluate needs k >= 1, max_tokens >= 1 and batch_prompts >= 1; got k={k}, "
                          f"max_tokens={max_tokens}, batch_prompts={batch_prompts}")
@@ -120,6 +124,7 @@ def evaluate(engine: RolloutEngine,        # generates k completions per prompt
     lengths = torch.zeros(P, k, dtype=torch.float64)                    # (P, k) response tokens, EOS included
     truncated = torch.zeros(P, k, dtype=torch.bool)                     # (P, k)
     preds: list[list[str]] = []
+    timeouts = 0
     for b, start in enumerate(range(0, P, batch_prompts)):
         batch = examples[start:start + batch_prompts]
         prompts = [prompt_token_ids(ex, tokenizer) for ex in batch]
@@ -128,24 +133,25 @@ def evaluate(engine: RolloutEngine,        # generates k completions per prompt
         if len(outs) != len(batch) * k:
             raise RuntimeError(f"{type(engine).__name__}.generate returned {len(outs)} completions for "
                                f"{len(batch)} prompts x n={k}; expected {len(batch) * k}")
+        texts, truths = [], []
         for q, ex in enumerate(batch):
-            p, row = start + q, []
             for j in range(k):
                 out = outs[q * k + j]
                 if out.prompt_index != q:
                     raise RuntimeError(f"completion {q * k + j} belongs to prompt {out.prompt_index}, expected {q}: "
                                        "the engine must return the n completions of each prompt contiguously, in prompt order")
-                text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                r = score_response(text, ex.ground_truth, use_math_verify=use_math_verify)
-                correct[p, j], lengths[p, j], truncated[p, j] = bool(r["acc"]), len(out.token_ids), out.truncated
-                row.append(r["pred"])
-            preds.append(row)
+                texts.append(tokenizer.decode(out.token_ids, skip_special_tokens=True)); truths.append(ex.ground_truth)
+                lengths[start + q, j], truncated[start + q, j] = len(out.token_ids), out.truncated
+        _, accs, m, batch_preds = score_batch(texts, truths, mode=reward, return_preds=True)  # (len(batch) * k,)
+        timeouts += m["reward_timeouts"]
+        correct[start:start + len(batch)] = accs.view(len(batch), k)
+        preds += [batch_preds[q * k:(q + 1) * k] for q in range(len(batch))]
     res = {"avg@k": avg_at_k(correct),
            "pass@k": pass_at_k_batch(correct, k).mean().item(),         # n = k: any of the k samples correct
            "maj@k": maj_at_k(preds, [ex.ground_truth for ex in examples], correct=correct),
            "mean_length": lengths.mean().item(),
            "truncated_frac": truncated.double().mean().item(),
-           "n_prompts": P, "k": k}
+           "n_prompts": P, "k": k, "reward": reward, "reward_timeouts": timeouts}
     if return_per_prompt:
         votes = [majority_vote(ps) for ps in preds]
         res["per_prompt"] = [{"index": p, "ground_truth": ex.ground_truth, "n_correct": int(correct[p].sum()),
@@ -159,74 +165,205 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dapo-eval", description=(
         "Sample k responses per problem and report avg@k, pass@k and maj@k. "
         "The defaults are the DAPO paper's evaluation (avg@32, temperature 1.0, top-p 0.7)."))
-    ap.add_argument("--model", required=True, help="local folder or hub name of a causal LM and its tokenizer")
+    ap.add_argument("--model", required=True, help="local folder (save_pretrained), hub name, or 'tiny' (the embedded tiny model)")
     ap.add_argument("--data", required=True, help=".parquet or .jsonl file in the DAPO-Math-17k schema")
     ap.add_argument("--k", type=int, default=d.eval_k, help="samples per problem (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=d.eval_temperature, help="(default: %(default)s)")
     ap.add_argument("--top-p", type=float, default=d.eval_top_p, help="(default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=d.l_max, help="response tokens at most (default: %(default)s, the paper's L_max)")
+    ap.add_argument("--max-prompt-length", type=int, default=d.max_prompt_length,
+                    help="refuse problems whose prompt is longer, in tokens (default: %(default)s, as in training)")
     ap.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     ap.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
     ap.add_argument("--dedup", action=argparse.BooleanOptionalAction, default=True,
                     help="drop repeated problems when loading (default: on)")
     ap.add_argument("--batch-prompts", type=int, default=64, help="prompts per generation call (default: %(default)s)")
     ap.add_argument("--max-batch-size", type=int, default=64, help="sequences per forward pass (default: %(default)s)")
-    ap.add_argument("--math-verify", action="store_true", help="also accept answers math-verify finds equivalent")
+    ap.add_argument("--reward", choices=REWARD_MODES, default="dapo-reference",
+                    help="how a response is judged correct (Eq. 7; default: %(default)s)")
+    ap.add_argument("--math-verify", action="store_true", help="same as --reward math-verify")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="(default: %(default)s)")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     ap.add_argument("--out", default="results.json", help="JSON file to write (default: %(default)s)")
+    ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: refuse)")
     return ap
 
+def check_output_file(out: str | Path,       # the file the results go to
+                      overwrite: bool = False, # allow replacing an existing file
+                      flag: str = "--out",     # names the input in errors
+                     ) -> Path:
+    "Refuse, before any work, an output path that is a folder, exists (unless `overwrite`) or cannot be written."
+    p = Path(out).expanduser()
+    if p.is_dir(): raise InputError(f"{flag} {out} is a folder; give a file name, e.g. {flag} {p / 'results.json'}")
+    if p.exists() and not overwrite:
+        raise InputError(f"{flag} {out} already exists; pass --overwrite to replace it, or choose another {flag}")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".probe")  # can a file be created there?
+        os.close(fd); os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"{flag} {out}: cannot write in {p.parent} ({e.strerror}); choose another {flag}") from None
+    return p
+
+# %% ../nbs/08_eval.ipynb #c02b73dd
 def _check_args(args) -> None:
-    "Raise `ValueError` naming the flag for a missing file or an out-of-range value."
+    "Raise `InputError` naming the flag for a missing file or an out-of-range value."
     data = Path(args.data).expanduser()
-    if not data.is_file(): raise ValueError(f"--data {args.data}: no such file")
     if data.suffix.lower() not in (".parquet", ".jsonl"):
-        raise ValueError(f"--data {args.data}: expected a .parquet or .jsonl file, got '{data.suffix}'")
+        raise InputError(f"--data {args.data}: expected a .parquet or .jsonl file, got '{data.suffix}'")
+    if data.is_dir(): raise InputError(f"--data {args.data} is a folder; give one .parquet or .jsonl file")
+    if not data.is_file(): raise InputError(f"--data {args.data}: no such file")
     m = args.model
-    if not Path(m).expanduser().exists() and (m.startswith((".", "/", "~")) or m.count("/") > 1):
-        raise ValueError(f"--model {m}: no such folder (a hub name looks like org/name)")
+    if m != "tiny" and not Path(m).expanduser().exists() and (m.startswith((".", "/", "~")) or m.count("/") > 1):
+        raise InputError(f"--model {m}: no such folder (a hub name looks like org/name)")
     for flag, ok, allowed in [("--k", args.k >= 1, ">= 1"), ("--max-tokens", args.max_tokens >= 1, ">= 1"),
-                              ("--temperature", args.temperature >= 0, ">= 0 (0 = greedy)"),
+                              ("--max-prompt-length", args.max_prompt_length >= 1, ">= 1"),
+                              ("--temperature", 0 <= args.temperature < math.inf, ">= 0 and finite (0 = greedy)"),
                               ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
                               ("--batch-prompts", args.batch_prompts >= 1, ">= 1"),
                               ("--max-batch-size", args.max_batch_size >= 1, ">= 1"),
                               ("--limit", args.limit is None or args.limit >= 1, ">= 1")]:
-        if not ok: raise ValueError(f"{flag} = {getattr(args, flag[2:].replace('-', '_'))} is out of range: allowed {allowed}")
+        if not ok: raise InputError(f"{flag} = {getattr(args, flag[2:].replace('-', '_'))} is out of range: allowed {allowed}")
+    if args.math_verify and args.reward not in ("dapo-reference", "math-verify"):
+        raise InputError(f"--math-verify and --reward {args.reward} disagree; pass one of them")
+    check_output_file(args.out, args.overwrite)
+
+# %% ../nbs/08_eval.ipynb #a664d8f9
+def _offline() -> bool:
+    from huggingface_hub import constants
+    return bool(constants.HF_HUB_OFFLINE)
+
+def resolve_model(name: str) -> str:
+    "The folder or hub name to load for `--model name` (`tiny`: the embedded tiny model); a folder needs a config.json."
+    if name == "tiny":
+        from dapo_ref.tiny import ensure_tiny_model
+        return str(ensure_tiny_model())
+    p = Path(name).expanduser()
+    if p.is_file(): raise InputError(f"--model {name} is a file; give the model's folder (written by save_pretrained)")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise InputError(f"--model {name}: no config.json in this folder; give the folder save_pretrained wrote "
+                             "(config.json, the weights and the tokenizer files)")
+        return str(p)
+    return name  # a hub name
+
+def load_model_config(name: str):
+    "The transformers config of `name` (a folder or hub name), or a one-line `InputError` (offline, unknown name, bad file)."
+    from transformers import AutoConfig
+    try: return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError, KeyError) as e:
+        if not Path(name).expanduser().exists() and _offline():
+            raise InputError(f"--model {name}: not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
+                             "forbids downloading it; download it where the hub is reachable, or give a local folder") from None
+        raise InputError(f"--model {name}: cannot read its config ({one_line(e)[:300]}); "
+                         "check the name, or give a local folder written by save_pretrained") from None
+
+# %% ../nbs/08_eval.ipynb #29796180
+def generation_memory(config,             # the model's transformers config (a Qwen2/Llama-style decoder)
+                      rows: int,          # sequences generated together (one chunk of the engine)
+                      prompt_tokens: int, # longest prompt in the chunk, tokens
+                      max_tokens: int,    # response tokens at most
+                      dtype_bytes: int,   # bytes per value: 4 float32, 2 bfloat16 / float16
+                     ) -> dict:
+    "Worst-case bytes of generating `rows` sequences at once: weights, the KV cache at full length, one layer's prefill."
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h, L, V, heads = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.num_attention_heads
+    kvh = getattr(c, "num_key_value_heads", None) or heads
+    hd = getattr(c, "head_dim", None) or h // heads
+    I = getattr(c, "intermediate_size", None) or 4 * h
+    q, kv_dim = heads * hd, kvh * hd
+    layer = (h * q + q) + 2 * (h * kv_dim + kv_dim) + q * h + 3 * h * I + 2 * h  # q, k, v (with bias), o, SwiGLU MLP, 2 norms
+    n_params = V * h * (1 if getattr(c, "tie_word_embeddings", False) else 2) + L * layer + h
+    kv_cache = 2 * L * kv_dim * dtype_bytes * rows * (prompt_tokens + max_tokens)  # keys and values of every layer
+    prefill = rows * prompt_tokens * (2 * h + q + 2 * kv_dim + 2 * I) * dtype_bytes  # one layer's activations at once
+    weights = n_params * dtype_bytes
+    return dict(n_params=n_params, weights=weights, kv_cache=kv_cache, prefill=prefill, total=weights + kv_cache + prefill)
+
+def available_memory(device: str) -> int | None:
+    "Bytes free now on `device`: the GPU's free memory, or the machine's MemAvailable for the CPU; None when unknown."
+    if device.startswith("cuda"): return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024
+    except OSError: pass
+    return None
+
+def check_generation_memory(need: dict, free: int | None, device: str, what: str) -> None:
+    "Raise `InputError` when `need['total']` exceeds `free` bytes; `what` names the flags that set the size."
+    if free is None or need["total"] <= free: return
+    gib = lambda b: f"{b / 2**30:.1f}"
+    raise InputError(f"{what} may need {gib(need['total'])} GiB ({gib(need['kv_cache'])} KV cache, {gib(need['weights'])} "
+                     f"weights, {gib(need['prefill'])} prefill) but {gib(free)} GiB is free on {device}; "
+                     "lower --max-batch-size or --max-tokens")
+
+# %% ../nbs/08_eval.ipynb #84aba785
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+def _prepare(args):
+    "Every check that can fail on the user's input, cheapest first; returns what `main` needs to evaluate."
+    _check_args(args)
+    examples = load_math_dataset(args.data, dedup=args.dedup)
+    if args.limit: examples = examples[:args.limit]
+    if not examples: raise InputError(f"--data {args.data}: no problems to evaluate")
+    name = resolve_model(args.model)
+    config = load_model_config(name)
+    from transformers import AutoTokenizer
+    folder = Path(name)
+    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):  # transformers would make an empty one
+        raise InputError(f"--model {args.model}: no tokenizer files in this folder ({', '.join(_TOKENIZER_FILES)}); "
+                         "save the tokenizer next to the model with tokenizer.save_pretrained")
+    try: tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"--model {args.model}: cannot load its tokenizer ({one_line(e)[:300]}); the folder needs the "
+                         "files tokenizer.save_pretrained writes") from None
+    ids = [prompt_token_ids(ex, tokenizer) for ex in examples]
+    check_prompt_lengths(examples, ids, args.max_prompt_length, "--max-prompt-length")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows = min(args.max_batch_size, args.batch_prompts * args.k, len(examples) * args.k)
+    longest = max(len(i) for i in ids)
+    need = generation_memory(config, rows, longest, args.max_tokens, 4 if args.dtype == "float32" else 2)
+    check_generation_memory(need, available_memory(device), device, f"{rows} rows (--max-batch-size {args.max_batch_size}) "
+                            f"x (longest prompt {longest} + --max-tokens {args.max_tokens}) tokens")
+    return examples, name, tokenizer, device
+
+def _write_json(path: Path, obj) -> None:
+    "Write `obj` as JSON to `path` atomically: a crash leaves the old file or the new one, never half of one."
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 # %% ../nbs/08_eval.ipynb #4c091367
 def main(argv: list[str] | None = None) -> None:
     "The `dapo-eval` command: evaluate a model on a parquet/JSONL file, print one line, write JSON."
-    ap = _parser()
-    args = ap.parse_args(argv)
-    try: _check_args(args)
-    except ValueError as e: ap.error(str(e))                      # exits with status 2 and the message
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from dapo_ref.rollout import HFRolloutEngine
+    args = _parser().parse_args(argv)
+    if args.math_verify: args.reward = "math-verify"
     t0 = time.time()
-    try: examples = load_math_dataset(args.data, dedup=args.dedup)
-    except (ValueError, FileNotFoundError) as e: ap.error(f"--data {args.data}: {e}")
-    if args.limit: examples = examples[:args.limit]
-    if not examples: ap.error(f"--data {args.data}: no problems to evaluate")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = gen_eos if gen_eos is not None else tokenizer.eos_token_id
-    if eos is None: ap.error(f"--model {args.model}: neither the generation config nor the tokenizer names an EOS token")
+    with cli_errors("dapo-eval"):  # bad input: one line on stderr, exit status 2, nothing loaded or generated yet
+        examples, name, tokenizer, device = _prepare(args)
+        from transformers import AutoModelForCausalLM
+        try: model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, args.dtype)).to(device).eval()
+        except OSError as e: raise InputError(f"--model {args.model}: cannot load its weights ({one_line(e)[:300]})") from None
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = gen_eos if gen_eos is not None else tokenizer.eos_token_id
+        if eos is None: raise InputError(f"--model {args.model}: neither the generation config nor the tokenizer names an EOS token")
+    from dapo_ref.rollout import HFRolloutEngine
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
     engine = HFRolloutEngine(model, eos_token_id=eos, pad_token_id=pad, max_batch_size=args.max_batch_size)
     res = evaluate(engine, tokenizer, examples, k=args.k, temperature=args.temperature, top_p=args.top_p,
                    max_tokens=args.max_tokens, seed=args.seed, batch_prompts=args.batch_prompts,
-                   use_math_verify=args.math_verify, return_per_prompt=True, progress=True)
+                   reward=args.reward, return_per_prompt=True, progress=True)
     seconds = time.time() - t0
     settings = {"model": args.model, "data": args.data, "temperature": args.temperature, "top_p": args.top_p,
                 "max_tokens": args.max_tokens, "seed": args.seed, "limit": args.limit, "dedup": args.dedup,
-                "math_verify": args.math_verify, "dtype": args.dtype, "device": device, "seconds": round(seconds, 3)}
-    out = Path(args.out); out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**{k: v for k, v in res.items() if k != "per_prompt"}, **settings,
-                               "per_prompt": res["per_prompt"]}, indent=2))
+                "math_verify": args.reward == "math-verify", "dtype": args.dtype, "device": device, "seconds": round(seconds, 3)}
+    out = Path(args.out).expanduser()
+    _write_json(out, {**{k: v for k, v in res.items() if k != "per_prompt"}, **settings, "per_prompt": res["per_prompt"]})
     k = args.k
     print(f"dapo-eval {args.model} on {args.data}: avg@{k} {res['avg@k']:.4f}  pass@{k} {res['pass@k']:.4f}  "
           f"maj@{k} {res['maj@k']:.4f}  ({res['n_prompts']} problems x {k} samples, mean length "
           f"{res['mean_length']:.1f} tokens, {res['truncated_frac']:.1%} truncated, {seconds:.1f} s) -> {out}")
+
+# %% ../nbs/08_eval.ipynb #5090135f
+if __name__ == "__main__" and "get_ipython" not in globals():  # `python -m dapo_ref.eval`; not when run in a notebook
+    sys.exit(main())

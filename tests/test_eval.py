@@ -149,7 +149,8 @@ def test_evaluate_scripted_engine_hand_computed(batch_prompts):
     eng = ScriptedEngine(tok, SCRIPT)
     res = evaluate(eng, tok, examples, k=3, temperature=1.0, top_p=0.7, max_tokens=16, seed=10,
                    batch_prompts=batch_prompts)
-    assert set(res) == set(EXPECTED)
+    assert set(res) == set(EXPECTED) | {"reward", "reward_timeouts"}
+    assert (res["reward"], res["reward_timeouts"]) == ("dapo-reference", 0)
     for key, v in EXPECTED.items():
         assert res[key] == pytest.approx(v, abs=1e-12), key
     n_calls = math.ceil(4 / batch_prompts)
@@ -232,7 +233,7 @@ def test_cli_dedup_and_limit(tiny_model_dir, tmp_path, capsys):
     base = ["--model", tiny_model_dir, "--data", data, "--k", 1, "--max-tokens", 2, "--out", out]
     run_cli(base + ["--no-dedup"], capsys)
     assert json.loads(out.read_text())["n_prompts"] == 4
-    run_cli(base + ["--limit", 2], capsys)
+    run_cli(base + ["--limit", 2, "--overwrite"], capsys)
     assert json.loads(out.read_text())["n_prompts"] == 2
 
 def test_cli_with_scripted_engine_gives_hand_computed_metrics(tiny_model_dir, tmp_path, capsys, monkeypatch):
@@ -267,3 +268,50 @@ def test_cli_errors(tiny_model_dir, tmp_path, capsys):
             main([str(a) for a in args])
         assert e.value.code == 2
         assert msg in capsys.readouterr().err, msg
+
+
+# ---------------------------------------------------------------- reward mode, output file, guards
+
+HALF_SCRIPT = [["Answer: 1/2", "Answer: \\frac{1}{2}", "Answer: 0.5", "Answer: 2"]]  # truth 0.5: 1 string match, 2 equivalent
+
+@pytest.mark.parametrize("mode,correct", [("dapo-reference", 1), ("dapo-strict", 1), ("math-verify", 3)])
+def test_cli_reward_mode(tiny_model_dir, tmp_path, capsys, monkeypatch, mode, correct):
+    "--reward picks score_batch's mode: math-verify also accepts 1/2 and \\frac{1}{2} for 0.5; the string modes do not."
+    monkeypatch.setattr(dapo_ref.rollout, "HFRolloutEngine",
+                        lambda *a, **kw: ScriptedEngine(byte_tokenizer(), HALF_SCRIPT))
+    data = write_jsonl(tmp_path / "half.jsonl", [("What is 1 / 2?", "0.5")], duplicate_first=False)
+    out = tmp_path / "r.json"
+    run_cli(["--model", tiny_model_dir, "--data", data, "--k", 4, "--max-tokens", 32, "--reward", mode, "--out", out], capsys)
+    res = json.loads(out.read_text())
+    assert res["per_prompt"][0]["n_correct"] == correct and res["avg@k"] == correct / 4
+    assert res["reward"] == mode and res["math_verify"] == (mode == "math-verify")
+
+
+def test_cli_out_is_never_lost(tiny_model_dir, tmp_path, capsys):
+    "An existing results file is kept unless --overwrite; the new one is written whole (no temporary file left)."
+    data = write_jsonl(tmp_path / "eval.jsonl", PROBLEMS[:2], duplicate_first=False)
+    out = tmp_path / "r.json"; out.write_text("earlier results")
+    base = ["--model", tiny_model_dir, "--data", data, "--k", 1, "--max-tokens", 2, "--out", out]
+    with pytest.raises(SystemExit) as e: main([str(a) for a in base])
+    assert e.value.code == 2 and "pass --overwrite" in capsys.readouterr().err and out.read_text() == "earlier results"
+    run_cli(base + ["--overwrite"], capsys)
+    assert json.loads(out.read_text())["n_prompts"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl", "r.json"]
+
+
+def test_generation_memory_matches_a_real_cache(tiny_model_dir):
+    "The KV-cache term equals the bytes of the cache the engine builds; the parameter count equals the model's."
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from dapo_ref.eval import generation_memory
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    cache = DynamicCache(config=model.config)
+    rows, prompt, new = 5, 9, 4
+    with torch.no_grad():
+        model(input_ids=torch.ones(rows, prompt, dtype=torch.long), past_key_values=cache, use_cache=True)
+        for _ in range(new - 1):
+            model(input_ids=torch.ones(rows, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    cached = sum(t.numel() * t.element_size() for l in cache.layers for t in (l.keys, l.values))
+    need = generation_memory(model.config, rows, prompt, new - 1, 4)  # the last sampled token is never cached
+    assert need["kv_cache"] == cached
+    assert need["n_params"] == sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    assert need["weights"] == 4 * need["n_params"]

@@ -1,0 +1,216 @@
+"""Bad input through the real command line.
+
+Every case runs one command in a subprocess, in a folder that holds files a user already had (an earlier
+evaluation's results, a run with metrics and a checkpoint), and asserts:
+
+- exit status 2;
+- stderr has exactly one `prog: error: ...` line, and it names the input and the fix (`expect` fragments);
+- no Python traceback anywhere in stderr;
+- every file that existed before is intact byte for byte, and no new file appeared (folders may).
+
+Adding a case is one `Case(...)` in `CASES`: an id, the command, a function that builds the bad input in the
+case's folder and returns the arguments, and the fragments the error line must contain. Cases that need the
+trainer (a run folder, resume, checkpoints) belong here too, with `prog="dapo-train"`.
+"""
+import hashlib, json, os, subprocess, sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = {"dapo-train": "dapo_ref.train", "dapo-eval": "dapo_ref.eval", "dapo-plan": "dapo_ref.plan",
+           "dapo-ablate": "dapo_ref.ablation"}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
+       "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def command(prog: str) -> list[str]:
+    "The installed console script next to this Python, else `python -m` of its module."
+    exe = Path(sys.executable).parent / prog
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", MODULES[prog]]
+
+
+@dataclass
+class World:
+    "What a case can use: its own folder `dir` (the working directory, holding the user's files) and shared inputs."
+    dir: Path     # per case; the command runs here
+    model: Path   # a small random Qwen2 with a byte-level tokenizer, saved with save_pretrained
+    data: Path    # a valid JSONL file of 3 problems
+
+    def write(self, name: str, content: str | bytes) -> Path:
+        p = self.dir / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return p
+
+
+@dataclass
+class Case:
+    id: str
+    prog: str                               # dapo-train | dapo-eval | dapo-plan | dapo-ablate
+    argv: Callable[[World], list]           # builds the bad input under w.dir, returns the arguments
+    expect: tuple[str, ...]                 # fragments of the error line: the input and the fix
+    env: dict = field(default_factory=dict) # extra environment variables
+
+
+# ---------------------------------------------------------------- the user's files and the shared inputs
+
+def user_files(d: Path) -> None:
+    "Files a user already has in the working directory: none of them may change."
+    (d / "results.json").write_text(json.dumps({"avg@k": 0.4, "note": "an earlier evaluation"}))
+    run = d / "runs" / "old"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "acc": 0.5}\n{"step": 2, "acc": 0.6}\n')
+    (run / "config.yaml").write_text("model: tiny\ntotal_steps: 2\n")
+    (run / "checkpoints" / "step-000002" / "model.safetensors").write_bytes(os.urandom(4096))
+
+
+def snapshot(*dirs: Path) -> dict:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for d in dirs for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def byte_tokenizer():
+    "Byte-level BPE tokenizer without merges (256 byte tokens + <|endoftext|>), built in code."
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def jsonl_rows(problems) -> str:
+    from dapo_ref.data import PROMPT_TEMPLATE
+    return "".join(json.dumps({"data_source": "t", "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=q)}],
+                               "ability": "MATH", "reward_model": {"ground_truth": str(a), "style": "rule"}}) + "\n"
+                   for q, a in problems)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    d = tmp_path_factory.mktemp("shared")
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    Qwen2ForCausalLM(cfg).save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    (d / "eval.jsonl").write_text(jsonl_rows([("What is 1 + 1?", 2), ("What is 2 * 3?", 6), ("What is 10 - 3?", 7)]))
+    return d
+
+
+# ---------------------------------------------------------------- cases
+
+def recipe(content: str | bytes, name="recipe.yaml"):
+    "A case input: a recipe file with this content."
+    return lambda w: [str(w.write(name, content))]
+
+def eval_args(w: World, *extra, data=None, model=None):
+    "dapo-eval arguments that are fine, then `extra` (a repeated flag: argparse keeps the last)."
+    return ["--model", str(model or w.model), "--data", str(data or w.data), "--k", "1", "--max-tokens", "2",
+            "--out", str(w.dir / "new-results.json"), *map(str, extra)]
+
+RECIPE_CASES = [  # (id, the recipe file, fragments); run through every command that reads a recipe
+    ("empty-recipe", recipe("# nothing here yet\n"), ("recipe.yaml holds no config keys", "recipes/tiny-cpu.yaml", "{}")),
+    ("duplicate-key", recipe("model: tiny\nlr: 1e-6\nlr: 1e-2\n"), ("recipe.yaml: key 'lr' appears twice (lines 2 and 3)", "keep one")),
+    ("yaml-syntax", recipe("model: tiny\ngroup_size: [4,\n"), ("recipe.yaml: YAML syntax error at line 3", "fix that line")),
+    ("inf-lr", recipe("model: tiny\nlr: .inf\n"), ("recipe.yaml: lr = inf is not a finite number", "allowed lr > 0")),
+    ("nan-temperature", recipe("model: tiny\ntemperature: nan\n"), ("temperature = nan is not a finite number", "temperature > 0")),
+    ("inf-eps-high", recipe("model: tiny\neps_high: inf\n"), ("eps_high = inf is not a finite number",)),
+    ("inf-weight-decay", recipe("model: tiny\nweight_decay: -.inf\n"), ("weight_decay = -inf is not a finite number",)),
+    ("latin1-recipe", recipe(b"model: tiny\n# r\xe9glage\n"), ("recipe.yaml: not UTF-8 text (byte 0xe9 on line 2)", "save the recipe as UTF-8")),
+    ("unknown-key", recipe("model: tiny\ngrup_size: 4\n"), ("recipe.yaml: unknown config key 'grup_size'", "did you mean 'group_size'")),
+    ("not-a-mapping", recipe("- model: tiny\n"), ("expected a mapping of config keys",)),
+    ("recipe-is-folder", lambda w: [str(w.dir / "runs" / "old")], ("is a folder, not a YAML recipe", "did you mean", "config.yaml")),
+    ("missing-recipe", lambda w: [str(w.dir / "recipes" / "nope.yaml")], ("no recipe file at", "nope.yaml")),
+]
+RECIPE_FLAG = {"dapo-train": "--config", "dapo-ablate": "--base", "dapo-plan": None}  # None: a positional argument
+
+def recipe_case(prog, id, build, expect):
+    flag = RECIPE_FLAG[prog]
+    return Case(f"{prog}-{id}", prog, lambda w: ([flag] if flag else []) + build(w), expect)
+
+FAST = {"empty-recipe", "yaml-syntax", "inf-lr", "recipe-is-folder"}  # dapo-train starts slowly: only a few of its cases
+
+CASES = [
+    *(recipe_case("dapo-ablate", *c) for c in RECIPE_CASES),
+    *(recipe_case("dapo-train", *c) for c in RECIPE_CASES if c[0] in FAST),
+    *(recipe_case("dapo-plan", *c) for c in RECIPE_CASES if c[0] in {"yaml-syntax", "duplicate-key"}),
+    Case("dapo-train-override-inf", "dapo-train", lambda w: ["--config", "recipes/tiny-cpu.yaml", "lr=inf"],
+         ("lr = inf is not a finite number", "allowed lr > 0")),
+    Case("dapo-train-override-twice", "dapo-train", lambda w: ["--config", "recipes/tiny-cpu.yaml", "lr=1e-6", "lr=1e-5"],
+         ("override lr= is given twice", "keep one")),
+    # dapo-ablate's own flags
+    Case("dapo-ablate-threads", "dapo-ablate", lambda w: ["--threads", "-1"], ("--threads -1 is out of range", ">= 1")),
+    Case("dapo-ablate-seeds", "dapo-ablate", lambda w: ["--seeds", "0", "0"], ("--seeds 0 0", "give each once")),
+    Case("dapo-ablate-out-file", "dapo-ablate", lambda w: ["--out", "results.json"], ("--out results.json is a file", "give a folder")),
+    Case("dapo-ablate-row", "dapo-ablate", lambda w: ["--rows", "3-clip-hihger"], ("unknown ablation row '3-clip-hihger'", "rows are: 1-grpo")),
+    # dapo-eval: the results file, checked before anything runs
+    Case("eval-out-folder", "dapo-eval", lambda w: eval_args(w, "--out", w.dir / "runs"),
+         ("--out", "runs is a folder; give a file name", "runs/results.json")),
+    Case("eval-out-exists", "dapo-eval", lambda w: eval_args(w, "--out", "results.json"),
+         ("--out results.json already exists", "pass --overwrite", "choose another --out")),
+    Case("eval-out-blocked", "dapo-eval", lambda w: eval_args(w, "--out", "results.json/r.json"),
+         ("--out results.json/r.json: cannot write in results.json", "choose another --out")),
+    Case("eval-out-unwritable", "dapo-eval", lambda w: eval_args(w, "--out", "/proc/dapo-no-such/r.json"),
+         ("--out /proc/dapo-no-such/r.json: cannot write in /proc/dapo-no-such", "choose another --out")),
+    # dapo-eval: the data
+    Case("eval-prompt-too-long", "dapo-eval",
+         lambda w: eval_args(w, data=w.write("long.jsonl", jsonl_rows([("What is 1 + 1?", 2), ("What is 1 + 1?", 2),
+                                                                        ("What is 2 + 2?", 4), ("x" * 100_000, 1)]))),
+         ("--max-prompt-length = 2048: 1 of 3 prompts are longer (first: row 3 of long.jsonl", "raise --max-prompt-length or drop those rows")),
+    Case("eval-memory", "dapo-eval", lambda w: eval_args(w, "--k", 64, "--max-batch-size", 4096, "--max-tokens", 100_000_000),
+         ("192 rows (--max-batch-size 4096) x (longest prompt", "+ --max-tokens 100000000) tokens may need", "GiB is free on cpu",
+          "lower --max-batch-size or --max-tokens")),
+    Case("eval-not-parquet", "dapo-eval", lambda w: eval_args(w, data=w.write("d.parquet", "data_source,prompt\nx,y\n")),
+         ("d.parquet: not a readable parquet file", "save the rows as .jsonl")),
+    Case("eval-latin1-jsonl", "dapo-eval",
+         lambda w: eval_args(w, data=w.write("d.jsonl", jsonl_rows([("What is 1 + 1?", 2)]).encode() + b'{"prompt": "caf\xe9"}\n')),
+         ("row 1 of d.jsonl (line 2): not valid UTF-8 (byte 0xe9", "as UTF-8")),
+    Case("eval-data-folder", "dapo-eval", lambda w: eval_args(w, data=(w.dir / "parts.parquet").mkdir() or w.dir / "parts.parquet"),
+         ("--data", "parts.parquet is a folder", "give one .parquet or .jsonl file")),
+    Case("eval-temperature-inf", "dapo-eval", lambda w: eval_args(w, "--temperature", "inf"),
+         ("--temperature = inf is out of range", "finite")),
+    # dapo-eval: the model
+    Case("eval-hub-offline", "dapo-eval", lambda w: eval_args(w, model="no-such-org/no-such-model"),
+         ("--model no-such-org/no-such-model: not a local folder and not in the Hugging Face cache",
+          "HF_HUB_OFFLINE=1 forbids downloading it", "give a local folder")),
+    Case("eval-model-no-config", "dapo-eval", lambda w: eval_args(w, model=(w.dir / "empty-model").mkdir() or w.dir / "empty-model"),
+         ("empty-model: no config.json in this folder", "save_pretrained")),
+    Case("eval-model-no-tokenizer", "dapo-eval",
+         lambda w: eval_args(w, model=w.write("bare/config.json", (w.model / "config.json").read_bytes()).parent),
+         ("bare: no tokenizer files in this folder", "tokenizer.save_pretrained")),
+    Case("eval-model-is-file", "dapo-eval", lambda w: eval_args(w, model=w.dir / "results.json"),
+         ("results.json is a file; give the model's folder",)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bad_input(case: Case, shared, tmp_path):
+    w = World(tmp_path, shared / "model", shared / "eval.jsonl")
+    user_files(w.dir)
+    argv = [str(a) for a in case.argv(w)]
+    before = snapshot(w.dir, shared)
+    r = subprocess.run(command(case.prog) + argv, cwd=w.dir, env={**ENV, **case.env}, capture_output=True, text=True,
+                       timeout=120)
+    err = r.stderr
+    assert "Traceback" not in err, err[-3000:]
+    assert r.returncode == 2, (r.returncode, err[-2000:], r.stdout[-1000:])
+    lines = [l for l in err.splitlines() if l.startswith(f"{case.prog}: error: ")]
+    assert len(lines) == 1, err
+    line = lines[0].replace(str(w.dir) + "/", "")
+    for frag in case.expect:
+        assert frag in line, (frag, line)
+    assert snapshot(w.dir, shared) == before, "a file the user had changed, or a new file appeared"
+
+
+def test_cases_have_unique_ids():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
