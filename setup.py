@@ -35,6 +35,7 @@ setuptools.setup(
     url=cfg['git_url'],
     packages=setuptools.find_packages(include=[lib_path, lib_path + '.*']),
     include_package_data=True,
+    package_data={lib_path: ['tiny_model/*']},  # the shipped warm-started tiny model (dapo_ref.tiny)
     install_requires=requirements,
     extras_require={'dev': dev_requirements, 'scale': scale_requirements},
     dependency_links=cfg.get('dep_links', '').split(),
