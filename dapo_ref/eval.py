@@ -289,13 +289,18 @@ def available_memory(device: str) -> int | None:
     except OSError: pass
     return None
 
-def check_generation_memory(need: dict, free: int | None, device: str, what: str) -> None:
-    "Raise `InputError` when `need['total']` exceeds `free` bytes; `what` names the flags that set the size."
+def check_generation_memory(need: dict,        # from `generation_memory`
+                            free: int | None,  # bytes free on the device (`available_memory`); None = unknown, no check
+                            device: str,       # named in the message
+                            what: str,         # the flags that set the size, named in the message
+                            fix: str = "lower --max-batch-size or --max-tokens",  # what to do about it
+                           ) -> None:
+    "Raise `InputError` when `need['total']` exceeds `free` bytes, naming the flags and the fix."
     if free is None or need["total"] <= free: return
     gib = lambda b: f"{b / 2**30:.1f}"
     raise InputError(f"{what} may need {gib(need['total'])} GiB ({gib(need['kv_cache'])} KV cache, {gib(need['weights'])} "
                      f"weights, {gib(need['prefill'])} prefill) but {gib(free)} GiB is free on {device}; "
-                     "lower --max-batch-size or --max-tokens")
+                     f"{fix}")
 
 # %% ../nbs/08_eval.ipynb #84aba785
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -324,7 +329,8 @@ def _prepare(args):
     longest = max(len(i) for i in ids)
     need = generation_memory(config, rows, longest, args.max_tokens, 4 if args.dtype == "float32" else 2)
     check_generation_memory(need, available_memory(device), device, f"{rows} rows (--max-batch-size {args.max_batch_size}) "
-                            f"x (longest prompt {longest} + --max-tokens {args.max_tokens}) tokens")
+                            f"x (longest prompt {longest} + --max-tokens {args.max_tokens}) tokens",
+                            "lower --max-batch-size or --max-tokens" + (", or pass --dtype bfloat16" if args.dtype == "float32" else ""))
     return examples, name, tokenizer, device
 
 def _write_json(path: Path, obj) -> None:

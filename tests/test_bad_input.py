@@ -168,7 +168,7 @@ CASES = [
          ("--max-prompt-length = 2048: 1 of 3 prompts are longer (first: row 3 of long.jsonl", "raise --max-prompt-length or drop those rows")),
     Case("eval-memory", "dapo-eval", lambda w: eval_args(w, "--k", 64, "--max-batch-size", 4096, "--max-tokens", 100_000_000),
          ("192 rows (--max-batch-size 4096) x (longest prompt", "+ --max-tokens 100000000) tokens may need", "GiB is free on cpu",
-          "lower --max-batch-size or --max-tokens")),
+          "lower --max-batch-size or --max-tokens, or pass --dtype bfloat16")),
     Case("eval-not-parquet", "dapo-eval", lambda w: eval_args(w, data=w.write("d.parquet", "data_source,prompt\nx,y\n")),
          ("d.parquet: not a readable parquet file", "save the rows as .jsonl")),
     Case("eval-latin1-jsonl", "dapo-eval",
