@@ -177,3 +177,31 @@ def test_export_overwrite(tmp_path):
     from transformers import AutoModelForCausalLM
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "x", dtype=torch.float32)
     for k, v in m.state_dict().items(): assert torch.equal(back.state_dict()[k], v)
+
+
+# --- the one-GPU check's CPU variant (benchmarks/gpu_check.py --cpu-tiny): dapo-train, ZeRO-3, one rank ---
+
+@pytest.mark.slow
+def test_gpu_check_cpu_tiny(tmp_path):
+    "The check's whole path on the CPU: model and prompts built in code, dapo-plan, 2 steps of ZeRO-3 dapo-train (~40 s)."
+    from transformers import AutoTokenizer
+    from dapo_ref.data import load_math_dataset, prompt_token_ids
+    out = tmp_path / "gc"
+    p = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-tiny", "--out", str(out), "--keep"], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    s = json.loads((out / "gpu_check.json").read_text())
+    assert [st["step"] for st in s["steps"]] == [1, 2] and "step 2: learner" in p.stdout
+    assert set(s["plan"]["phases_gb"]) >= {"load", "update"}  # dapo-plan's prediction was read
+    # every prompt has the same token count, so the learner's token count is exact
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert {len(prompt_token_ids(ex, tok)) for ex in load_math_dataset(out / "prompts.parquet")} == {s["prompt_len"]}
+    for st in s["steps"]:
+        assert 1 <= st["resp_len_mean"] <= s["recipe"]["l_max"]
+        assert st["learner_tokens"] == round(8 * (s["prompt_len"] + st["resp_len_mean"]))  # 2 prompts x G 4
+    ck = out / "run" / "checkpoints" / "step-2" / "deepspeed"
+    assert ck.is_dir() and any("zero_pp_rank_0" in f.name for f in ck.rglob("*"))  # the ZeRO-3 learner ran
+    # bad input: exit status 2 and one line, before any work
+    p = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-tiny", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "not empty" in p.stderr
