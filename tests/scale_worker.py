@@ -1,12 +1,13 @@
-"""One rank of the two-process DeepSpeed checks in tests/test_scale.py (run it with torchrun, not pytest).
+"""One rank of the two-process learner checks in tests/test_scale.py (run it with torchrun, not pytest).
 
-    torchrun --nproc_per_node 2 tests/scale_worker.py OUT_DIR
+    torchrun --nproc_per_node 2 tests/scale_worker.py OUT_DIR [3,2,3gc,0]
 
-Each rank builds the same fixed DAPO mini-batch (`fixed_batch`), keeps its share of the groups (`shard`), and for
-ZeRO-3, ZeRO-2 and ZeRO-3 with gradient checkpointing: computes old log-probs, does one `DeepSpeedLearner.update`,
-and syncs the new weights into a rollout engine (`HFRolloutEngine`). Rank 0 writes to OUT_DIR/stage{3,2,3gc}.pt: the full weights the learner streamed,
-DeepSpeed's own consolidated weights, the engine's weights on every rank, the old log-probs and the update's metrics.
-The one-device comparison is done by the test, in its own process, with `trainer.Learner`."""
+Each rank builds the same fixed DAPO mini-batch (`fixed_batch`), keeps its share of the groups (`dist.shard`), and for
+ZeRO-3, ZeRO-2, ZeRO-3 with gradient checkpointing (`DeepSpeedLearner`) and the plain learner (`TorchLearner`, stage
+"0", gradients summed with one all-reduce): computes old log-probs, does one `update`, and syncs the new weights into a
+rollout engine (`HFRolloutEngine`). Rank 0 writes to OUT_DIR/stage{name}.pt: the full weights the learner streamed, the
+learner's own consolidated weights, the engine's weights on every rank, the old log-probs and the update's metrics.
+The one-device comparison is done by the test, in its own process, with `trainer.TorchLearner`."""
 import copy, os, sys
 from pathlib import Path
 
@@ -39,22 +40,21 @@ def fixed_batch(vocab: int = 392, seed: int = 0):
 
 def local_share(batch, rank, world):
     "This rank's groups of the batch, kept whole."
-    from dapo_ref.scale import shard
+    from dapo_ref.dist import shard
     groups = shard(list(range(N_GROUPS)), rank, world)
     return batch.select([k * G + t for k in groups for t in range(G)])
 
 
 def run_stage(name: str, out: Path):
     "name: ZeRO stage, with a `gc` suffix for gradient checkpointing (e.g. `3gc`)."
-    import torch.distributed as dist
-    from dapo_ref.scale import DeepSpeedLearner, dist_env, all_gather
-    from dapo_ref.trainer import load_policy
+    from dapo_ref import dist
+    from dapo_ref.trainer import load_policy, learner_class
     from dapo_ref.rollout import HFRolloutEngine
-    rank, world, _ = dist_env()
+    rank, world = dist.rank(), dist.world_size()
     cfg = test_cfg(); cfg.zero_stage = stage = int(name[0]); cfg.gradient_checkpointing = name.endswith("gc")
     model, tok = load_policy("tiny")
     engine = HFRolloutEngine(copy.deepcopy(model), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    learner = DeepSpeedLearner(model, cfg, tok.pad_token_id)
+    learner = learner_class(cfg).build(cfg, tok.pad_token_id, model=model)
     from transformers.modeling_layers import GradientCheckpointingLayer
     ckpt = [m.gradient_checkpointing and m.training for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     batch = local_share(fixed_batch(), rank, world)
@@ -66,12 +66,13 @@ def run_stage(name: str, out: Path):
     engine.load_weights(learner.named_weights())
     eng_sd = {n: t.clone() for n, t in engine.model.state_dict().items()}
     consolidated = (learner.engine._zero3_consolidated_16bit_state_dict() if stage == 3
-                    else {n: t.clone() for n, t in learner.engine.module.state_dict().items()})  # DeepSpeed's own gather
-    engines = all_gather(eng_sd)
-    olds, n_micros = all_gather(old), all_gather(n_micro)
+                    else {n: t.clone() for n, t in learner.model.state_dict().items()})  # the learner's own weights
+    engines = dist.all_gather(eng_sd)
+    olds, n_micros = dist.all_gather(old), dist.all_gather(n_micro)
     if rank == 0:
         torch.save(dict(streamed=streamed, consolidated=consolidated, engines=engines, old=olds, n_micro=n_micros,
-                        metrics=metrics, world=world, checkpointed_layers=ckpt), out / f"stage{name}.pt")
+                        metrics=metrics, world=world, checkpointed_layers=ckpt, learner=type(learner).__name__),
+                   out / f"stage{name}.pt")
     dist.barrier()
 
 
@@ -79,8 +80,10 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True, warn_only=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dapo_ref import dist
+    dist.init_distributed()
     out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-    stages = sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc"]
+    stages = sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc", "0"]
     for s in stages: run_stage(s, out)
-    import torch.distributed as dist
-    dist.destroy_process_group()
+    import torch.distributed
+    torch.distributed.destroy_process_group()

@@ -12,7 +12,8 @@ import torch
 from dapo_ref.core import load_config, config_from_dict
 from dapo_ref.data import make_example, save_math_dataset
 from dapo_ref.sampling import DynamicSamplingError
-from dapo_ref.trainer import (Trainer, Learner, make_batch, read_metrics, strip_timing, train, summary_line, TIMING_KEYS,
+from dapo_ref.core import LOSS_AGGS
+from dapo_ref.trainer import (Trainer, TorchLearner, make_batch, read_metrics, strip_timing, train, summary_line, TIMING_KEYS,
                               latest_checkpoint)
 from dapo_ref.train import main
 
@@ -64,21 +65,28 @@ def test_one_dapo_step_lowers_loss_on_its_batch(tmp_path, policy):
     assert after < before - 1e-3, (before, after)
 
 
-def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path, policy):
-    "Token-mean over the whole mini-batch: many small micro-batches give the gradient of one big one."
+@pytest.mark.parametrize("agg", LOSS_AGGS)
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path, policy, agg):
+    """Every loss aggregation, with overlong filtering masking one row and one whole micro-batch: many small
+    micro-batches give the loss and gradient of one big one (the learner passes the mini-batch's global denominators)."""
     cfg = tiny_cfg(tmp_path, mini_batch_size=128, warmup_steps=0)
     tr = Trainer(cfg, model=fresh(policy)[0], tokenizer=policy[1], progress=False, log=None)
     groups, _, _ = tr.collect(1, {})
     batch = make_batch(groups, cfg.group_size)
-    grads, n_micro = [], []
+    small = TorchLearner(fresh(policy)[0], tiny_cfg(tmp_path, micro_token_budget=300), tr.pad_id).micro_batches(batch)
+    batch.truncated[small[1]] = True; batch.truncated[0] = True  # overlong filtering empties micro-batch 1 and row 0
+    grads, losses, n_micro = [], [], []
     for budget in (10**6, 300):
-        learner = Learner(fresh(policy)[0], tiny_cfg(tmp_path, micro_token_budget=budget, warmup_steps=0), tr.pad_id)
+        learner = TorchLearner(fresh(policy)[0], tiny_cfg(tmp_path, micro_token_budget=budget, warmup_steps=0,
+                                                         loss_agg=agg, overlong_filter=True), tr.pad_id)
         n_micro.append(len(learner.micro_batches(batch)))
         old, _ = learner.compute_logprobs(batch)
         learner.opt.step = lambda *a, **k: None  # keep the gradient, skip the step
-        learner.update(batch, old)
+        losses.append(learner.update(batch, old)["loss"])
         grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None]))
     assert n_micro[0] == 1 and n_micro[1] > 4, n_micro
+    assert grads[0].abs().max() > 0
+    assert abs(losses[0] - losses[1]) < 1e-6, losses
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
 
 
@@ -162,12 +170,22 @@ def test_cli_dynamic_sampling_error_exit_code(tmp_path, capsys):
 
 @pytest.mark.parametrize("override, field", [
     ("top_p=1.5", "top_p"), ("eps_high=0.1", "eps_high"), ("group_siz=4", "group_size"),
-    ("mini_batch_size=48", "mini_batch_size"), ("lr=-1", "lr"), ("loss_agg=token_mean", "loss_agg")])
+    ("mini_batch_size=48", "mini_batch_size"), ("lr=-1", "lr"), ("loss_agg=token_mean", "loss_agg"),
+    # fields this one-process launch cannot honour: refused before any model loads
+    ("gpus_per_node=2", "gpus_per_node"), ("offload_optimizer=true", "offload_optimizer"),
+    ("offload_params=true", "offload_params"), ("vllm_tensor_parallel=2", "vllm_tensor_parallel")])
 def test_cli_bad_config_value_names_the_field(tmp_path, capsys, override, field):
     rc = main(["--config", str(RECIPE), override, f"output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert rc == 2 and field in err and "Traceback" not in err, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_cli_vllm_backend_without_vllm_names_the_field(tmp_path, capsys):
+    rc = main(["--config", str(RECIPE), "rollout_backend=vllm", f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "rollout_backend" in err and "Traceback" not in err, err
 
 
 def test_cli_broken_dataset_row_names_row_and_field(tmp_path, capsys):
