@@ -168,7 +168,7 @@ def spawn():
         try: os.dup2(tr, 0); os.dup2(rw, 3); os.closerange(4, 1 << 16); child()
         finally: os._exit(0)
     os.close(tr); os.close(rw)
-    w = dict(pid=pid, w=os.fdopen(tw, "w"), r=rr, buf=b"", job=None, t0=0.0, ran=0.0, parked=False)
+    w = dict(pid=pid, w=os.fdopen(tw, "w"), r=rr, buf=b"", job=None, gold=None, t0=0.0, aside=False)
     sel.register(rr, selectors.EVENT_READ); W[rr] = w
     return w
 
@@ -183,35 +183,35 @@ def drop(w):
 
 # %% ../nbs/02_reward.ipynb #a1e0c002
 _POOL_SRC += r'''
-def run(pairs, timeout, workers, slow_after, max_parked):
-    "Verdicts 1 / 0 / 'timeout' / 'error' for `pairs`; each call may run for `timeout` seconds."
-    res, todo, left = [None] * len(pairs), collections.deque(range(len(pairs))), len(pairs)
-    for w in [w for w in W.values() if w["job"] is None][workers:]: drop(w)  # extras from the last round
+def run(pairs, timeout, workers, slow_after, max_aside):
+    "Verdicts 1 / 0 / 'timeout' / 'error' for `pairs`; each call ends by its start + `timeout`."
+    res, left, todo = [None] * len(pairs), len(pairs), {}
+    for i, (gold, _) in enumerate(pairs): todo.setdefault(gold, collections.deque()).append(i)
+    for w in sorted((w for w in W.values() if w["job"] is None), key=lambda w: w["pid"])[workers:]: drop(w)
     def finish(w, v):
         nonlocal left
-        res[w["job"]], w["job"], left = v, None, left - 1
+        res[w["job"]], w["job"], w["aside"], left = v, None, False, left - 1
         if v not in (0, 1): drop(w)
-    ran = lambda w, now: w["ran"] + (0.0 if w["parked"] else now - w["t0"])  # running time of w's call
+    def take(w):  # the same ground truth as this worker's last call where possible: its parse is cached there
+        q = todo.get(w["gold"]) or next(iter(todo.values()))
+        i = q.popleft()
+        if not q: del todo[pairs[i][0]]
+        w.update(job=i, gold=pairs[i][0], t0=time.monotonic())
+        try: w["w"].write(json.dumps(pairs[i]) + "\n"); w["w"].flush()
+        except OSError: finish(w, "error")
     while left:
-        live = [w for w in W.values() if not w["parked"]]
+        live = [w for w in W.values() if not w["aside"]]
         while todo and len(live) < workers: live.append(spawn())
         for w in live:
-            if w["job"] is None and todo:
-                w.update(job=todo.popleft(), t0=time.monotonic(), ran=0.0)
-                try: w["w"].write(json.dumps(pairs[w["job"]]) + "\n"); w["w"].flush()
-                except OSError: finish(w, "error")
-        now = time.monotonic()
-        parked = [w for w in W.values() if w["parked"]]
-        if todo:  # calls are waiting: a slow call is stopped (SIGSTOP) and a new worker takes its slot
-            slow = [w for w in live if w["job"] is not None and ran(w, now) > slow_after]
-            for w in slow[:max(0, max_parked - len(parked))]:
-                os.kill(w["pid"], signal.SIGSTOP); w.update(ran=ran(w, now), parked=True)
-            if slow[:max(0, max_parked - len(parked))]: continue
-        else:  # nothing waits any more: the stopped calls run again, side by side, each with its time left
-            for w in parked: os.kill(w["pid"], signal.SIGCONT); w.update(parked=False, t0=now)
-        busy = [w for w in W.values() if w["job"] is not None and not w["parked"]]
-        wake = [now + timeout - ran(w, now) for w in busy]
-        if todo and len(parked) < max_parked: wake += [now + slow_after - ran(w, now) for w in busy]
+            if w["job"] is None and todo: take(w)
+        now, aside = time.monotonic(), sum(w["aside"] for w in W.values())
+        if todo:  # calls are waiting: a slow call steps aside (it keeps running) and a new worker takes its slot
+            slow = [w for w in live if w["job"] is not None and now - w["t0"] > slow_after][:max(0, max_aside - aside)]
+            for w in slow: w["aside"] = True
+            if slow: continue
+        busy = [w for w in W.values() if w["job"] is not None]
+        wake = [w["t0"] + timeout for w in busy]
+        if todo and aside < max_aside: wake += [w["t0"] + slow_after for w in busy if not w["aside"]]
         for key, _ in sel.select(max(0.0, min(wake, default=now + 1.0) - now)):
             if key.fd == 0: raise SystemExit  # the client closed its end or died
             w = W.get(key.fd)
@@ -225,7 +225,7 @@ def run(pairs, timeout, workers, slow_after, max_parked):
             if b"\n" in w["buf"] and w["job"] is not None:
                 line, w["buf"] = w["buf"].split(b"\n", 1); finish(w, 1 if line == b"1" else 0)
         now = time.monotonic()
-        for w in [w for w in W.values() if w["job"] is not None and ran(w, now) >= timeout]: finish(w, "timeout")
+        for w in [w for w in W.values() if w["job"] is not None and now - w["t0"] >= timeout]: finish(w, "timeout")
     return res
 
 SERVER, W, sel = os.getpid(), {}, selectors.DefaultSelector()
@@ -234,14 +234,14 @@ out.write("ready\n"); out.flush()
 try:
     for line in sys.stdin:
         a = json.loads(line)
-        out.write(json.dumps(run(a["pairs"], a["timeout"], a["workers"], a["slow_after"], a["max_parked"])) + "\n")
+        out.write(json.dumps(run(a["pairs"], a["timeout"], a["workers"], a["slow_after"], a["max_aside"])) + "\n")
         out.flush()
 finally:
     for w in list(W.values()): drop(w)
 '''
 
 # %% ../nbs/02_reward.ipynb #a1e0c003
-SLOW_AFTER = 0.1  # seconds a math-verify call may run before it steps aside for the waiting ones (typical: milliseconds)
+SLOW_AFTER = 0.5  # seconds a math-verify call may hold a worker's slot while others wait (typical: milliseconds)
 
 class _VerifyPool:
     "Client of one math-verify server process: it imports math-verify once and forks its workers from itself."
@@ -277,7 +277,7 @@ class _VerifyPool:
 
     def run(self, pairs: list, timeout: float, workers: int) -> list:
         "Verdicts 1 / 0 / 'timeout' / 'error', one per (gold, pred) pair."
-        req = dict(pairs=pairs, timeout=timeout, workers=workers, max_parked=4 * workers + 60,
+        req = dict(pairs=pairs, timeout=timeout, workers=workers, max_aside=4 * workers + 60,
                    slow_after=min(SLOW_AFTER, timeout / 2))
         self.proc.stdin.write((json.dumps(req) + "\n").encode()); self.proc.stdin.flush()
         line = self._readline(None)
