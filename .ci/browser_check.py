@@ -1,12 +1,14 @@
-"""Browser check of the rendered docs (_docs/, written by .ci/check_docs.py): open every page in headless Chromium.
+"""Browser check of the docs site (_docs/, built with MkDocs Material by .ci/check_docs.py): a reader's path in headless Chromium.
 
-For each page, served from 127.0.0.1 (nothing else is reachable offline, and nothing else may be requested):
-- it loads with no console error, uncaught exception or failed request, and requests nothing from another host;
-- every image loads (`naturalWidth > 0`);
-- its equations are typeset: every `$...$` / `$$...$$` became MathJax output, no MathJax error box, and no raw `$$`
-  or TeX command is left in the visible text (code blocks aside);
-- every internal link (another page, a file, an `#anchor`) resolves to an existing file and element id.
-It saves screenshots of the home page and the loss page under _docs/screenshots/ and prints their paths.
+Served from 127.0.0.1 (nothing else is reachable offline, and nothing else may be requested), the check
+- opens the home page, types "Clip-Higher" into the search box and follows the first hit, which must be the loss page;
+- goes back home and clicks through the left sidebar from the first page to the last, one click per page;
+- opens directly any page the sidebar does not list.
+Every page it lands on must load with no console error, uncaught exception or failed request, and request nothing
+from another host; every image loads (`naturalWidth > 0`); its equations are typeset (every TeX source became
+MathJax output, no MathJax error box, no raw `$$` or TeX command left in the visible text, code blocks aside); and
+every internal link (another page, a file, an `#anchor`) resolves to an existing file and element id.
+It saves screenshots of the home, loss, trainer and ablation pages under _docs/screenshots/ and prints their paths.
 
 Chromium is Debian's `chromium` (/usr/bin/chromium, or $CHROMIUM), driven over the DevTools protocol with
 `websocket-client`. Without it the check says it skipped and passes, unless DOCS_BROWSER_REQUIRED=1 (set by .ci/run).
@@ -22,7 +24,8 @@ CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-quic", "--disable-dev-shm-usage",
          "--no-default-browser-check", "--hide-scrollbars", "--mute-audio", "--remote-debugging-port=0"]
-SCREENSHOTS = ("index", "04_loss")  # the home page and the loss page
+SCREENSHOTS = ("index", "04_loss", "09_trainer", "14_ablation")  # home, loss, trainer and ablation pages
+SEARCH = ("Clip-Higher", "04_loss.html")  # what a reader searches for, and the page its first hit must open
 WIDTH, HEIGHT, MAX_SHOT_HEIGHT = 1280, 900, 6000
 PAGE_TIMEOUT = 60.0  # seconds for one page to load and typeset
 
@@ -40,7 +43,9 @@ AUDIT_JS = r"""
   const raw = [];
   // a $$ left anywhere outside code; a TeX command left in the prose of a markdown cell
   for (const m of textOf(document.body).matchAll(/[^\n]{0,30}\$\$[^\n]{0,30}/g)) raw.push(m[0].trim());
-  const prose = [...document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown')].map(textOf).join('\n');
+  // the prose of the page: markdown cells (a cell's output may show TeX source on purpose, as the reward table does)
+  const prose = [...document.querySelectorAll('article.md-content__inner')].map(a => {
+    const c = a.cloneNode(true); c.querySelectorAll('.nb-output').forEach(e => e.remove()); return textOf(c); }).join('\n');
   for (const m of prose.matchAll(/[^\n]{0,30}\\(frac|sum|mathbb|mathrm|mathcal|hat|left|right|text|epsilon|varepsilon|cdot|begin|end|operatorname|sqrt|le|ge|min|max)\b[^\n]{0,30}/g))
     raw.push(m[0].trim());
   const scripts = [...document.querySelectorAll('script[type^="math/tex"]')];
@@ -170,11 +175,11 @@ def _is_external(url):
         urllib.parse.urlsplit(url).hostname not in ("127.0.0.1", None)
 
 
-def check_page(cdp, session, url, timeout=PAGE_TIMEOUT):
-    "Load `url` in the tab `session`; return (audit dict, list of console/network problems)."
+def land(cdp, session, action, timeout=PAGE_TIMEOUT):
+    "Do `action()` (a navigation or a click; it returns an error text or None), wait for the new page to load and typeset; return (audit dict, console/network problems)."
     cdp.events = [e for e in cdp.events if e.get("sessionId") != session]
-    r = cdp.send("Page.navigate", {"url": url}, session)
-    if r.get("errorText"): return None, [f"navigation failed: {r['errorText']}"]
+    err = action()
+    if err: return None, [err]
     cdp.wait_event("Page.loadEventFired", session, timeout)
     state = cdp.evaluate(WAIT_MATHJAX_JS % int(timeout * 1000 / 2), session, timeout=timeout)
     audit = json.loads(cdp.evaluate(AUDIT_JS, session))
@@ -199,6 +204,44 @@ def check_page(cdp, session, url, timeout=PAGE_TIMEOUT):
             errs.append(f"HTTP {p['response']['status']}: {p['response']['url'][:120]}")
     cdp.events = [e for e in cdp.events if e.get("sessionId") != session]
     return audit, list(dict.fromkeys(errs))
+
+
+def check_page(cdp, session, url, timeout=PAGE_TIMEOUT):
+    "Load `url` in the tab `session`; return (audit dict, list of console/network problems)."
+    def go():
+        r = cdp.send("Page.navigate", {"url": url}, session)
+        return f"navigation failed: {r['errorText']}" if r.get("errorText") else None
+    return land(cdp, session, go, timeout)
+
+
+def click(cdp, session, js_find, timeout=PAGE_TIMEOUT):
+    "Click the element the expression `js_find` returns (as a reader would) and check the page it opens."
+    def go():
+        found = cdp.evaluate(f"(() => {{ const el = {js_find}; if (!el) return false; el.click(); return true; }})()", session)
+        return None if found else f"nothing to click: {js_find}"
+    return land(cdp, session, go, timeout)
+
+
+# Types the query into MkDocs Material's search box and waits for the hits: JSON {hits: [href, ...]}.
+SEARCH_JS = r"""
+(async (q) => {
+  const input = document.querySelector('input.md-search__input');
+  if (!input) return JSON.stringify({error: 'no search box on the page'});
+  input.focus(); input.value = q;
+  for (const ev of ['focus', 'input', 'keyup']) input.dispatchEvent(new Event(ev, {bubbles: true}));
+  const t0 = Date.now();
+  let hits = [];
+  while (Date.now() - t0 < 20000) {
+    hits = [...document.querySelectorAll('a.md-search-result__link')];
+    if (hits.length) break;
+    await new Promise(r => setTimeout(r, 100));
+  }
+  return JSON.stringify({hits: hits.map(a => a.getAttribute('href')).slice(0, 5)});
+})(%s)
+"""
+
+SIDEBAR_JS = r"""JSON.stringify([...document.querySelectorAll('nav.md-nav--primary a.md-nav__link[href]')]
+  .map(a => a.href.split('#')[0]).filter((h, i, all) => all.indexOf(h) === i && h.endsWith('.html')))"""
 
 
 def content_problems(audit):
@@ -248,15 +291,37 @@ def screenshot(cdp, session, path, height):
     return path
 
 
-def run_check(docs, names=None, shots=SCREENSHOTS, log=print):
-    "Check the pages `names` (default: every *.html in `docs`); return ({page: [problems]}, screenshot paths)."
+def _page(url, base):
+    "The site-relative file of `url` (index.html for the folder)."
+    rel = urllib.parse.unquote(urllib.parse.urlsplit(url).path)[len(urllib.parse.urlsplit(base).path):]
+    return rel if rel and not rel.endswith("/") else rel + "index.html"
+
+
+def run_check(docs, names=None, shots=SCREENSHOTS, search=SEARCH, log=print):
+    "Follow a reader through the site in `docs` (search, then the sidebar), then open the pages `names` not reached (default: every top-level page); return ({page: [problems]}, screenshot paths)."
     docs = Path(docs).resolve()
-    names = names or sorted(p.name for p in docs.glob("*.html"))
+    names = names or sorted(p.name for p in docs.glob("*.html") if p.name != "404.html")
     if not names: return {"(none)": [f"no pages in {docs}"]}, []
     srv, base = serve(docs)
     profile = tempfile.mkdtemp(prefix="dapo-docs-chromium-")
     proc, cdp, pages, problems, shot_paths = None, None, {}, {}, []
     t_start = time.perf_counter()
+
+    def record(name, audit, errs, how, t0):
+        if audit is not None:
+            pages[name] = audit
+            errs = errs + content_problems(audit)
+            if Path(name).stem in shots and not any(p.stem == Path(name).stem for p in shot_paths):
+                shot_paths.append(screenshot(cdp, s, docs / "screenshots" / f"{Path(name).stem}.png", audit["height"]))
+        problems[name] = problems.get(name, []) + [e for e in errs if e not in problems.get(name, [])]
+        pages.setdefault(name, None)
+        info = (f"{len(audit['images'])} images, {audit['math']['typeset']}/{audit['math']['sources']} equations typeset, "
+                f"{len(audit['links'])} links") if audit else "not loaded"
+        log(f"browser: {name} ({how}): {'ok' if not errs else 'FAILED'} ({info}; {time.perf_counter() - t0:.1f} s)")
+
+    def here():
+        return _page(cdp.evaluate("location.href", s), base)
+
     try:
         proc, ws = start_chromium(profile)
         cdp = CDP(ws)
@@ -264,22 +329,45 @@ def run_check(docs, names=None, shots=SCREENSHOTS, log=print):
         s = cdp.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for m in ("Page.enable", "Runtime.enable", "Log.enable", "Network.enable"): cdp.send(m, {}, s)
         cdp.send("Emulation.setDeviceMetricsOverride", {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}, s)
-        for name in names:
+        home = "index.html" if "index.html" in names else names[0]
+        t0 = time.perf_counter()
+        audit, errs = check_page(cdp, s, base + home)
+        record(home, audit, errs, "home", t0)
+        # 1. search, and follow the first hit
+        if search and audit is not None:
+            query, expected = search
+            t0 = time.perf_counter()
+            res = json.loads(cdp.evaluate(SEARCH_JS % json.dumps(query), s, timeout=40))
+            if res.get("error") or not res.get("hits"):
+                problems.setdefault("search", []).append(f"searching {query!r} found nothing ({res.get('error', 'no hits')})")
+            else:
+                audit, errs = click(cdp, s, "document.querySelector('a.md-search-result__link')")
+                got = here()
+                if got != expected:
+                    problems.setdefault("search", []).append(f"the first hit for {query!r} opened {got}, not {expected}")
+                record(got, audit, errs, f"first search hit for {query!r}", t0)
+                log(f"browser: search {query!r}: {len(res['hits'])}+ hits, first {res['hits'][0]} -> {got}")
+            check_page(cdp, s, base + home)
+        # 2. the sidebar, first page to last, one click each
+        sidebar = [_page(u, base) for u in json.loads(cdp.evaluate(SIDEBAR_JS, s))] if audit is not None else []
+        if home in sidebar: sidebar.remove(home)
+        for name in sidebar:
             t0 = time.perf_counter()
             try:
-                audit, errs = check_page(cdp, s, base + name)
-                if audit is not None:
-                    pages[name] = audit
-                    errs += content_problems(audit)
-                    if Path(name).stem in shots:
-                        shot_paths.append(screenshot(cdp, s, docs / "screenshots" / f"{Path(name).stem}.png", audit["height"]))
+                audit, errs = click(cdp, s, f"[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link[href]')]"
+                                            f".find(a => a.href.split('#')[0] === {json.dumps(base + name)})")
+                if audit is not None and here() != name: errs = errs + [f"the sidebar link opened {here()}"]
             except Exception as e:
                 audit, errs = None, [f"check failed: {type(e).__name__}: {e}"]
-            problems[name] = errs
-            pages.setdefault(name, None)
-            info = (f"{len(audit['images'])} images, {audit['math']['typeset']}/{audit['math']['sources']} equations typeset, "
-                    f"{len(audit['links'])} links") if audit else "not loaded"
-            log(f"browser: {name}: {'ok' if not errs else 'FAILED'} ({info}; {time.perf_counter() - t0:.1f} s)")
+            record(name, audit, errs, "sidebar", t0)
+        if sidebar: log(f"browser: sidebar: clicked through {len(sidebar)} pages, {sidebar[0]} to {sidebar[-1]}")
+        # 3. pages the reader's path did not reach
+        for name in names:
+            if name in pages: continue
+            t0 = time.perf_counter()
+            try: audit, errs = check_page(cdp, s, base + name)
+            except Exception as e: audit, errs = None, [f"check failed: {type(e).__name__}: {e}"]
+            record(name, audit, errs, "opened directly", t0)
         for name, probs in link_problems({k: v for k, v in pages.items() if v}, docs, base).items():
             if probs and not problems[name]: log(f"browser: {name}: FAILED (links)")
             problems[name] += probs
@@ -291,14 +379,14 @@ def run_check(docs, names=None, shots=SCREENSHOTS, log=print):
         if proc is not None: stop_chromium(proc)
         srv.shutdown(); srv.server_close()
         shutil.rmtree(profile, ignore_errors=True)
-    for s in shots:
-        if f"{s}.html" in names and not any(p.stem == s for p in shot_paths):
-            problems.setdefault(f"{s}.html", []).append("no screenshot was saved")
-    failed = [n for n in names if problems.get(n)]
+    for st in shots:
+        if f"{st}.html" in names and not any(p.stem == st for p in shot_paths):
+            problems.setdefault(f"{st}.html", []).append("no screenshot was saved")
+    failed = [n for n in problems if problems[n]]
     for n in failed:
         for p in problems[n]: log(f"browser: {n}: {p}")
     for p in shot_paths: log(f"browser: screenshot {p.relative_to(ROOT) if p.is_relative_to(ROOT) else p}")
-    log(f"browser check: {len(names)} pages checked in headless Chromium ({', '.join(Path(n).stem for n in names)}), "
+    log(f"browser check: {len(pages)} pages checked in headless Chromium ({', '.join(Path(n).stem for n in pages)}), "
         f"{len(failed)} failed, {time.perf_counter() - t_start:.0f} s")
     return problems, shot_paths
 

@@ -1,66 +1,31 @@
-"""Docs check for machines without Quarto: render every notebook in nbs/ to HTML in _docs/, then open the pages in a browser.
+"""Build the docs site with MkDocs Material from the notebooks' saved outputs, check it, then open it in a browser.
 
-`nbdev_docs` (Quarto) builds the real site from `_quarto.yml`; Quarto cannot be installed here, so this renders each
-notebook with nbconvert the way the site shows it (hidden cells dropped, `#|` directives stripped, outputs kept,
-equations typeset by a local copy of MathJax, links to notebooks pointed at the rendered pages, a navigation bar in the
-sidebar's order), and fails on a rendering error or a page that would render wrongly:
+Quarto cannot be installed here, so `nbdev_docs` cannot build the site `_quarto.yml` describes. This builds the same
+site with a maintained static-site tool instead: each notebook of nbs/ becomes a Markdown page in _proc/site/ the
+way nbdev prepares it for Quarto (hidden cells dropped, `#|` directives stripped, saved outputs kept, figures written
+next to the page, and after each `#| export` cell an API entry for every public function or class it defines:
+nbdev's `show_doc` signature and docstring, then the docments argument table), the sidebar comes from `_quarto.yml`'s
+sidebar (the one source of the reading order), and `mkdocs build` (configuration: mkdocs.yml) writes _docs/ with
+offline search, a table of contents per page, copy buttons on code and equations typeset by a local MathJax.
+It fails on a rendering error, a MkDocs warning (a link or anchor it cannot resolve) or a page that would render wrongly:
 - a notebook without a `# title` first cell, or with `#| export` cells but no `#| default_exp` (pages without
   exported code, such as index and troubleshooting, need none);
 - an unbalanced `$$` in a markdown cell;
 - a markdown list with no blank line above it (Quarto then renders it as a paragraph);
 - a link to a notebook that does not exist, an image file that does not exist, a `_quarto.yml` sidebar entry that
   does not exist.
-Then `.ci/browser_check.py` opens every page in headless Chromium (when installed; skipped with a message otherwise):
-no console errors, every image loads, equations typeset, internal links resolve; screenshots of two pages.
+Then `.ci/browser_check.py` follows a reader through the site in headless Chromium (when installed; skipped with a
+message otherwise): search, the sidebar from first page to last, no console errors, images, equations, links.
 Usage: python .ci/check_docs.py [--no-browser]
 """
-import html, re, shutil, sys
+import ast, base64, html, importlib, json, re, shutil, subprocess, sys, time
 from pathlib import Path
 import nbformat, yaml
-from jinja2 import DictLoader
-from nbconvert import HTMLExporter
 
 ROOT = Path(__file__).resolve().parents[1]
-NBS, OUT = ROOT / "nbs", ROOT / "_docs"
+NBS, OUT, SRC = ROOT / "nbs", ROOT / "_docs", ROOT / "_proc" / "site"
 MATHJAX_DIR = "mathjax"  # _docs/mathjax/: MathJax 2.7 from the `jupyter-server-mathjax` package, served with the pages
-MATHJAX_CONFIG = "TeX-AMS-MML_HTMLorMML-full,Safe"
-
-# The lab template, minus what it would fetch from a CDN: require.js (only needed by widget outputs), mermaid (no
-# diagrams here) and MathJax, which is loaded from _docs/mathjax/ with the web fonts that copy ships (STIX-Web).
-TEMPLATE = r"""{%- extends 'lab/index.html.j2' -%}
-{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
-{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
-{%- block html_head_js_mathjax -%}
-<script type="text/x-mathjax-config">
-MathJax.Hub.Config({
-  "HTML-CSS": {availableFonts: [], preferredFont: null, webFont: "STIX-Web", imageFont: null,
-               linebreaks: {automatic: true},
-               // MathJax measures web fonts against a blank font it loads from url('about:blank'), which the browser
-               // reports as a failed request; a local() font that is not there measures the same and fetches nothing
-               styles: {"@font-face": {"font-family": "MathJax_Blank", src: "local('MathJax_Blank_None')"}}},
-  // the hidden MathML copy for screen readers would pull in the TeX web fonts, which this copy of MathJax does not ship
-  menuSettings: {assistiveMML: false},
-  tex2jax: {inlineMath: [['$', '$'], ['\\(', '\\)']], displayMath: [['$$', '$$'], ['\\[', '\\]']],
-            processEscapes: true, processEnvironments: true},
-  TeX: {equationNumbers: {autoNumber: "AMS", useLabelIds: true}},
-  displayAlign: "center", messageStyle: "none", showMathMenu: false
-});
-</script>
-<script src="{{ resources.mathjax_url }}"></script>
-{%- endblock html_head_js_mathjax -%}
-{%- block extra_css -%}
-<link rel="icon" href="data:,">
-<style>
-nav.dapo-nav { font: 14px/1.6 var(--jp-ui-font-family, sans-serif); padding: 8px 16px; border-bottom: 1px solid #ddd; }
-nav.dapo-nav a { margin-right: 12px; white-space: nowrap; }
-nav.dapo-nav a.current { font-weight: bold; text-decoration: none; color: inherit; }
-nav.dapo-nav span.section { color: #666; margin-right: 6px; }
-</style>
-{%- endblock extra_css -%}
-{%- block body_header -%}{{ super() }}
-{{ resources.dapo_nav }}
-{%- endblock body_header -%}
-"""
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 LIST_ITEM = re.compile(r"\s*([-*]|\d+\.)\s+\S")
 MD_LINK = re.compile(r"(!?)\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")  # [text](target) and ![alt](src)
@@ -130,33 +95,6 @@ def _local_images(nb):
         out += [t for bang, t in MD_LINK.findall(src) if bang and _is_local(t)] + [t for t in HTML_IMG.findall(src) if _is_local(t)]
     return out
 
-def _slug(text):
-    "Pandoc's (so Quarto's) automatic heading identifier."
-    s = re.sub(r"[^\w\s.-]", "", html.unescape(re.sub(r"<[^>]+>", "", text)).strip().lower())
-    s = re.sub(r"\s", "-", s)  # each space a hyphen: "A > 0" -> "a--0", as pandoc does
-    return re.sub(r"^[^a-z]+", "", s) or "section"
-
-def _quarto_anchors(body):
-    "Give each heading Quarto's id as well (an empty anchor before it), so `page.html#quarto-id` links resolve here too."
-    def add(m):
-        tag, hid, inner = m.group(1), m.group(2), m.group(3)
-        slug = _slug(re.sub(r'<a class="anchor-link".*?</a>', "", inner))
-        return (m.group(0) if slug == hid else f'<a id="{slug}"></a>{m.group(0)}')
-    return re.sub(r'<(h[1-6]) id="([^"]*)">(.*?)</\1>', add, body, flags=re.S)
-
-def nav_html(entries, current, stems):
-    "The sidebar of `_quarto.yml` as one line of links to the pages in `stems`."
-    parts, last = ['<nav class="dapo-nav">'], None  # (a top-level entry after a section gets a "|" before it)
-    for section, nbname in entries:
-        stem = Path(nbname).stem
-        if stem not in stems: continue
-        if section != last: parts.append(f'<span class="section">{section + ":" if section else "|"}</span>')
-        last = section
-        cls = ' class="current"' if stem == current else ""
-        parts.append(f'<a href="{stem}.html"{cls}>{"home" if stem == "index" else stem}</a>')
-    parts.append("</nav>")
-    return "\n".join(parts)
-
 def mathjax_source():
     "Folder of the MathJax 2.7 files shipped by the `jupyter-server-mathjax` package (a dev dependency)."
     try: import jupyter_server_mathjax
@@ -173,41 +111,123 @@ def copy_mathjax(out_dir):
         shutil.copytree(src, dst)
     return dst
 
-def make_exporter():
-    e = HTMLExporter(template_name="lab", extra_loaders=[DictLoader({"dapo_docs.html.j2": TEMPLATE})],
-                     template_file="dapo_docs.html.j2")
-    e.mathjax_url = f"{MATHJAX_DIR}/MathJax.js?config={MATHJAX_CONFIG}"
-    e.exclude_input_prompt = e.exclude_output_prompt = True  # no `In [ ]:` (notebooks are committed without counts)
-    return e
+def _title(nb, stem):
+    "The page title: the text of the notebook's `# title` line."
+    if nb.cells and nb.cells[0].cell_type == "markdown":
+        m = re.match(r"\s*#\s+(.+)", nb.cells[0].source)
+        if m: return m.group(1).strip()
+    return stem
 
-def render(path, exporter, out_dir=OUT, nav=""):
-    "Render notebook `path` to `out_dir/<stem>.html`; return its problems."
-    nb = nbformat.read(path, as_version=4)
-    probs = problems(path, nb)
-    keep = []
+def _api_names(src):
+    "Public functions and classes an `#| export` cell defines, in order; a fastcore `@patch` method as `Class.method`."
+    try: tree = ast.parse(src)
+    except SyntaxError: return []
+    out = []
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"): continue
+        decos = [d.id if isinstance(d, ast.Name) else getattr(d, "attr", "") for d in getattr(node, "decorator_list", [])]
+        if "patch" in decos and node.args.args and isinstance(node.args.args[0].annotation, ast.Name):
+            out.append(f"{node.args.args[0].annotation.id}.{node.name}")
+        elif "patch" not in decos: out.append(node.name)
+    return out
+
+def api_entry(obj, name):
+    "Markdown of one API entry: nbdev's `show_doc` (signature with docments, docstring), then the docments argument table."
+    from nbdev.showdoc import BasicMarkdownRenderer
+    from fastcore.docments import DocmentTbl
+    md = BasicMarkdownRenderer(obj, name=name, title_level=3)._repr_markdown_()
+    md = re.sub(r"\A---\s*\n+", "", md)
+    # the [source] link points at doc_host's repository with a line number nbdev can only find in a Quarto build
+    md = re.sub(r"^\[source\]\([^)]*\)\{[^}]*\}\s*\n+", "", md, flags=re.M)
+    try: tbl = DocmentTbl(obj)._repr_markdown_()
+    except Exception: tbl = ""
+    return f'<div class="api-entry" markdown>\n\n{md.strip()}\n\n{tbl.strip()}\n\n</div>'
+
+def _slugify():
+    from pymdownx.slugs import slugify
+    return slugify(case="lower")
+
+def _output_markdown(out, stem, n, files):
+    "Markdown for one saved output; images are added to `files` ({relative path: bytes})."
+    t = out.get("output_type")
+    if t == "stream": return _text_block(out.get("text", ""))
+    if t == "error": return _text_block("\n".join(out.get("traceback", [])))
+    data = out.get("data", {})
+    for mime, ext in (("image/png", "png"), ("image/jpeg", "jpg"), ("image/svg+xml", "svg")):
+        if mime in data:
+            name = f"{stem}_files/output_{n}.{ext}"
+            raw = data[mime]
+            files[name] = raw.encode() if ext == "svg" else base64.b64decode(raw if isinstance(raw, str) else "".join(raw))
+            return f'![output]({name}){{ .nb-output }}'
+    if "text/markdown" in data: return f'<div class="nb-output" markdown>\n\n{data["text/markdown"].strip()}\n\n</div>'
+    if "text/html" in data: return f'<div class="nb-output" markdown="0">\n{data["text/html"].strip()}\n</div>'
+    if "text/plain" in data: return _text_block(data["text/plain"])
+    return ""
+
+def _text_block(text):
+    text = ANSI.sub("", text).rstrip("\n")
+    if not text.strip(): return ""
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", text)), default=0))
+    return f"{fence} {{ .text .nb-output }}\n{text}\n{fence}"
+
+TEXT_MACRO = re.compile(r"\\(text|texttt|textrm|textit)\{([^{}]*)\}")
+
+def _text_underscores(src):
+    "`\\_` inside `\\text{..}` of an equation as `_`, outside code: Jupyter's markdown unescapes it before MathJax sees it, MathJax would print the backslash."
+    parts = re.split(r"(```.*?```|`[^`\n]*`)", src, flags=re.S)
+    fix = lambda m: f"\\{m.group(1)}{{{m.group(2).replace(chr(92) + '_', '_')}}}"
+    return "".join(p if i % 2 else TEXT_MACRO.sub(fix, p) for i, p in enumerate(parts))
+
+def notebook_markdown(path, nb, lib):
+    "The page of notebook `path` (parsed `nb`) as Markdown, its files ({relative path: bytes}) and API entries [(name, page anchor)]."
+    files, api, parts, n = {}, [], [], 0
+    mod = next((m.group(1) for c in nb.cells if c.cell_type == "code"
+                for m in [re.search(r"^#\|\s*default_exp\s+(\S+)", c.source, re.M)] if m), None)
+    slug = _slugify()
     for c in nb.cells:
-        if c.cell_type == "code":
-            if any(re.match(r"#\|\s*hide\b", d) for d in _directives(c.source)): continue  # hidden in the docs
-            c.source = _strip_directives(c.source)
-            if not c.source: continue  # e.g. the `#| default_exp` cell
-        keep.append(c)
-    nb.cells = keep
-    body, _ = exporter.from_notebook_node(nb, resources={"dapo_nav": nav, "metadata": {"name": path.stem}})
-    body = re.sub(r'href="([^"#:]+)\.ipynb', r'href="\1.html', body)
-    body = _quarto_anchors(body)
-    for t in _local_images(nb):  # images next to the notebook go next to the page
-        f = path.parent / t.split("#")[0].split("?")[0]
-        if f.is_file() and f.resolve().is_relative_to(path.parent.resolve()):
-            (out_dir / t).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, out_dir / t.split("#")[0].split("?")[0])
-    (out_dir / (path.stem + ".html")).write_text(body, encoding="utf-8")
-    return probs
+        if c.cell_type == "markdown":
+            src = re.sub(r"(\]\(\s*<?)([^)\s>:#]+)\.ipynb", r"\1\2.md", c.source)  # links to notebooks -> pages
+            parts.append(_text_underscores(src)); continue
+        if c.cell_type != "code": continue
+        ds = _directives(c.source)
+        if any(re.match(r"#\|\s*hide\b", d) for d in ds): continue
+        echo = not any(re.match(r"#\|\s*echo:\s*false", d) for d in ds)
+        show_out = not any(re.match(r"#\|\s*output:\s*false", d) for d in ds)
+        src = _strip_directives(c.source)
+        if src and echo: parts.append(f"```python\n{src}\n```")
+        if show_out:
+            for o in c.get("outputs", []):
+                n += 1
+                md = _output_markdown(o, path.stem, n, files)
+                if md: parts.append(md)
+        if mod and any(re.match(r"#\|\s*(export|exports)\b", d) for d in ds):
+            module = importlib.import_module(f"{lib}.{mod}")
+            for name in _api_names(src):
+                obj = module
+                for part in name.split("."): obj = getattr(obj, part)
+                parts.append(api_entry(obj, name))
+                api.append((name, f"{path.stem}.md#{slug(name, '-')}"))
+    return "\n\n".join(parts) + "\n", files, api
 
-def render_all(nbs_dir=NBS, out_dir=OUT, quarto_yml=None, log=print):
-    "Render every notebook of `nbs_dir` (not `_scratch` ones) into `out_dir`; return the number of failed notebooks."
-    out_dir.mkdir(parents=True, exist_ok=True)
-    copy_mathjax(out_dir)
-    exporter = make_exporter()
+def nav_from_sidebar(entries, titles, extra=()):
+    "MkDocs `nav` from the `_quarto.yml` sidebar entries [(section or None, 'x.ipynb')], pages that exist only."
+    nav, sections = [], {}
+    for section, name in entries:
+        stem = Path(name).stem
+        if stem not in titles: continue
+        item = {("Home" if stem == "index" else titles[stem]): f"{stem}.md"}
+        if section is None: nav.append(item)
+        else:
+            if section not in sections: sections[section] = []; nav.append({section: sections[section]})
+            sections[section].append(item)
+    return nav + list(extra)
+
+def build_site(nbs_dir=NBS, out_dir=OUT, quarto_yml=None, log=print, src_dir=None, lib="dapo_ref"):
+    "Notebooks of `nbs_dir` -> Markdown in `src_dir` -> MkDocs Material site in `out_dir`; return the number of problems."
+    t0 = time.time()
+    nbs_dir, out_dir = Path(nbs_dir), Path(out_dir)
+    src_dir = Path(src_dir) if src_dir else out_dir.parent / "_proc" / "site"
+    shutil.rmtree(src_dir, ignore_errors=True); src_dir.mkdir(parents=True)
     nbs = sorted(p for p in nbs_dir.glob("*.ipynb") if not p.name.startswith("_"))
     entries = sidebar_entries(quarto_yml) if quarto_yml and Path(quarto_yml).exists() else [(None, p.name) for p in nbs]
     failed = 0
@@ -217,22 +237,56 @@ def render_all(nbs_dir=NBS, out_dir=OUT, quarto_yml=None, log=print):
     listed = {Path(n).name for _, n in entries}
     for p in nbs:
         if p.name not in listed: log(f"docs: note: {p.name} is not in the sidebar of _quarto.yml (add it there)")
-    for old in out_dir.glob("*.html"):  # a page of a removed notebook would be checked as if current
-        if not (nbs_dir / (old.stem + ".ipynb")).exists(): old.unlink()
-    stems = {p.stem for p in nbs}
+    titles, api = {}, []
     for p in nbs:
-        try: probs = render(p, exporter, out_dir, nav_html(entries, p.stem, stems))
+        try:
+            nb = nbformat.read(p, as_version=4)
+            probs = problems(p, nb)
+            md, files, entries_api = notebook_markdown(p, nb, lib)
+            (src_dir / f"{p.stem}.md").write_text(md, encoding="utf-8")
+            for rel, data in files.items():
+                (src_dir / rel).parent.mkdir(parents=True, exist_ok=True); (src_dir / rel).write_bytes(data)
+            for t in _local_images(nb):  # images next to the notebook go next to the page
+                f = p.parent / t.split("#")[0].split("?")[0]
+                if f.is_file() and f.resolve().is_relative_to(p.parent.resolve()):
+                    (src_dir / t).parent.mkdir(parents=True, exist_ok=True); shutil.copyfile(f, src_dir / t)
+            titles[p.stem] = _title(nb, p.stem)
+            api += [(p.stem, n, a) for n, a in entries_api]
         except Exception as e: probs = [f"rendering failed: {type(e).__name__}: {e}"]
         for pr in probs: log(f"docs: {p.relative_to(nbs_dir.parent)}: {pr}")
         failed += bool(probs)
-    log(f"docs: rendered {len(nbs)} notebooks to {out_dir.name}/ with {failed} problem(s) "
-        "(nbconvert; `nbdev_docs` builds the Quarto site where Quarto is installed)")
-    return failed
+    extra = []
+    if api:
+        lines = ["# API reference", "", "Every function and class the notebooks export, by module, linked to its entry "
+                 "(signature, docstring and argument table) on the page that defines it.", ""]
+        for stem in dict.fromkeys(s for s, _, _ in api):
+            lines += ["", f"## {titles.get(stem, stem)}", ""] + [f"- [`{n}`]({a})" for s, n, a in api if s == stem]
+        (src_dir / "api.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        extra = [{"API reference": "api.md"}]
+    shutil.copyfile(ROOT / "docs" / "extra.css", src_dir / "extra.css")
+    cfg = {"INHERIT": str(ROOT / "mkdocs.yml"), "docs_dir": str(src_dir), "site_dir": str(out_dir.resolve()),
+           "theme": {"name": "material", "custom_dir": str(ROOT / "docs" / "overrides")},
+           "nav": nav_from_sidebar(entries, titles, extra)}
+    cfg_path = src_dir.parent / f"mkdocs-{src_dir.name}.yml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--clean", "-f", str(cfg_path)],
+                       capture_output=True, text=True)
+    warnings = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith(("WARNING", "ERROR"))]
+    for w in warnings: log(f"docs: mkdocs: {w}")
+    if r.returncode: log(f"docs: mkdocs build failed:\n{r.stderr[-3000:]}"); return failed + 1
+    copy_mathjax(out_dir)
+    log(f"docs: built {len(titles)} notebook pages{' and the API reference' if api else ''} ({len(api)} entries) into "
+        f"{out_dir.name}/ with MkDocs Material in {time.time() - t0:.0f} s, {failed + len(warnings)} problem(s) "
+        "(`nbdev_docs` builds the Quarto site where Quarto is installed)")
+    return failed + len(warnings)
+
+render_all = build_site
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    failed = render_all(NBS, OUT, ROOT / "_quarto.yml")
+    failed = build_site(NBS, OUT, ROOT / "_quarto.yml", src_dir=SRC)
     if failed: print("docs check failed: fix the notebooks named above"); sys.exit(1)
+    print(f"docs: open the site with `python -m http.server -d {OUT.name}` and http://localhost:8000/")
     if "--no-browser" in argv: return
     sys.path.insert(0, str(Path(__file__).parent))
     import browser_check

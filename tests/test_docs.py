@@ -1,10 +1,11 @@
-"""Tests of the docs check itself (.ci/check_docs.py, .ci/browser_check.py): it must fail on the pages it exists to catch.
+"""Tests of the docs build and check itself (.ci/check_docs.py, .ci/browser_check.py): it must fail on the pages it exists to catch.
 
-Small notebooks are written to a temporary nbs/ folder, rendered with the real renderer, and (when Chromium is
-installed) opened with the real browser check: a good page passes; a raw `$$`, a broken image, a broken link or
-anchor, a literal TeX macro, a console error and a request to another host each fail, with a message naming it.
+Small notebooks are written to a temporary nbs/ folder, built into a site with the real MkDocs build, and (when
+Chromium is installed) walked with the real browser check (search, sidebar, every page): a good page passes; a raw
+`$$`, a broken image, a broken link or anchor, a literal TeX macro, a console error and a request to another host
+each fail, with a message naming it.
 """
-import base64, struct, sys, zlib
+import base64, json, struct, sys, zlib
 from pathlib import Path
 
 import nbformat
@@ -84,9 +85,20 @@ def test_sidebar_entries(tmp_path):
     assert check_docs.sidebar_entries(y) == [(None, "index.ipynb"), ("A", "01_a.ipynb"), ("B", "02_b.ipynb")]
 
 
-def test_quarto_style_anchor_added():
-    body = '<h2 id="Clip-Higher:-A-%3E-0">Clip-Higher: A &gt; 0<a class="anchor-link" href="#x">¶</a></h2>'
-    assert check_docs._quarto_anchors(body) == '<a id="clip-higher-a--0"></a>' + body  # pandoc's identifier
+def test_text_underscores_as_jupyter_shows_them():
+    src = "$$\\text{max\\_tokens} + a\\_b$$ and `\\text{x\\_y}` in code"
+    assert check_docs._text_underscores(src) == "$$\\text{max_tokens} + a\\_b$$ and `\\text{x\\_y}` in code"
+
+
+def test_api_names_and_entry():
+    src = "from x import y\ndef public(a): pass\ndef _private(): pass\nclass Thing: pass\n@patch\ndef step(self: Thing): pass\n"
+    assert check_docs._api_names(src) == ["public", "Thing", "Thing.step"]
+    from dapo_ref.tiny import tiny_splits
+    md = check_docs.api_entry(tiny_splits, "tiny_splits")
+    assert "### tiny_splits" in md and "n_train:int, # training prompts" in md      # nbdev's signature with docments
+    assert "Distinct train and held-out tiny problems" in md                         # the docstring
+    assert "| n_eval | int |  | held-out prompts |" in md                            # the docments table
+    assert "[source]" not in md
 
 
 # --- rendering and the browser ---
@@ -102,16 +114,17 @@ def site(tmp_path_factory):
     png_out = new_code_cell("plot()")
     png_out.outputs = [new_output("display_data", data={"image/png": img, "text/plain": "<Figure>"})]
     pages = {
+        "index": _nb(new_markdown_cell("Welcome: start with [the good page](good.ipynb)."), title="# home\n\n> the home page"),
         "good": _nb(new_markdown_cell("## Section one\n\nInline $\\varepsilon_{\\text{high}} = 0.28$ and\n\n"
                                       "$$\\frac{1}{\\sum_i |o_i|}\\sum_i \\hat{A}_{i}$$\n\n"
-                                      "![fig](fig.png) [again](#section-one) [self](good.ipynb#Section-one) "
-                                      "[other](other.ipynb)"), png_out),
+                                      "![fig](fig.png) [again](#section-one) [self](good.ipynb#section-one) "
+                                      "[other](other.ipynb)\n\n```python\nx = 1\n```"), png_out),
         "other": _nb(new_markdown_cell("Back [home](good.ipynb).")),
         "raw_dollars": _nb(new_markdown_cell("It costs $$ 5 per token.")),
         "broken_image": _nb(new_markdown_cell("![gone](gone.png)")),
         "broken_link": _nb(new_markdown_cell("[a page](nothere.ipynb)")),
         "broken_anchor": _nb(new_markdown_cell("[an anchor](good.ipynb#no-such-heading)")),
-        "literal_macro": _nb(new_markdown_cell("$$\\texttt{is\\_equivalent}(a, o)$$")),
+        "literal_macro": _nb(new_markdown_cell("$$\\text{rate \\times time}(a, o)$$")),
         "console_error": _nb(_html_output("<script>console.error('boom from the page')</script><p>x</p>")),
         "external_request": _nb(_html_output('<img src="http://127.0.0.2:9/x.png" alt="remote">')),
     }
@@ -123,31 +136,38 @@ def site(tmp_path_factory):
 
 def test_render_offline_assets(site):
     docs, failed, logs = site
-    # the static check already catches three of the defects; the others need the browser
+    # the static check catches three of the defects, MkDocs the links it cannot resolve; the rest need the browser
     flagged = {l.split(":")[1].strip() for l in logs if l.startswith("docs: nbs/")}
     assert flagged == {"nbs/raw_dollars.ipynb", "nbs/broken_image.ipynb", "nbs/broken_link.ipynb"}, logs
-    assert failed == 3
+    mk = [l for l in logs if l.startswith("docs: mkdocs: WARNING")]
+    assert len(mk) == 3 and any("'good.md#no-such-heading'" in l for l in mk), mk
+    assert failed == 6
     html = (docs / "good.html").read_text()
-    assert (docs / "mathjax" / "MathJax.js").is_file() and 'src="mathjax/MathJax.js?config=' in html
+    assert (docs / "mathjax" / "MathJax.js").is_file() and 'mathjax/MathJax.js?config=' in html
     import re
     remote = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(https?://[^"]+)"', html)
-    assert remote == [], remote  # no CDN: the pages must work offline
+    assert remote == [], remote  # no CDN, no web fonts: the pages must work offline
     assert 'href="other.html"' in html and "fig.png" in html and (docs / "fig.png").is_file()
+    assert 'class="arithmatex"' in html                           # math handed to MathJax
+    assert "good_files/output_" in html                           # the saved figure output
+    index = json.loads((docs / "search" / "search_index.json").read_text())
+    assert any("Section one" in d["title"] for d in index["docs"])  # searchable offline, per section
 
 
 @pytest.mark.skipif(not HAVE_CHROMIUM, reason=f"no Chromium at {browser_check.CHROMIUM} (apt-get install chromium)")
 def test_browser_check_catches_each_defect(site, tmp_path):
     docs, _, _ = site
     logs = []
-    problems, shots = browser_check.run_check(docs, None, shots=("good",), log=logs.append)
+    problems, shots = browser_check.run_check(docs, None, shots=("good",), search=("Section one", "good.html"),
+                                               log=logs.append)
     text = "\n".join(logs)
     assert problems["good.html"] == [], text
-    assert problems["other.html"] == [], text
+    assert problems["other.html"] == [] and problems["index.html"] == [], text
     assert [p.name for p in shots] == ["good.png"] and shots[0].stat().st_size > 1000
     expect = {
         "raw_dollars.html": "raw TeX left in the text",
         "broken_image.html": "image did not load",
-        "broken_link.html": "broken link 'nothere.html': nothere.html does not exist",
+        "broken_link.html": "broken link 'nothere.md': nothere.md does not exist",
         "broken_anchor.html": "no element with id 'no-such-heading' in good.html",
         "literal_macro.html": "macro printed literally",
         "console_error.html": "console.error: boom from the page",
@@ -155,7 +175,8 @@ def test_browser_check_catches_each_defect(site, tmp_path):
     }
     for page, msg in expect.items():
         assert any(msg in p for p in problems[page]), (page, problems[page])
-    assert "browser check: 9 pages checked" in text and "7 failed" in text
+    assert "browser check: 10 pages checked" in text and "7 failed" in text
+    assert "search 'Section one'" in text and "sidebar: clicked through 9 pages" in text
 
 
 def test_browser_check_skips_without_chromium(monkeypatch, capsys):
@@ -177,4 +198,11 @@ def test_sidebar_entry_missing_fails(tmp_path):
     assert check_docs.render_all(nbs, tmp_path / "docs", y, log=logs.append) == 1
     assert any("sidebar entry 07_gone.ipynb does not exist" in l for l in logs), logs
     page = (tmp_path / "docs" / "index.html").read_text()
-    assert '<nav class="dapo-nav">' in page and "07_gone" not in page  # the nav links only pages that exist
+    assert "md-nav--primary" in page and "07_gone" not in page  # the sidebar links only pages that exist
+
+
+def test_sidebar_order_comes_from_quarto_yml(tmp_path):
+    entries = [(None, "index.ipynb"), ("Part", "02_b.ipynb"), ("Part", "01_a.ipynb"), (None, "03_c.ipynb")]
+    titles = {"index": "home", "01_a": "a", "02_b": "b", "03_c": "c"}
+    assert check_docs.nav_from_sidebar(entries, titles) == [
+        {"Home": "index.md"}, {"Part": [{"b": "02_b.md"}, {"a": "01_a.md"}]}, {"c": "03_c.md"}]
