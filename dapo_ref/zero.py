@@ -15,7 +15,7 @@ from torch import Tensor
 # %% auto #0
 __all__ = ['PeakRSS', 'read_safetensors_header', 'read_tensor_into', 'SafetensorsWriter', 'zero3_enabled', 'checkpoint_folder',
            'module_tensors', 'full_shape', 'gathered', 'load_checkpoint_streamed', 'returned_large_blocks',
-           'from_pretrained_zero3', 'balance_by_tokens', 'save_pretrained_streamed']
+           'from_pretrained_zero3', 'plain_from_pretrained', 'balance_by_tokens', 'save_pretrained_streamed']
 
 # %% ../nbs/10a_zero.ipynb #8c53a515
 def _status_kib(field: str) -> int:
@@ -212,7 +212,19 @@ def from_pretrained_zero3(name_or_path: str | Path,     # local folder or hub na
     if (folder / "generation_config.json").exists(): model.generation_config = GenerationConfig.from_pretrained(folder)
     return model.eval()
 
-# %% ../nbs/10a_zero.ipynb #19eb1178
+# %% ../nbs/10a_zero.ipynb #f3b6879a
+@contextlib.contextmanager
+def plain_from_pretrained():
+    "Inside the block transformers builds models whole (no zero.Init), even while a ZeRO-3 model's `HfDeepSpeedConfig` lives."
+    from transformers.integrations import deepspeed as hf_ds
+    ref = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)  # transformers keeps the live config behind a weak reference
+    live = ref() if ref is not None else None
+    hf_ds.unset_hf_deepspeed_config()
+    try: yield
+    finally:
+        if live is not None: hf_ds.set_hf_deepspeed_config(live)
+
+# %% ../nbs/10a_zero.ipynb #95a711dd
 def balance_by_tokens(lengths: list[int],     # (B,) tokens of each response (loss tokens, or prompt + response)
                       k: int,                 # N ranks
                       equal_size: bool = False,  # every rank gets B / k responses (B must divide by k)
@@ -238,7 +250,7 @@ def balance_by_tokens(lengths: list[int],     # (B,) tokens of each response (lo
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), n, merged)); n += 1
     return [sorted(ix) for _, ix in heap[0][2]] if heap else [[] for _ in range(k)]
 
-# %% ../nbs/10a_zero.ipynb #e0cf20d0
+# %% ../nbs/10a_zero.ipynb #da05611a
 def _shard_layout(plan, shard_bytes: int) -> list[list[tuple[str, tuple, torch.dtype]]]:
     "Tensors in module order, cut into shards of at most `shard_bytes` (a larger tensor gets a shard of its own)."
     shards, cur, size = [], [], 0
@@ -255,7 +267,7 @@ def _prepare_dir(out: Path, overwrite: bool):
         for p in out.glob("model*.safetensors*"): p.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
-# %% ../nbs/10a_zero.ipynb #fa7bf90f
+# %% ../nbs/10a_zero.ipynb #32561a46
 @torch.no_grad()
 def save_pretrained_streamed(module: torch.nn.Module,     # a transformers model, ZeRO-3 partitioned or not
                              out_dir: str | Path,
