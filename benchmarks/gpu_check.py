@@ -146,6 +146,15 @@ def requirements(cpu: bool) -> str | None:
     return None
 
 
+def warnings_before_run(cpu: bool) -> list[str]:
+    "Things that may stop the GPU run later, said up front."
+    out = []
+    if not cpu and not (shutil.which("nvcc") or os.environ.get("CUDA_HOME")):
+        out.append("no nvcc (CUDA toolkit) found: DeepSpeed JIT-compiles its fused AdamW on first use; if the run fails "
+                   "building 'fused_adam', install the toolkit or a DeepSpeed wheel built with DS_BUILD_FUSED_ADAM=1")
+    return out
+
+
 def peak_tflops(name: str) -> float | None:
     "Dense bf16 peak of a GPU named `name` (longest matching table key), None if not in the table."
     if "H100" in name and "PCIe" in name: return 756.0
@@ -170,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = requirements(cpu)
     if missing: print(f"gpu_check: {missing}", file=sys.stderr); return 2
     t_start = time.perf_counter()
-    import torch
+    import torch, transformers, deepspeed
+    for w in warnings_before_run(cpu): print(f"gpu_check: warning: {w}", file=sys.stderr)
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-")); work.mkdir(parents=True, exist_ok=True)
     shape, run = ("tiny", RUNS["cpu"]) if cpu else ("1.5b", RUNS["gpu"])
     gpu_name = "CPU" if cpu else torch.cuda.get_device_name(0)
@@ -211,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                              mfu=flops / t / (tflops * 1e12) if tflops else None, generate_s=r.get("time_generate"),
                              resp_len_mean=r["resp_len_mean"]))
     wall = time.perf_counter() - t_start
-    summary = dict(device=gpu_name, n_params=n_params, shape=shape, recipe=run, prompt_len=prompt_len, peak=peaks,
+    summary = dict(device=gpu_name, versions=dict(torch=torch.__version__, transformers=transformers.__version__,
+                                                  deepspeed=deepspeed.__version__), n_params=n_params, shape=shape, recipe=run, prompt_len=prompt_len, peak=peaks,
                    device_used_peak=mon.peak, plan=predicted, steps=per_step, peak_tflops=tflops, wall_s=wall)
     (work / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     report(summary)
@@ -225,7 +236,8 @@ def report(s: dict):
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.1f} GiB"
     r = s["recipe"]
     print(f"gpu_check on {s['device']}: Qwen2 of {s['n_params'] / 1e6:,.1f}M parameters (random weights), {r['dtype']}, ZeRO-3 + gradient "
-          f"checkpointing, transformers engine, l_max {r['l_max']}, {r['prompts_per_step']} prompts x G {r['group_size']}")
+          f"checkpointing, transformers engine, l_max {r['l_max']}, {r['prompts_per_step']} prompts x G {r['group_size']}; "
+          + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
     pk = s["peak"]
     print(f"peak GPU memory, measured: max allocated {gib(pk.get('max_allocated'))}, max reserved "
           f"{gib(pk.get('max_reserved'))}, device used {gib(s['device_used_peak'])} (nvidia-smi)")
