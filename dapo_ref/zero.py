@@ -299,7 +299,7 @@ def save_pretrained_streamed(module: torch.nn.Module,     # a transformers model
                     writer = (s, SafetensorsWriter(out / names[s], shards[s]))
                 writer[1].write(k, t.data)
     if rank == 0:
-        writer[1].close()
+        if writer: writer[1].close()
         _write_configs(module, out, shards, names)
     if dist.is_available() and dist.is_initialized(): dist.barrier()
     return out if rank == 0 else None
