@@ -355,10 +355,10 @@ def score_batch(responses: Sequence[str],  # B decoded responses of one generati
     res = [memo.get(k) or memo.setdefault(k, score_response(*k, mode=string_mode, window=None))
            for k in ((r if window is None else r[-window:], str(g)) for r, g in zip(responses, ground_truths))]
     t = time.perf_counter()
-    todo = {}  # (gold, pred) -> indices still to ask math-verify about
+    todo, gts = {}, {}  # (gold, pred) -> indices still to ask math-verify about; normalised ground truths
     if mode == "math-verify":
         for i, (d, g) in enumerate(zip(res, ground_truths)):
-            gt = normalize_answer(g)
+            gt = gts.get(str(g)) or gts.setdefault(str(g), normalize_answer(g))
             if not d["acc"] and d["pred"] != "[INVALID]" and d["pred"] and gt:
                 todo.setdefault((f"${gt}$", f"${d['pred']}$"), []).append(i)
     verdicts = verify_pairs(list(todo), timeout, workers) if todo else []
