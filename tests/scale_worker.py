@@ -5,7 +5,8 @@
 Each rank builds the same fixed DAPO mini-batch (`fixed_batch`), keeps its share of the groups (`dist.shard`), and for
 ZeRO-3, ZeRO-2, ZeRO-3 with gradient checkpointing (`DeepSpeedLearner`) and the plain learner (`TorchLearner`, stage
 "0", gradients summed with one all-reduce): computes old log-probs, does one `update`, and syncs the new weights into a
-rollout engine (`HFRolloutEngine`). Rank 0 writes to OUT_DIR/stage{name}.pt: the full weights the learner streamed, the
+rollout engine (`HFRolloutEngine`), all through `Trainer.train_on` and
+`Trainer.sync_weights`. Rank 0 writes to OUT_DIR/stage{name}.pt: the full weights the learner streamed, the
 learner's own consolidated weights, the engine's weights on every rank, the old log-probs and the update's metrics.
 The one-device comparison is done by the test, in its own process, with `trainer.TorchLearner`."""
 import copy, os, sys
@@ -21,7 +22,7 @@ def test_cfg():
     from dapo_ref.core import config_from_dict
     return config_from_dict(dict(model="tiny", group_size=G, prompts_per_step=N_GROUPS, gen_batch_size=N_GROUPS,
                                  mini_batch_size=G * N_GROUPS, lr=1e-3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0,
-                                 micro_token_budget=96, zero_stage=3, dtype="float32", l_max=32, l_cache=8))
+                                 micro_token_budget=96, zero_stage=0, dtype="float32", l_max=32, l_cache=8))
 
 
 def fixed_batch(vocab: int = 392, seed: int = 0):
@@ -38,32 +39,40 @@ def fixed_batch(vocab: int = 392, seed: int = 0):
     return RolloutBatch(prompts, responses, adv, torch.zeros(N_GROUPS * G, dtype=torch.bool), adv.clone())
 
 
-def local_share(batch, rank, world):
-    "This rank's groups of the batch, kept whole."
-    from dapo_ref.dist import shard
-    groups = shard(list(range(N_GROUPS)), rank, world)
-    return batch.select([k * G + t for k in groups for t in range(G)])
+def trainer_update(cfg, model, tok, engine=None):
+    """`Trainer.train_on` (Algorithm 1 lines 10-11, one mini-batch) on this rank's groups of the fixed batch, through the
+    same `Trainer` as `dapo-train`: returns (trainer, old log-probs, the update's metrics, micro-batch count)."""
+    from dapo_ref import dist
+    from dapo_ref.tiny import tiny_splits
+    from dapo_ref.trainer import Trainer
+    trainer = Trainer(cfg, train_examples=tiny_splits(8, 1, seed=0)[0], eval_examples=[], model=model, tokenizer=tok,
+                      engine=engine, progress=False, log=None)
+    mine = set(dist.shard(list(range(N_GROUPS)), dist.rank(), dist.world_size()))  # groups stay whole on one rank
+    owned = [k in mine for k in range(N_GROUPS) for _ in range(G)]  # (B,) responses this rank trains on
+    batch = fixed_batch().select([i for i, o in enumerate(owned) if o])
+    n_micro = len(trainer.learner.micro_batches(batch))
+    old, _ = trainer.learner.compute_logprobs(batch)
+    updates, _ = trainer.train_on(batch, owned, {})
+    return trainer, old, updates[0], n_micro
 
 
 def run_stage(name: str, out: Path):
-    "name: ZeRO stage, with a `gc` suffix for gradient checkpointing (e.g. `3gc`)."
+    "name: ZeRO stage, with a `gc` suffix for gradient checkpointing (e.g. `3gc`); `0` is the plain learner."
     from dapo_ref import dist
-    from dapo_ref.trainer import load_policy, learner_class
+    from dapo_ref.trainer import load_policy
     from dapo_ref.rollout import HFRolloutEngine
     rank, world = dist.rank(), dist.world_size()
     cfg = test_cfg(); cfg.zero_stage = stage = int(name[0]); cfg.gradient_checkpointing = name.endswith("gc")
+    cfg.gpus_per_node = world
     model, tok = load_policy("tiny")
     engine = HFRolloutEngine(copy.deepcopy(model), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    learner = learner_class(cfg).build(cfg, tok.pad_token_id, model=model)
+    trainer, old, metrics, n_micro = trainer_update(cfg, model, tok, engine)
+    learner = trainer.learner
     from transformers.modeling_layers import GradientCheckpointingLayer
     ckpt = [m.gradient_checkpointing and m.training for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    batch = local_share(fixed_batch(), rank, world)
-    n_micro = len(learner.micro_batches(batch))
-    old, _ = learner.compute_logprobs(batch)
-    metrics = learner.update(batch, old)
     learner.end_step()
     streamed = {n: t.clone() for n, t in learner.named_weights()}  # every rank iterates: a collective
-    engine.load_weights(learner.named_weights())
+    trainer.sync_weights()  # Algorithm 1 line 3
     eng_sd = {n: t.clone() for n, t in engine.model.state_dict().items()}
     consolidated = (learner.engine._zero3_consolidated_16bit_state_dict() if stage == 3
                     else {n: t.clone() for n, t in learner.model.state_dict().items()})  # the learner's own weights

@@ -129,15 +129,13 @@ def two_rank_update(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_device_update():
-    "The same fixed batch, the same config, one process: `trainer.TorchLearner`."
-    from dapo_ref.trainer import TorchLearner, load_policy
+    "The same fixed batch, the same config, one process: `Trainer.train_on` with the plain learner."
+    from dapo_ref.trainer import load_policy
     model, tok = load_policy("tiny")
     init = {n: t.clone() for n, t in model.state_dict().items()}
-    learner = TorchLearner(model, scale_worker.test_cfg(), tok.pad_token_id)
-    batch = scale_worker.fixed_batch()
-    old, _ = learner.compute_logprobs(batch)
-    metrics = learner.update(batch, old)
-    return dict(init=init, weights=model.state_dict(), old=old, metrics=metrics, n_micro=len(learner.micro_batches(batch)))
+    trainer, old, metrics, n_micro = scale_worker.trainer_update(scale_worker.test_cfg(), model, tok)
+    assert type(trainer.learner).__name__ == "TorchLearner" and trainer.world == 1
+    return dict(init=init, weights=model.state_dict(), old=old, metrics=metrics, n_micro=n_micro)
 
 
 # fp32 on both sides. The gradients agree to float32 rounding (summation order differs: 2 ranks x 3-4 micro-batches

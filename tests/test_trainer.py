@@ -65,20 +65,28 @@ def test_one_dapo_step_lowers_loss_on_its_batch(tmp_path, policy):
     assert after < before - 1e-3, (before, after)
 
 
-@pytest.mark.parametrize("agg", LOSS_AGGS)
-def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path, policy, agg):
-    """Every loss aggregation, with overlong filtering masking one row and one whole micro-batch: many small
-    micro-batches give the loss and gradient of one big one (the learner passes the mini-batch's global denominators)."""
-    cfg = tiny_cfg(tmp_path, mini_batch_size=128, warmup_steps=0)
+@pytest.fixture(scope="module")
+def sampled_batch(policy, tmp_path_factory):
+    "One step's batch of the tiny recipe (128 responses), with overlong filtering marking row 0 and a whole micro-batch."
+    tmp = tmp_path_factory.mktemp("batch")
+    cfg = tiny_cfg(tmp, mini_batch_size=128, warmup_steps=0)
     tr = Trainer(cfg, model=fresh(policy)[0], tokenizer=policy[1], progress=False, log=None)
     groups, _, _ = tr.collect(1, {})
     batch = make_batch(groups, cfg.group_size)
-    small = TorchLearner(fresh(policy)[0], tiny_cfg(tmp_path, micro_token_budget=300), tr.pad_id).micro_batches(batch)
+    small = TorchLearner(fresh(policy)[0], tiny_cfg(tmp, micro_token_budget=300), tr.pad_id).micro_batches(batch)
     batch.truncated[small[1]] = True; batch.truncated[0] = True  # overlong filtering empties micro-batch 1 and row 0
+    return batch, tr.pad_id
+
+
+@pytest.mark.parametrize("agg", LOSS_AGGS)
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path, policy, sampled_batch, agg):
+    """Every loss aggregation, with overlong filtering masking one row and one whole micro-batch: many small
+    micro-batches give the loss and gradient of one big one (the learner passes the mini-batch's global denominators)."""
+    batch, pad_id = sampled_batch
     grads, losses, n_micro = [], [], []
     for budget in (10**6, 300):
         learner = TorchLearner(fresh(policy)[0], tiny_cfg(tmp_path, micro_token_budget=budget, warmup_steps=0,
-                                                         loss_agg=agg, overlong_filter=True), tr.pad_id)
+                                                         loss_agg=agg, overlong_filter=True), pad_id)
         n_micro.append(len(learner.micro_batches(batch)))
         old, _ = learner.compute_logprobs(batch)
         learner.opt.step = lambda *a, **k: None  # keep the gradient, skip the step
