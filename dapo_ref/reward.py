@@ -139,7 +139,9 @@ import logging; logging.disable(logging.CRITICAL)
 try:
     from math_verify import parse, verify
     P = lambda s: parse(s, parsing_timeout=None)  # math-verify's own (signal) timeouts off: the server kills instead
-    verify(P("$1/2$"), P("$0.5$"), timeout_seconds=None)  # finish sympy's lazy imports once, before any fork
+    for g, p in [("1/2", "0.5"), ("2\\sqrt{3}", "298"), ("(1,2)", "984"), ("x^2+1", "7"), ("\\frac{\\pi}{4}", "\\pi/4"),
+                 ("[1,2)", "(1,2]"), ("-7", "626"), ("\\frac{3}{\\sqrt{2}}", "2.1"), ("\\text{(A)}", "A")]:
+        verify(P("$" + g + "$"), P("$" + p + "$"), timeout_seconds=None)  # sympy's lazy imports, once, before any fork
 except Exception as e:
     sys.stdout.write("error %r\n" % (e,)); sys.stdout.flush(); sys.exit(1)
 out = os.fdopen(os.dup(1), "w")
@@ -168,7 +170,7 @@ def spawn():
         try: os.dup2(tr, 0); os.dup2(rw, 3); os.closerange(4, 1 << 16); child()
         finally: os._exit(0)
     os.close(tr); os.close(rw)
-    w = dict(pid=pid, w=os.fdopen(tw, "w"), r=rr, buf=b"", job=None, gold=None, t0=0.0, aside=False)
+    w = dict(pid=pid, w=os.fdopen(tw, "w"), r=rr, buf=b"", job=None, gold=None, t0=0.0, ran=0.0, aside=False)
     sel.register(rr, selectors.EVENT_READ); W[rr] = w
     return w
 
@@ -184,19 +186,21 @@ def drop(w):
 # %% ../nbs/02_reward.ipynb #a1e0c002
 _POOL_SRC += r'''
 def run(pairs, timeout, workers, slow_after, max_aside):
-    "Verdicts 1 / 0 / 'timeout' / 'error' for `pairs`; each call ends by its start + `timeout`."
+    "Verdicts 1 / 0 / 'timeout' / 'error' for `pairs`; each call may run for `timeout` seconds."
     res, left, todo = [None] * len(pairs), len(pairs), {}
     for i, (gold, _) in enumerate(pairs): todo.setdefault(gold, collections.deque()).append(i)
     for w in sorted((w for w in W.values() if w["job"] is None), key=lambda w: w["pid"])[workers:]: drop(w)
+    ran = lambda w, now: w["ran"] + (0.0 if w["aside"] else now - w["t0"])  # running time of w's call
     def finish(w, v):
         nonlocal left
-        res[w["job"]], w["job"], w["aside"], left = v, None, False, left - 1
+        res[w["job"]], w["job"], left = v, None, left - 1
         if v not in (0, 1): drop(w)
-    def take(w):  # the same ground truth as this worker's last call where possible: its parse is cached there
+        elif w["aside"]: os.kill(w["pid"], signal.SIGCONT); w["aside"] = False  # answered just as it was stopped
+    def take(w):  # the same ground truth as this worker's last call where possible: sympy's caches help there
         q = todo.get(w["gold"]) or next(iter(todo.values()))
         i = q.popleft()
         if not q: del todo[pairs[i][0]]
-        w.update(job=i, gold=pairs[i][0], t0=time.monotonic())
+        w.update(job=i, gold=pairs[i][0], t0=time.monotonic(), ran=0.0)
         try: w["w"].write(json.dumps(pairs[i]) + "\n"); w["w"].flush()
         except OSError: finish(w, "error")
     while left:
@@ -204,14 +208,16 @@ def run(pairs, timeout, workers, slow_after, max_aside):
         while todo and len(live) < workers: live.append(spawn())
         for w in live:
             if w["job"] is None and todo: take(w)
-        now, aside = time.monotonic(), sum(w["aside"] for w in W.values())
-        if todo:  # calls are waiting: a slow call steps aside (it keeps running) and a new worker takes its slot
-            slow = [w for w in live if w["job"] is not None and now - w["t0"] > slow_after][:max(0, max_aside - aside)]
-            for w in slow: w["aside"] = True
+        now, aside = time.monotonic(), [w for w in W.values() if w["aside"]]
+        if todo:  # calls are waiting: a slow call is stopped (its clock too) and a new worker takes its slot
+            slow = [w for w in live if w["job"] is not None and ran(w, now) > slow_after][:max(0, max_aside - len(aside))]
+            for w in slow: os.kill(w["pid"], signal.SIGSTOP); w.update(ran=ran(w, now), aside=True)
             if slow: continue
-        busy = [w for w in W.values() if w["job"] is not None]
-        wake = [w["t0"] + timeout for w in busy]
-        if todo and aside < max_aside: wake += [w["t0"] + slow_after for w in busy if not w["aside"]]
+        else:  # nothing waits any more: the stopped calls run again side by side, each with the time it has left
+            for w in aside: os.kill(w["pid"], signal.SIGCONT); w.update(aside=False, t0=now)
+        busy = [w for w in W.values() if w["job"] is not None and not w["aside"]]
+        wake = [now + timeout - ran(w, now) for w in busy]
+        if todo and len(aside) < max_aside: wake += [now + slow_after - ran(w, now) for w in busy]
         for key, _ in sel.select(max(0.0, min(wake, default=now + 1.0) - now)):
             if key.fd == 0: raise SystemExit  # the client closed its end or died
             w = W.get(key.fd)
@@ -225,9 +231,12 @@ def run(pairs, timeout, workers, slow_after, max_aside):
             if b"\n" in w["buf"] and w["job"] is not None:
                 line, w["buf"] = w["buf"].split(b"\n", 1); finish(w, 1 if line == b"1" else 0)
         now = time.monotonic()
-        for w in [w for w in W.values() if w["job"] is not None and now - w["t0"] >= timeout]: finish(w, "timeout")
+        for w in [w for w in W.values() if w["job"] is not None and ran(w, now) >= timeout]: finish(w, "timeout")
     return res
+'''
 
+# %% ../nbs/02_reward.ipynb #a1e0c00a
+_POOL_SRC += r'''
 SERVER, W, sel = os.getpid(), {}, selectors.DefaultSelector()
 sel.register(0, selectors.EVENT_READ)
 out.write("ready\n"); out.flush()
@@ -241,7 +250,7 @@ finally:
 '''
 
 # %% ../nbs/02_reward.ipynb #a1e0c003
-SLOW_AFTER = 0.5  # seconds a math-verify call may hold a worker's slot while others wait (typical: milliseconds)
+SLOW_AFTER = 0.2  # seconds a math-verify call may hold a worker's slot while others wait (typical: milliseconds)
 
 class _VerifyPool:
     "Client of one math-verify server process: it imports math-verify once and forks its workers from itself."
