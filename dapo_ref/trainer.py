@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from . import dist
 from .core import DAPOConfig, save_config, validate
 from .data import MathExample, load_math_dataset, prompt_token_ids
-from .reward import score_response, overlong_penalty
+from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
 from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
 from .sampling import DynamicSamplingBuffer, DynamicSamplingError
@@ -151,22 +151,25 @@ def score_groups(comps: list[Completion],   # P*G completions, the G of a prompt
                  examples: list[MathExample],   # the training set
                  prompt_ids: list[list[int]],   # its prompts' token ids
                  indices: list[int],        # the P rows the completions answer
-                 cfg: DAPOConfig,           # group_size and overlong settings
+                 cfg: DAPOConfig,           # group_size, reward mode and timeout, overlong settings
+                 stats: dict | None = None, # adds the reward's timeouts and errors to stats["reward_timeouts"], ...
                 ) -> list[Group]:
-    "Algorithm 1 line 5: the rule-based reward (Eq. 7) plus the soft overlong punishment (Eq. 13) of every response."
-    G, groups = cfg.group_size, []
-    for p, i in enumerate(indices):
-        cs = comps[p * G:(p + 1) * G]
-        texts = tokenizer.batch_decode([c.token_ids for c in cs], skip_special_tokens=True)
-        sc = [score_response(t, examples[i].ground_truth) for t in texts]
-        lengths = torch.tensor([len(c.token_ids) for c in cs])  # (G,) EOS counted
-        rewards = torch.tensor([s["score"] for s in sc], dtype=torch.float32)  # (G,)
-        if cfg.soft_overlong_punishment:
-            rewards = rewards + cfg.overlong_penalty_factor * overlong_penalty(lengths, cfg.l_max, cfg.l_cache)  # (G,)
-        groups.append(Group(i, prompt_ids[i], [c.token_ids for c in cs], [c.truncated for c in cs],
-                            [float(s["score"]) for s in sc], [bool(s["acc"]) for s in sc], rewards.tolist(),
-                            [s["pred"] for s in sc]))
-    return groups
+    "Algorithm 1 line 5: the rule-based reward (Eq. 7, `cfg.reward`) plus the soft overlong punishment (Eq. 13) of every response."
+    if not indices: return []
+    G = cfg.group_size
+    texts = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
+    scores, accs, m, preds = score_batch(texts, [examples[i].ground_truth for i in indices for _ in range(G)],
+                                         mode=cfg.reward, timeout=cfg.reward_timeout, return_preds=True)  # (P*G,)
+    if stats is not None:
+        for k in ("reward_timeouts", "reward_errors"): stats[k] = stats.get(k, 0) + m[k]
+    rewards = scores.clone()  # (P*G,)
+    if cfg.soft_overlong_punishment:
+        lengths = torch.tensor([len(c.token_ids) for c in comps])  # (P*G,) EOS counted
+        rewards = rewards + cfg.overlong_penalty_factor * overlong_penalty(lengths, cfg.l_max, cfg.l_cache)  # (P*G,)
+    return [Group(i, prompt_ids[i], [c.token_ids for c in comps[p * G:(p + 1) * G]],
+                  [c.truncated for c in comps[p * G:(p + 1) * G]], scores[p * G:(p + 1) * G].tolist(),
+                  accs[p * G:(p + 1) * G].tolist(), rewards[p * G:(p + 1) * G].tolist(), preds[p * G:(p + 1) * G])
+            for p, i in enumerate(indices)]
 
 def generate_groups(engine: RolloutEngine,  # sampler holding the old policy
                     tokenizer,              # decodes responses for the reward
@@ -175,7 +178,7 @@ def generate_groups(engine: RolloutEngine,  # sampler holding the old policy
                     indices: list[int],     # P rows to generate for
                     cfg: DAPOConfig,        # group_size, sampling and overlong settings
                     seed: int,              # seed of this round's sampler
-                    timer: dict | None = None,  # adds seconds to timer["generate"] and timer["score"]
+                    timer: dict | None = None,  # adds seconds to timer["generate"] and timer["score"], reward counts
                     progress: bool = False,     # the engine's progress bar
                    ) -> list[Group]:
     "Algorithm 1 lines 4-5: sample G responses for each of P prompts, then score them: P groups."
@@ -183,7 +186,7 @@ def generate_groups(engine: RolloutEngine,  # sampler holding the old policy
     params = sampling_params_from_config(cfg, seed=seed)  # n = G, temperature, top_p, top_k, max_tokens = l_max
     comps = engine.generate([prompt_ids[i] for i in indices], params, use_tqdm=progress) if indices else []
     t1 = time.perf_counter()
-    groups = score_groups(comps, tokenizer, examples, prompt_ids, indices, cfg)
+    groups = score_groups(comps, tokenizer, examples, prompt_ids, indices, cfg, stats=timer)
     if timer is not None:
         timer["generate"] = timer.get("generate", 0.0) + t1 - t0
         timer["score"] = timer.get("score", 0.0) + time.perf_counter() - t1
@@ -643,8 +646,10 @@ def collect(self: Trainer, step: int, timer: dict) -> tuple[list, list[Group], d
         seen += groups
         handles, acc = global_round(dist.all_gather([a for g in groups for a in g.acc]), groups, self.rank, G)
         buf.add(handles, acc)                       # line 6: the same round on every rank, so the same decisions
+    timeouts, errors = dist.all_reduce([timer.get("reward_timeouts", 0), timer.get("reward_errors", 0)])
     stats = dict(gen_rounds=buf.rounds, frac_kept=buf.frac_kept, groups_seen=buf.n_seen,
-                 groups_all_correct=buf.n_all_correct, groups_all_wrong=buf.n_all_wrong)
+                 groups_all_correct=buf.n_all_correct, groups_all_wrong=buf.n_all_wrong,
+                 reward_timeouts=int(timeouts), reward_errors=int(errors))
     return buf.take(), seen, stats
 
 # %% ../nbs/09_trainer.ipynb #cffa49e6
@@ -724,7 +729,7 @@ def evaluate(self: Trainer) -> dict:
     mine = dist.shard(self.eval_examples, self.rank, self.world)
     seed = seed_of(cfg.seed, "eval") if self.world == 1 else seed_of(cfg.seed, "eval", self.rank)
     r = evaluate(self.engine, self.tokenizer, mine, k=cfg.eval_k, temperature=cfg.eval_temperature,
-                 top_p=cfg.eval_top_p, max_tokens=cfg.l_max, seed=seed) if mine else None
+                 top_p=cfg.eval_top_p, max_tokens=cfg.l_max, seed=seed, reward=cfg.reward) if mine else None
     parts = [p for p in dist.all_gather(r) if p]
     n = sum(p["n_prompts"] for p in parts)
     mean = lambda key: sum(p[key] * p["n_prompts"] for p in parts) / n
