@@ -52,6 +52,9 @@ def check_run(cfg: DAPOConfig,  # a validated config
     if cfg.rollout_backend == "vllm" and not have("vllm"):
         raise ValueError("rollout_backend = vllm: vllm is not installed here; install it (pip install -e '.[scale]') "
                          "or set rollout_backend: hf")
+    if cfg.rollout_backend == "vllm" and cfg.vllm_enable_chunked_prefill and not torch.cuda.is_available():
+        raise ValueError("vllm_enable_chunked_prefill = true on vLLM's CPU backend: a seeded request whose prefill is "
+                         "split fails there (CPU generators have no offset to rewind); set vllm_enable_chunked_prefill: false")
     if cfg.rollout_backend == "hf":
         for f in _VLLM_FIELDS:
             if getattr(cfg, f) != getattr(DAPOConfig, f):

@@ -337,6 +337,14 @@ def test_gpu_tensor_parallel(setup, tmp_path):
 
 
 # ---------------------------------------------------------------- dapo-train with rollout_backend: vllm
+@pytest.mark.skipif(CUDA, reason="the CPU backend's limit")
+def test_chunked_prefill_on_cpu_is_refused_by_name():
+    from dapo_ref.trainer import check_run
+    with pytest.raises(ValueError, match="vllm_enable_chunked_prefill"):
+        check_run(DAPOConfig(rollout_backend="vllm"))
+    assert check_run(DAPOConfig(rollout_backend="vllm", vllm_enable_chunked_prefill=False)).rollout_backend == "vllm"
+
+
 def test_dapo_train_uses_the_vllm_engine(tmp_path):
     """`rollout_backend: vllm` through the trainer: the engine is vLLM's (no transformers copy of the policy), one
     rollout step, a checkpoint and a held-out evaluation run on it. In a subprocess: one vLLM engine per process.
