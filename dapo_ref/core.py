@@ -22,7 +22,7 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 @dataclass
 class DAPOConfig:
     "DAPO hyper-parameters with the paper's defaults; one field per knob, named after its paper symbol."
-    # --- objective (Eq. 8-12) ---
+    # --- objective (Eq. 8, 10, 12) ---
     eps_low: float = 0.2            # ε_low: lower clip range of the ratio (paper 0.2)
     eps_high: float = 0.28          # ε_high: upper clip range, Clip-Higher (paper 0.28); eps_high = eps_low turns it off
     clip_c: float | None = 10.0     # c: dual-clip bound for A < 0 (reference script 10; not in the paper); None = off
@@ -69,7 +69,7 @@ class DAPOConfig:
     save_every: int = 10            # rollout steps between checkpoints; 0 = only at the end
     output_dir: str = "runs/dapo"   # metrics.jsonl, curves.png and checkpoints go here
     dtype: str = "float32"          # learner dtype: float32 | bfloat16
-    # --- scale-out (dapo_ref.scale; the paper's run: 16 nodes x 8 GPUs) ---
+    # --- scale-out (dapo_ref.trainer, dapo_ref.scale; the paper's run: 16 nodes x 8 GPUs) ---
     rollout_backend: str = "hf"     # rollout engine: "hf" (transformers, one device) | "vllm"
     nnodes: int = 1                 # nodes (paper run 16)
     gpus_per_node: int = 1          # GPUs per node (paper run 8)
