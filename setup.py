@@ -33,9 +33,11 @@ setuptools.setup(
                 + ['Programming Language :: Python :: ' + o
                    for o in py_versions[py_versions.index(min_python):]],
     url=cfg['git_url'],
-    packages=setuptools.find_packages(include=[lib_path, lib_path + '.*']),
+    packages=setuptools.find_packages(include=[lib_path, lib_path + '.*']) + [lib_path + '.recipes'],
+    package_dir={lib_path + '.recipes': 'recipes'},  # recipes/*.yaml ship inside the package as dapo_ref/recipes/
     include_package_data=True,
-    package_data={lib_path: ['tiny_model/*']},  # the shipped warm-started tiny model (dapo_ref.tiny)
+    package_data={lib_path: ['tiny_model/*'],          # the shipped warm-started tiny model (dapo_ref.tiny)
+                  lib_path + '.recipes': ['*.yaml']},  # recipes/*.yaml, found by dapo_ref.core.find_recipe
     install_requires=requirements,
     extras_require={'dev': dev_requirements, 'scale': scale_requirements},
     dependency_links=cfg.get('dep_links', '').split(),
