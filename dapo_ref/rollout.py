@@ -6,14 +6,14 @@
 from __future__ import annotations
 import abc, difflib
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, TypeVar
 
 import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['SamplingParams', 'Completion', 'sampling_params_from_config', 'RolloutEngine', 'top_k_filter', 'top_p_filter',
-           'sample_next', 'HFRolloutEngine']
+__all__ = ['SamplingParams', 'Completion', 'sampling_params_from_config', 'RolloutEngine', 'rollout_groups', 'top_k_filter',
+           'top_p_filter', 'sample_next', 'HFRolloutEngine']
 
 # %% ../nbs/07_rollout.ipynb #3df01ed1
 @dataclass
@@ -58,6 +58,8 @@ def sampling_params_from_config(cfg,                    # a `DAPOConfig`
                           max_tokens=cfg.l_max, seed=seed)
 
 # %% ../nbs/07_rollout.ipynb #f6ce1847
+_T = TypeVar("_T")
+
 class RolloutEngine(abc.ABC):
     "A sampler the trainer can swap: token ids in, completions out, new weights in after every update."
 
@@ -78,6 +80,27 @@ class RolloutEngine(abc.ABC):
 
     def wake(self) -> None:
         "Restore what `sleep` freed before the next `generate`; a no-op unless a backend overrides it."
+
+    def around_update(self,
+                      update: Callable[[], _T],  # the learner's update (lines 10-11); its result is returned
+                      weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it (a stream)
+                     ) -> _T:
+        "Run `update()` with the engine's memory freed, then load `weights()`: `sleep`, update, `wake`, `load_weights`."
+        self.sleep()
+        try: out = update()
+        finally: self.wake()
+        self.load_weights(weights())
+        return out
+
+# %% ../nbs/07_rollout.ipynb #c4d16e99
+def rollout_groups(rank: int,   # this rank of the job
+                   world: int,  # N ranks
+                   tp: int,     # ranks per engine (vllm_tensor_parallel)
+                  ) -> tuple[int, int, int]:
+    "(dp rank, number of dp ranks, tp rank) of `rank` when every `tp` consecutive ranks share one rollout engine."
+    if tp < 1 or world % tp:
+        raise ValueError(f"vllm_tensor_parallel = {tp} does not divide the job's {world} ranks; choose a divisor of {world}")
+    return rank // tp, world // tp, rank % tp
 
 # %% ../nbs/07_rollout.ipynb #81b47f1b
 def top_k_filter(logits: Tensor,  # (B, V) logits

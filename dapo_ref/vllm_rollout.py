@@ -4,18 +4,20 @@
 
 # %% ../nbs/11_vllm.ipynb #5837c749
 from __future__ import annotations
-import dataclasses, hashlib, logging, os, re, warnings
+import dataclasses, gc, hashlib, inspect, logging, os, re, warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
+import torch
 from torch import Tensor
 
 from .rollout import Completion, RolloutEngine, SamplingParams
 
 # %% auto #0
-__all__ = ['vllm_sampling_kwargs', 'prompt_seeds', 'completions_from_outputs', 'weight_buckets', 'checkpoint_shapes',
-           'check_weights', 'vllm_engine_kwargs', 'VLLMRolloutEngine']
+__all__ = ['REQUIRED_VLLM', 'FULL_ORDER', 'vllm_sampling_kwargs', 'prompt_seeds', 'completions_from_outputs', 'weight_buckets',
+           'checkpoint_shapes', 'check_weights', 'vllm_engine_kwargs', 'check_reload_api', 'update_order',
+           'VLLMRolloutEngine']
 
 # %% ../nbs/11_vllm.ipynb #b394f837
 def vllm_sampling_kwargs(params: SamplingParams,          # dapo_ref's sampling parameters
@@ -145,11 +147,59 @@ def _reload_log():
         for log in logs: log.removeFilter(f)
 
 # %% ../nbs/11_vllm.ipynb #47341603
-def vllm_engine_kwargs(cfg) -> dict:
-    "`VLLMRolloutEngine` keyword arguments from a `DAPOConfig`: its vllm_* fields, dtype, seed and max_model_len."
-    return dict(tensor_parallel_size=cfg.vllm_tensor_parallel, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                enable_chunked_prefill=cfg.vllm_enable_chunked_prefill, dtype=cfg.dtype, seed=cfg.seed,
-                max_model_len=cfg.max_prompt_length + cfg.l_max)
+def vllm_engine_kwargs(cfg,            # a `DAPOConfig`
+                       world: int = 1, # ranks in the job: with vllm_tensor_parallel > 1 one engine spans each group of consecutive ranks
+                      ) -> dict:
+    "`VLLMRolloutEngine` keyword arguments from a `DAPOConfig`: its vllm_* fields, dtype, seed, max_model_len, and the launcher of a multi-rank job."
+    kw = dict(tensor_parallel_size=cfg.vllm_tensor_parallel, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+              enable_chunked_prefill=cfg.vllm_enable_chunked_prefill, dtype=cfg.dtype, seed=cfg.seed,
+              max_model_len=cfg.max_prompt_length + cfg.l_max)
+    if world > 1 and cfg.vllm_tensor_parallel > 1:  # the job's ranks are the engine's workers (torchrun started them)
+        kw["distributed_executor_backend"] = "external_launcher"
+        if world > cfg.vllm_tensor_parallel: kw["data_parallel_size"] = world // cfg.vllm_tensor_parallel
+    return kw
+
+# %% ../nbs/11_vllm.ipynb #a1b72cfc
+REQUIRED_VLLM = "0.16"  # the first vLLM whose model runner has reload_weights(weights_iterator, is_checkpoint_format)
+
+def check_reload_api(runner=None,        # the model runner class; None = vLLM's GPUModelRunner (the CPU runner subclasses it)
+                     version: str | None = None,  # the installed version; None = vllm.__version__
+                    ) -> str:
+    "The installed vLLM's version; `RuntimeError` naming it and the required one when its runner cannot reload weights in place."
+    if runner is None or version is None:
+        import vllm
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        runner, version = runner or GPUModelRunner, version or vllm.__version__
+    fn = getattr(runner, "reload_weights", None)
+    params = inspect.signature(fn).parameters if fn is not None else {}
+    missing = [p for p in ("weights_iterator", "is_checkpoint_format") if p not in params]
+    if missing:
+        raise RuntimeError(f"vLLM {version} is installed, but the vLLM rollout backend needs vLLM >= {REQUIRED_VLLM}: its "
+                           f"model runner's reload_weights lacks {', '.join(missing)}; install the pinned one with "
+                           "pip install -e '.[scale]'")
+    return version
+
+# %% ../nbs/11_vllm.ipynb #70dd617f
+FULL_ORDER = ("sleep(2)", "update", "release", "wake(weights)", "load", "release", "wake(kv_cache)", "reset_prefix_cache")
+
+def update_order(sleep_mode: bool = True,  # the engine has vLLM's sleep mode
+                 level2: bool = True,      # sleep(level=2) discards weights (else level 1 offloads them)
+                 wake_tags: bool = True,   # wake_up(tags=...) can wake weights and KV cache separately
+                ) -> tuple[list[str], list[str]]:
+    "The steps around an update this engine can do (a subsequence of `FULL_ORDER`, or its nearest safe variant), and one note per missing step."
+    if not sleep_mode:
+        return ([s for s in FULL_ORDER if not s.startswith(("sleep", "wake"))],
+                ["no sleep mode (vLLM's CPU backend has none): the weights and the KV cache stay resident through the update; "
+                 "skipped sleep(2), wake(weights), wake(kv_cache)"])
+    order, notes = list(FULL_ORDER), []
+    if not level2:
+        order[0] = "sleep(1)"
+        notes.append("no sleep level 2: the weights are offloaded to CPU memory (level 1) although they are re-sent")
+    if not wake_tags:
+        order = [s for s in order if s != "wake(kv_cache)"]
+        order[order.index("wake(weights)")] = "wake"
+        notes.append("no wake tags: the KV cache wakes with the weights, before the load")
+    return order, notes
 
 # %% ../nbs/11_vllm.ipynb #04f819c5
 class VLLMRolloutEngine(RolloutEngine):
@@ -169,6 +219,7 @@ class VLLMRolloutEngine(RolloutEngine):
                  **engine_kwargs,                          # anything else `vllm.LLM` takes (enforce_eager, ...)
                 ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+        self.vllm_version = check_reload_api()  # before the expensive start: stop on a vLLM that cannot reload weights
         from vllm import LLM
         from vllm.platforms import current_platform
         on_cpu = current_platform.is_cpu()
@@ -185,15 +236,19 @@ class VLLMRolloutEngine(RolloutEngine):
                        gpu_memory_utilization=gpu_memory_utilization, enable_chunked_prefill=enable_chunked_prefill,
                        enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len, **engine_kwargs)
         self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        # the memory order around an update this vLLM can do (`update_order`); say once what it lacks
+        self.update_order, self.missing_steps = update_order(enable_sleep_mode, True, "tags" in inspect.signature(LLM.wake_up).parameters)
+        for note in self.missing_steps: logging.getLogger(__name__).warning("vLLM %s: %s", self.vllm_version, note)
 
     @classmethod
     def from_config(cls,
                     cfg,                              # a `DAPOConfig`
                     model_path: str | Path | None = None,  # the policy's checkpoint; None = cfg.model
+                    world: int = 1,                   # ranks in the job (external_launcher when vllm_tensor_parallel > 1)
                     **kwargs,                         # overrides (eos_token_id, enforce_eager, ...)
                    ) -> "VLLMRolloutEngine":
-        "An engine configured by `cfg` (`vllm_engine_kwargs`): tensor parallel, memory fraction, chunked prefill, dtype, seed, max_model_len."
-        return cls(model_path if model_path is not None else cfg.model, **{**vllm_engine_kwargs(cfg), **kwargs})
+        "An engine configured by `cfg` (`vllm_engine_kwargs`): tensor parallel, memory fraction, chunked prefill, dtype, seed, max_model_len, launcher."
+        return cls(model_path if model_path is not None else cfg.model, **{**vllm_engine_kwargs(cfg, world), **kwargs})
 
     def generate(self,
                  prompts: list[list[int]],  # P prompts, each a non-empty list of token ids
@@ -201,10 +256,10 @@ class VLLMRolloutEngine(RolloutEngine):
                  use_tqdm: bool = False,     # vLLM's progress bar
                 ) -> list[Completion]:
         "Sample `params.n` completions per prompt: `len(prompts) * n` of them, the `n` of one prompt contiguous, in prompt order."
-        from vllm import SamplingParams as VLLMSamplingParams
         for i, p in enumerate(prompts):
             if len(p) == 0: raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         if self._asleep: raise RuntimeError("generate() on a sleeping engine: call wake() first (after load_weights)")
+        from vllm import SamplingParams as VLLMSamplingParams
         n = params.n
         if params.temperature == 0: params = dataclasses.replace(params, n=1)  # vLLM refuses greedy n > 1: one sample, repeated
         if params.seed is not None and self.seeded_requests:
@@ -221,16 +276,44 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])  # the KV cache stays asleep until wake()
             self._weights_awake = True
+        self._stream(named_tensors)
+        self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
+
+    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        "The load itself: checked buckets of about `weight_bucket_bytes`, one `reload_weights` call each; warn about parameters no call updated."
         calls = 0
         with _reload_log() as log:
             for bucket in weight_buckets(named_tensors, self.weight_bucket_bytes):
                 if self._shapes is not None: check_weights(bucket, self._shapes, self._tied)
                 self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=bucket, is_checkpoint_format=True))
                 calls += 1
-        self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
         if missing := log.never_loaded(calls):
             warnings.warn(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor and keep their old values: "
                           f"{sorted(missing)[:4]}{' ...' if len(missing) > 4 else ''}")
+
+    def _release(self) -> None:
+        "Return PyTorch's cached device blocks to the device (nothing to return on CPU)."
+        gc.collect()
+        if torch.cuda.is_available(): torch.cuda.empty_cache()
+
+    def around_update(self,
+                      update: Callable,    # the learner's update; its result is returned
+                      weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it, streamed
+                     ):
+        "Run `update()` and load `weights()` in `self.update_order` (`FULL_ORDER` where vLLM has every step): sleep(2), update, release, wake weights, load, release, wake KV cache, reset prefix cache."
+        out, self._asleep = None, self.sleep_mode
+        for step in self.update_order:
+            if step == "update": out = update()
+            elif step.startswith("sleep"): self.llm.sleep(level=int(step[6]))
+            elif step == "release": self._release()
+            elif step == "wake(weights)": self.llm.wake_up(tags=["weights"])
+            elif step == "wake(kv_cache)": self.llm.wake_up(tags=["kv_cache"])
+            elif step == "wake": self.llm.wake_up()
+            elif step == "load": self._stream(weights())
+            elif step == "reset_prefix_cache": self.llm.reset_prefix_cache()
+            else: raise AssertionError(step)
+        self._asleep = self._weights_awake = False
+        return out
 
     def sleep(self, level: int = 1) -> None:
         "Free the engine's GPU memory for the update: level 1 offloads weights to CPU and drops the KV cache, level 2 drops both. No-op without sleep mode (CPU)."
