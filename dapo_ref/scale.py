@@ -13,7 +13,10 @@ from torch import Tensor
 
 from . import dist
 from .core import DAPOConfig
-from .trainer import Learner, prepare_model
+from fastcore.basics import patch
+
+from .trainer import Learner, prepare_model, model_path
+from .zero import from_pretrained_zero3, plain_from_pretrained, save_pretrained_streamed
 
 # %% auto #0
 __all__ = ['deepspeed_config', 'gathered_named_weights', 'DeepSpeedLearner']
@@ -109,6 +112,28 @@ class DeepSpeedLearner(Learner):
         "Restore this rank's partitions and the schedule from `save`'s files."
         self.engine.load_checkpoint(str(Path(path) / "deepspeed"), tag="zero", load_lr_scheduler_states=False)
         self.sched.load_state_dict(torch.load(Path(path) / "learner_state.pt", weights_only=True)["scheduler"])
+
+# %% ../nbs/10_scale.ipynb #d1305471
+@patch(cls_method=True)
+def build_model(cls: DeepSpeedLearner, cfg: DAPOConfig):
+    "The policy `cfg.model`: with ZeRO-3 built straight into this rank's partitions (never whole); with ZeRO-2 whole on the CPU."
+    dist.init_distributed(single=True)  # zero.Init partitions over the process group
+    return from_pretrained_zero3(model_path(cfg.model), deepspeed_config(cfg, dist.world_size()), dtype=getattr(torch, cfg.dtype))
+
+@patch(cls_method=True)
+def build(cls: DeepSpeedLearner, cfg: DAPOConfig, pad_token_id: int, model=None) -> DeepSpeedLearner:
+    "The learner of `cfg`: `build_model` unless `model` is given; DeepSpeed places the parameters (no `.to(device)` here)."
+    return cls(cls.build_model(cfg) if model is None else model, cfg, pad_token_id)
+
+@patch
+def save_model(self: DeepSpeedLearner, path: str | Path):
+    "The full model as an HF folder, written shard by shard as modules are gathered (rank 0 writes; every rank calls)."
+    save_pretrained_streamed(self.model, path, overwrite=True)
+
+@patch
+def policy_copy(self: DeepSpeedLearner):
+    "The transformers engine's whole copy of the weights, built without DeepSpeed's partitioned init."
+    with plain_from_pretrained(): return Learner.policy_copy(self)
 
 # %% ../nbs/10_scale.ipynb #a2b18f5e
 from .train import main  # `dapo-scale` / `python -m dapo_ref.scale`: the same command as `dapo-train`

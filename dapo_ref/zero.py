@@ -15,7 +15,8 @@ from torch import Tensor
 # %% auto #0
 __all__ = ['PeakRSS', 'read_safetensors_header', 'read_tensor_into', 'SafetensorsWriter', 'zero3_enabled', 'checkpoint_folder',
            'module_tensors', 'full_shape', 'gathered', 'load_checkpoint_streamed', 'returned_large_blocks',
-           'from_pretrained_zero3', 'plain_from_pretrained', 'balance_by_tokens', 'save_pretrained_streamed']
+           'from_pretrained_zero3', 'plain_from_pretrained', 'balance_by_tokens', 'gather_batch', 'balanced_share',
+           'save_pretrained_streamed']
 
 # %% ../nbs/10a_zero.ipynb #8c53a515
 def _status_kib(field: str) -> int:
@@ -249,6 +250,34 @@ def balance_by_tokens(lengths: list[int],     # (B,) tokens of each response (lo
         merged = sorted(((sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))), key=lambda x: -x[0])
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), n, merged)); n += 1
     return [sorted(ix) for _, ix in heap[0][2]] if heap else [[] for _ in range(k)]
+
+# %% ../nbs/10a_zero.ipynb #97d19514
+def gather_batch(batch,              # this rank's responses of the step (a `trainer.RolloutBatch`), in global order
+                 owned: list[bool],  # (B,) whether this rank holds each response of the step's batch
+                ):
+    "The step's B responses in global order on every rank (token ids, advantages, flags, rewards all-gathered); `batch` itself on one rank."
+    from .dist import all_gather
+    pos = [i for i, o in enumerate(owned) if o]
+    if len(pos) != len(batch):
+        raise ValueError(f"{len(batch)} local responses but {len(pos)} owned positions; `owned` marks this rank's responses")
+    if len(pos) == len(owned): return batch  # one rank holds everything: nothing to move
+    cols = (batch.prompt_ids, batch.response_ids, batch.advantages.tolist(), batch.truncated.tolist(), batch.rewards.tolist())
+    rows = [None] * len(owned)
+    for where, *theirs in all_gather((pos, *cols)):  # pickle sends a group's shared prompt list once
+        for j, i in enumerate(where): rows[i] = [c[j] for c in theirs]
+    if any(r is None for r in rows):
+        raise ValueError(f"no rank holds responses {[i for i, r in enumerate(rows) if r is None][:5]}...; every response needs one owner")
+    p, r, a, t, w = (list(c) for c in zip(*rows))
+    return type(batch)(p, r, torch.tensor(a, dtype=batch.advantages.dtype), torch.tensor(t, dtype=torch.bool),
+                       torch.tensor(w, dtype=batch.rewards.dtype))
+
+def balanced_share(lengths: list[int],  # (B,) response tokens of the step's batch, global order
+                   size: int,           # mini_batch_size: responses per optimizer step, all ranks together
+                   rank: int,           # this rank
+                   world: int,          # N ranks
+                  ) -> list[list[int]]:
+    "For each mini-batch (`size` consecutive responses), the indices rank `rank` trains: its part of the token-balanced partition."
+    return [[s + j for j in balance_by_tokens(lengths[s:s + size], world)[rank]] for s in range(0, len(lengths), size)]
 
 # %% ../nbs/10a_zero.ipynb #da05611a
 def _shard_layout(plan, shard_bytes: int) -> list[list[tuple[str, tuple, torch.dtype]]]:
