@@ -21,7 +21,7 @@ from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
 from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
 from .sampling import DynamicSamplingBuffer, DynamicSamplingError
-from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config
+from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
 
 # %% auto #0
 __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'METRIC_KEYS', 'TIMING_KEYS', 'check_run', 'model_path', 'load_model', 'load_tokenizer',
@@ -49,6 +49,9 @@ def check_run(cfg: DAPOConfig,  # a validated config
     if cfg.offload_optimizer and cfg.zero_stage == 0:
         raise ValueError("offload_optimizer = true needs a DeepSpeed learner (zero_stage: 2 or 3); the plain PyTorch "
                          "learner (zero_stage: 0) keeps AdamW on the device: set zero_stage or offload_optimizer: false")
+    if world > 1 and world % cfg.vllm_tensor_parallel:
+        raise ValueError(f"vllm_tensor_parallel = {cfg.vllm_tensor_parallel} with {world} ranks: one vLLM engine spans "
+                         f"vllm_tensor_parallel consecutive ranks, so it must divide {world}; choose a divisor of {world}")
     if cfg.rollout_backend == "vllm" and not have("vllm"):
         raise ValueError("rollout_backend = vllm: vllm is not installed here; install it (pip install -e '.[scale]') "
                          "or set rollout_backend: hf")
@@ -60,9 +63,6 @@ def check_run(cfg: DAPOConfig,  # a validated config
             if getattr(cfg, f) != getattr(DAPOConfig, f):
                 raise ValueError(f"{f} = {getattr(cfg, f)!r} configures the vLLM engine, but rollout_backend = hf; "
                                  f"set rollout_backend: vllm or remove {f}")
-    if cfg.vllm_tensor_parallel > 1 and world > 1:
-        raise ValueError(f"vllm_tensor_parallel = {cfg.vllm_tensor_parallel} with {world} ranks: tensor-parallel vLLM "
-                         "groups inside a multi-rank job are not supported yet; set vllm_tensor_parallel: 1")
     if cfg.nnodes * cfg.gpus_per_node != world:
         raise ValueError(f"nnodes * gpus_per_node = {cfg.nnodes} * {cfg.gpus_per_node} ranks planned, but this launch "
                          f"has {world}; start it with torchrun --nnodes {cfg.nnodes} --nproc_per_node {cfg.gpus_per_node}, "
@@ -554,13 +554,18 @@ def global_round(per_rank_acc: list[list[bool]],  # N ranks' accuracies for thei
                  local_groups: list,               # this rank's P_r groups
                  rank: int,                        # this rank
                  group_size: int,                  # G
+                 tp: int = 1,                      # ranks per rollout engine: tp consecutive ranks generated the same groups
                 ) -> tuple[list, Tensor]:
     "Handles (local `Group` or `Remote`) and accuracies (P*G,) of one round's groups, in global prompt order: the same on every rank up to which handles are local."
-    G = group_size
-    handles = dist.interleave([[local_groups[j] if r == rank else Remote(r, j) for j in range(len(a) // G)]
-                               for r, a in enumerate(per_rank_acc)])
-    acc = dist.interleave([[a[j * G:(j + 1) * G] for j in range(len(a) // G)] for a in per_rank_acc])
-    return handles, torch.tensor([x for g in acc for x in g], dtype=torch.bool)
+    G, dp = group_size, len(per_rank_acc) // tp
+    n = sum(len(per_rank_acc[e * tp]) // G for e in range(dp))  # groups in the round, each counted once
+    handles, acc = [], []
+    for p in range(n):                     # global position p: group j of dp rank e (`dist.shard` over dp ranks) ...
+        e, j = p % dp, p // dp
+        owner = e * tp + j % tp            # ... held (trained, counted) by one rank of its engine, in turn
+        handles.append(local_groups[j] if owner == rank else Remote(owner, j))
+        acc += per_rank_acc[owner][j * G:(j + 1) * G]
+    return handles, torch.tensor(acc, dtype=torch.bool)
 
 def local_mini_batches(owned: list[bool],  # (B,) whether this rank trains each response of the batch, global order
                        size: int,          # mini_batch_size: responses per optimizer step, all ranks together
@@ -582,7 +587,7 @@ def make_engine(cfg: DAPOConfig,   # rollout_backend, group_size, vllm_* fields
     eos = getattr(learner.model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
     if cfg.rollout_backend == "vllm":
         from dapo_ref.vllm_rollout import VLLMRolloutEngine  # needs vllm (`pip install -e ".[scale]"`)
-        engine = VLLMRolloutEngine.from_config(cfg, model_path=model_path(cfg.model), eos_token_id=eos)
+        engine = VLLMRolloutEngine.from_config(cfg, model_path=model_path(cfg.model), world=dist.world_size(), eos_token_id=eos)
         engine.load_weights(learner.named_weights())  # the learner's weights, whatever the folder holds
         return engine
     return HFRolloutEngine(learner.policy_copy(), eos_token_id=eos, pad_token_id=pad_token_id,
@@ -640,16 +645,18 @@ def collect(self: Trainer, step: int, timer: dict) -> tuple[list, list[Group], d
     cfg, G = self.cfg, self.cfg.group_size
     buf = DynamicSamplingBuffer(cfg.prompts_per_step, G, cfg.max_num_gen_batches, enabled=cfg.dynamic_sampling)
     n_prompts = cfg.gen_batch_size if cfg.dynamic_sampling else cfg.prompts_per_step
-    seen = []
+    seen, tp = [], cfg.vllm_tensor_parallel if self.world > 1 else 1
+    d, D, t = rollout_groups(self.rank, self.world, tp)  # the ranks of one engine pass the same prompts and seeds
     while not buf.full:                                                                  # lines 7-8
-        mine = dist.shard(self.sampler.next(n_prompts), self.rank, self.world)           # line 2, this rank's share
+        mine = dist.shard(self.sampler.next(n_prompts), d, D)                           # line 2, this dp rank's share
         groups = generate_groups(self.engine, self.tokenizer, self.train_examples, self.prompt_ids, mine, cfg,
-                                 seed=round_seed(cfg.seed, step, buf.rounds, self.rank, self.world),
+                                 seed=round_seed(cfg.seed, step, buf.rounds, d, D),
                                  timer=timer, progress=self._bars)                       # lines 4-5
-        seen += groups
-        handles, acc = global_round(dist.all_gather([a for g in groups for a in g.acc]), groups, self.rank, G)
+        seen += groups[t::tp]                       # the groups this rank holds: each group counted once in metrics
+        handles, acc = global_round(dist.all_gather([a for g in groups for a in g.acc]), groups, self.rank, G, tp)
         buf.add(handles, acc)                       # line 6: the same round on every rank, so the same decisions
-    timeouts, errors = dist.all_reduce([timer.get("reward_timeouts", 0), timer.get("reward_errors", 0)])
+    counts = [timer.get("reward_timeouts", 0), timer.get("reward_errors", 0)]
+    timeouts, errors = dist.all_reduce(counts if t == 0 else [0, 0])  # one count per engine
     stats = dict(gen_rounds=buf.rounds, frac_kept=buf.frac_kept, groups_seen=buf.n_seen,
                  groups_all_correct=buf.n_all_correct, groups_all_wrong=buf.n_all_wrong,
                  reward_timeouts=int(timeouts), reward_errors=int(errors))
@@ -705,10 +712,8 @@ def step(self: Trainer) -> dict:
     taken, seen, gstats = self.collect(self.step_idx, timer)                             # lines 2, 4-8
     batch = make_batch([h for h in taken if not isinstance(h, Remote)], cfg.group_size)  # line 9
     owned = [not isinstance(h, Remote) for h in taken for _ in range(cfg.group_size)]
-    self.engine.sleep()                              # free the sampler's GPU memory for the update (vLLM sleep mode)
-    try: updates, bstats = self.train_on(batch, owned, timer)                           # lines 10-11
-    finally: self.engine.wake()
-    self.sync_weights()                                                                  # line 3 of the next step
+    updates, bstats = self.engine.around_update(lambda: self.train_on(batch, owned, timer),  # lines 10-11 ...
+                                                self.learner.named_weights)            # ... then line 3 of the next step
     self.learner.end_step()
     kept = dist.all_reduce([float(batch.rewards.sum()), len(batch)])
     seen_all = [g for part in dist.all_gather([_light(g) for g in seen]) for g in part]
@@ -729,11 +734,12 @@ def evaluate(self: Trainer) -> dict:
     if not self.eval_examples: return {}
     from dapo_ref.eval import evaluate
     cfg, t0 = self.cfg, time.perf_counter()
-    mine = dist.shard(self.eval_examples, self.rank, self.world)
-    seed = seed_of(cfg.seed, "eval") if self.world == 1 else seed_of(cfg.seed, "eval", self.rank)
+    d, D, t = rollout_groups(self.rank, self.world, cfg.vllm_tensor_parallel if self.world > 1 else 1)
+    mine = dist.shard(self.eval_examples, d, D)  # the ranks of one engine evaluate the same share with the same seed
+    seed = seed_of(cfg.seed, "eval") if D == 1 else seed_of(cfg.seed, "eval", d)
     r = evaluate(self.engine, self.tokenizer, mine, k=cfg.eval_k, temperature=cfg.eval_temperature,
                  top_p=cfg.eval_top_p, max_tokens=cfg.l_max, seed=seed, reward=cfg.reward) if mine else None
-    parts = [p for p in dist.all_gather(r) if p]
+    parts = [p for p in dist.all_gather(r if t == 0 else None) if p]
     n = sum(p["n_prompts"] for p in parts)
     mean = lambda key: sum(p[key] * p["n_prompts"] for p in parts) / n
     return dict(eval_acc=mean("avg@k"), eval_pass=mean("pass@k"), eval_maj=mean("maj@k"), eval_len=mean("mean_length"),
