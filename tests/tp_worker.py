@@ -1,0 +1,110 @@
+"""One rank of the rollout-group checks in tests/test_tp.py (run it with torchrun, or alone for the one-process reference).
+
+    torchrun --nproc_per_node 2 tests/tp_worker.py OUT_DIR TP     # TP = vllm_tensor_parallel (1 or 2)
+    python tests/tp_worker.py OUT_DIR 1                            # one process
+
+Two DAPO steps of the real `Trainer` (tiny policy, plain learner, dynamic sampling) with a recording stand-in for
+the vLLM engine: `RecordingEngine` is a `VLLMRolloutEngine` whose `vllm.LLM` is replaced by a recorder, so
+`around_update` runs its real memory order (the GPU one, `FULL_ORDER`) and the weight stream its real buckets, while
+`generate` answers every (prompt, per-prompt seed, sample) deterministically: "Answer: <truth>" for about a third of
+the samples (chosen by a hash of the three), a wrong answer otherwise. Two ranks of one engine given the same prompts
+and seed therefore return the same completions, as vLLM's external_launcher engines do.
+
+Each rank writes OUT_DIR/rank{r}.json: its generate calls (prompts, seed, completions), the recorder's memory calls,
+the responses its learner trained in each step, and the step rows."""
+import hashlib, json, os, sys
+from pathlib import Path
+
+import torch
+
+G, P, GEN, MINI, STEPS = 4, 4, 6, 8, 2  # group size, prompts per step, prompts per round, mini-batch, steps
+
+
+class _LLMRecorder:
+    "Stands in for `vllm.LLM` inside `around_update`: records the memory calls and the names each reload carries."
+    def __init__(self): self.calls = []
+    def sleep(self, level): self.calls.append(f"sleep({level})")
+    def wake_up(self, tags=None): self.calls.append(f"wake({tags[0]})" if tags else "wake")
+    def reset_prefix_cache(self): self.calls.append("reset_prefix_cache")
+    def collective_rpc(self, method, kwargs): self.calls.append([method, [n for n, _ in kwargs["weights_iterator"]]])
+
+
+def recording_engine(tokenizer, truths: dict):
+    "A `VLLMRolloutEngine` on a recorder; `truths` maps a prompt's token ids (tuple) to its ground truth."
+    from dapo_ref.rollout import Completion
+    from dapo_ref.vllm_rollout import VLLMRolloutEngine, prompt_seeds, update_order
+
+    class RecordingEngine(VLLMRolloutEngine):
+        def generate(self, prompts, params, use_tqdm=False):
+            if self._asleep: raise RuntimeError("generate() on a sleeping engine")
+            seeds, comps = prompt_seeds(params.seed, len(prompts)), []
+            for i, (p, s) in enumerate(zip(prompts, seeds)):
+                for k in range(params.n):
+                    h = hashlib.sha256(f"{tuple(p)}/{s}/{k}".encode()).digest()[0]
+                    truth = truths[tuple(p)]
+                    text = f"Answer: {truth}" if h % 3 == 0 else f"Answer: {int(truth) + 1 + h % 5}"
+                    comps.append(Completion(i, tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id], "stop"))
+            self.generated.append(dict(prompts=[list(p) for p in prompts], seed=params.seed, n=params.n,
+                                       completions=[c.token_ids for c in comps]))
+            return comps
+
+        def around_update(self, update, weights):
+            def recorded():
+                self.llm.calls.append("update")
+                return update()
+            return super().around_update(recorded, weights)
+
+    eng = RecordingEngine.__new__(RecordingEngine)
+    eng.llm, eng.sleep_mode, eng.weight_bucket_bytes, eng._shapes, eng._tied = _LLMRecorder(), True, 0, None, False
+    eng._asleep = eng._weights_awake = False
+    eng.update_order, eng.missing_steps = update_order(sleep_mode=True)  # the GPU order
+    eng._release = lambda: eng.llm.calls.append("release")
+    eng.generated, eng.eos_ids, eng.seeded_requests = [], None, True
+    return eng
+
+
+def main(out: Path, tp: int):
+    import dataclasses
+    from dapo_ref import dist
+    from dapo_ref import trainer as T
+    from dapo_ref.core import config_from_dict
+    from dapo_ref.tiny import tiny_splits
+    rank, world = dist.init_distributed()
+    model, tok = T.load_policy("tiny")
+    train = tiny_splits(64, 1, seed=0)[0]
+    cfg = config_from_dict(dict(model="tiny", group_size=G, prompts_per_step=P, gen_batch_size=GEN, mini_batch_size=MINI,
+                                max_num_gen_batches=10, lr=1e-4, warmup_steps=0, l_max=32, l_cache=8, dtype="float32",
+                                gpus_per_node=world, rollout_backend="vllm", vllm_tensor_parallel=tp,
+                                vllm_enable_chunked_prefill=False, output_dir=str(out / f"run{world}-{tp}")))
+    check = T.check_run
+    if T.importlib.util.find_spec("vllm") is None:  # the recorder stands in for vLLM, which this environment lacks:
+        T.check_run = lambda c, w: (check(dataclasses.replace(c, rollout_backend="hf", vllm_tensor_parallel=1,  # every other check
+                                                              vllm_enable_chunked_prefill=True), w), c)[1]
+    prompt_ids = [T.prompt_token_ids(e, tok) for e in train]
+    eng = recording_engine(tok, {tuple(p): e.ground_truth for p, e in zip(prompt_ids, train)})
+    tr = T.Trainer(cfg, train_examples=train, eval_examples=[], model=model, tokenizer=tok, engine=eng, progress=False, log=None)
+    trained, update = [], tr.learner.update
+    def recording_update(mini, old):  # the responses this rank's learner trains on
+        trained[-1] += [[list(p), list(r)] for p, r in zip(mini.prompt_ids, mini.response_ids)]
+        return update(mini, old)
+    tr.learner.update = recording_update
+    rows, weights = [], []
+    for _ in range(STEPS):
+        trained.append([])
+        rows.append(tr.step())
+        weights.append([n for n, _ in tr.learner.named_weights()])
+    json.dump(dict(rank=rank, world=world, tp=tp, generated=eng.generated, memory=eng.llm.calls, trained=trained,
+                   weight_names=weights, prompt_ids=prompt_ids, full_order=list(eng.update_order),
+                   rows=[{k: v for k, v in r.items() if isinstance(v, (int, float, str))} for r in rows]),
+              open(out / f"rank{rank}.json", "w"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+    main(out, int(sys.argv[2]))
+    import torch.distributed
+    if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
