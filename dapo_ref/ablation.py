@@ -11,9 +11,11 @@ from pathlib import Path
 from .core import DAPOConfig, InputError, cli_errors, load_config, save_config, parse_overrides
 
 # %% auto #0
-__all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'DEFAULT_BASE', 'row_switches',
-           'run_config', 'model_fingerprint', 'versions', 'cached_result', 'unique_steps', 'run_one', 'run_summary',
-           'ablation_table', 'table_markdown', 'mean_curve', 'plot_figures', 'run_ablation', 'main']
+__all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'STUDIES', 'STUDY_METRICS',
+           'STUDY_FIGURES', 'DEFAULT_BASE', 'row_switches', 'run_config', 'model_fingerprint', 'versions',
+           'cached_result', 'unique_steps', 'run_one', 'run_summary', 'ablation_table', 'table_markdown', 'mean_curve',
+           'plot_figures', 'study_config', 'mechanism_summary', 'mean_se', 'compare_arms', 'study_table', 'run_study',
+           'plot_study', 'run_ablation', 'main']
 
 # %% ../nbs/14_ablation.ipynb #0988fedb
 SWITCHES = ("eps_low", "eps_high", "loss_agg", "overlong_filter", "soft_overlong_punishment", "dynamic_sampling")
@@ -231,6 +233,179 @@ def plot_figures(metrics: dict,   # {row: [metrics rows of each seed]}
         paths.append(out / fname)
     return paths
 
+# %% ../nbs/14_ablation.ipynb #b2f071ed
+STUDIES = {  # name: base recipe, arms (name, label, switches), overrides of the --quick base
+    "clip-higher": dict(base="recipes/ablation-clip.yaml",
+                        arms=[("eps-high-0.20", "eps_high 0.20 (symmetric clip)", dict(eps_high=0.2)),
+                              ("eps-high-0.28", "eps_high 0.28 (Clip-Higher)", dict(eps_high=0.28))],
+                        quick=dict(mini_batch_size=1)),  # --quick: 16 responses, 16 updates per step
+}
+
+def study_config(base: DAPOConfig,     # the study's base config
+                 study: str,           # a name from `STUDIES`
+                 arm: str,             # an arm of that study
+                 seed: int,            # the run's seed
+                 out: str | Path,      # the study's folder
+                ) -> DAPOConfig:
+    "The config of one (arm, seed) run of a mechanism study: base + the arm's switches + seed + output folder."
+    if study not in STUDIES: raise ValueError(f"unknown study {study!r}; studies are: {', '.join(STUDIES)}")
+    arms = {a: sw for a, _, sw in STUDIES[study]["arms"]}
+    if arm not in arms: raise ValueError(f"unknown arm {arm!r} of study {study}; arms are: {', '.join(arms)}")
+    return replace(base, **arms[arm], seed=seed, output_dir=str(Path(out) / "runs" / arm / f"seed-{seed}"))
+
+# %% ../nbs/14_ablation.ipynb #f90733ea
+def mechanism_summary(rows: list[dict],  # metrics rows of one run
+                      tail: int = 5,     # rollout steps averaged for the "end" statistics
+                     ) -> dict:
+    "One run's mechanism diagnostics: entropy, clipping, up-clipped probability, all-correct groups, held-out accuracy."
+    steps = [r for r in rows if r.get("step", 0) > 0]
+    evals = [r for r in rows if "eval_acc" in r]
+    m = lambda xs: statistics.fmean(xs) if xs else float("nan")
+    up = [r["up_clipped_prob"] for r in steps if r.get("clipfrac_high", 0) > 0]
+    return dict(entropy_mean=m([r["entropy"] for r in steps]), entropy_end=m([r["entropy"] for r in steps[-tail:]]),
+                clipfrac_high=m([r["clipfrac_high"] for r in steps]), clipfrac_low=m([r["clipfrac_low"] for r in steps]),
+                up_clipped_prob=m(up),
+                all_correct_end=m([r["groups_all_correct"] / r["groups_seen"] for r in steps[-tail:]]),
+                acc_end=evals[-1]["eval_acc"] if evals else float("nan"),
+                pass_end=evals[-1]["eval_pass"] if evals else float("nan"),
+                acc_mean=m([r["eval_acc"] for r in evals[1:]]), pass_mean=m([r["eval_pass"] for r in evals[1:]]))
+
+def mean_se(xs: list[float]) -> tuple[float, float, int]:
+    "(mean, standard error s/sqrt(n), n) of the finite values of xs; se is nan for fewer than two."
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs: return float("nan"), float("nan"), 0
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+    return statistics.fmean(xs), se, len(xs)
+
+def compare_arms(a: list[float],  # one metric, arm a, one value per seed
+                 b: list[float],  # the same metric, arm b, the same seeds in the same order
+                ) -> dict:
+    "b - a with its unpaired and paired standard errors; separated when |b - a| > 2 unpaired standard errors."
+    (ma, sa, na), (mb, sb, nb) = mean_se(a), mean_se(b)
+    se = math.sqrt(sa ** 2 + sb ** 2)
+    paired = mean_se([y - x for x, y in zip(a, b)])[1] if len(a) == len(b) else float("nan")
+    return dict(diff=mb - ma, se=se, se_paired=paired, z=(mb - ma) / se if se > 0 else float("nan"),
+                separated=bool(se > 0 and abs(mb - ma) > 2 * se), n=(na, nb))
+
+# %% ../nbs/14_ablation.ipynb #adfabf6a
+STUDY_METRICS = [  # (key of mechanism_summary, label, scale for the table)
+    ("entropy_mean", "entropy, mean over the run", 1), ("entropy_end", "entropy, last 5 steps", 1),
+    ("clipfrac_high", "clipfrac_high (% tokens)", 100), ("clipfrac_low", "clipfrac_low (% tokens)", 100),
+    ("up_clipped_prob", "old prob of up-clipped tokens", 1), ("all_correct_end", "all-correct groups, last 5 steps", 1),
+    ("acc_end", "held-out avg@k end", 100), ("pass_end", "held-out pass@k end", 100),
+    ("acc_mean", "held-out avg@k, mean of evals", 100), ("pass_mean", "held-out pass@k, mean of evals", 100)]
+
+def study_table(study: str, summaries: dict) -> tuple[dict, str]:
+    "{metric: compare_arms of the study's two arms} and the markdown table (mean ± se per arm, difference ± se)."
+    (a, la, _), (b, lb, _) = STUDIES[study]["arms"]
+    cmp, n = {}, len(summaries[a])
+    lines = [f"| metric | {la} | {lb} | difference ± se (paired se) | > 2 se |", "|---|---|---|---|---|"]
+    for k, label, sc in STUDY_METRICS:
+        xa, xb = [s[k] for s in summaries[a]], [s[k] for s in summaries[b]]
+        c = cmp[k] = compare_arms(xa, xb)
+        f = lambda x: f"{sc * x:.3g}" if sc != 1 else f"{x:.4f}"
+        (ma, sa, _), (mb, sb, _) = mean_se(xa), mean_se(xb)
+        lines.append(f"| {label} | {f(ma)} ± {f(sa)} | {f(mb)} ± {f(sb)} | {f(c['diff'])} ± {f(c['se'])} "
+                     f"({f(c['se_paired'])}) | {'yes' if c['separated'] else 'no'} |")
+    return cmp, "\n".join(lines) + f"\n\nmean ± standard error over {n} seeds per arm"
+
+def _prior_runs(out: Path) -> dict:
+    "{(arm, seed): run} recorded in an earlier `study.json` of this folder."
+    p = out / "study.json"
+    if not p.exists(): return {}
+    runs = json.loads(p.read_text()).get("runs", {})
+    return {(a, int(s)): r for a, by_seed in runs.items() for s, r in by_seed.items()}
+
+# %% ../nbs/14_ablation.ipynb #1b1e02a7
+def run_study(study: str,                     # a name from `STUDIES`
+              seeds: list[int] = (0, 1, 2),   # seeds run for every arm
+              out: str | Path | None = None,  # folder (None: benchmarks/ablation/<study>)
+              base: DAPOConfig | str | Path | None = None,  # base config (None: the study's recipe)
+              quick: bool = False, jobs: int = 1, threads: int = 1, figures: bool = True,
+              command: str | None = None, log=print) -> dict:
+    "Run (or reuse) every (arm, seed) of a mechanism study; write study.md, study.json and its figures to `out`."
+    log = log or (lambda s: None)
+    if study not in STUDIES: raise ValueError(f"unknown study {study!r}; studies are: {', '.join(STUDIES)}")
+    spec = STUDIES[study]
+    base = load_config(base or spec["base"]) if not isinstance(base, DAPOConfig) else base
+    if quick: base = replace(base, **{**QUICK, **spec.get("quick", {})})
+    out = Path(out or Path("benchmarks/ablation") / study); out.mkdir(parents=True, exist_ok=True)
+    fp, n_eval = model_fingerprint(base.model), (QUICK_EVAL_PROMPTS if quick else None)
+    arms, prior, t0, res = [a for a, _, _ in spec["arms"]], _prior_runs(out), time.perf_counter(), {}
+    todo = [(a, s) for s in seeds for a in arms]
+    for a, s in todo:
+        cfg = study_config(base, study, a, s, out)
+        p = prior.get((a, s))
+        if p is not None and p["key"] == json.loads(json.dumps(_key(cfg, fp, n_eval))):
+            res[(a, s)] = dict(p, cached=True)
+    args = [(study_config(base, study, a, s, out), fp, n_eval, threads) for a, s in todo if (a, s) not in res]
+    new = [(a, s) for a, s in todo if (a, s) not in res]
+    def done(rs, r):
+        res[rs] = dict(cached=r[0], wall=r[1], metrics=unique_steps(r[2]), versions=r[3],
+                       key=_key(study_config(base, study, *rs, out), fp, n_eval))
+        log(f"{rs[0]:>16s} seed {rs[1]}: {'cached' if r[0] else f'{r[1]:5.0f} s'}  [{time.perf_counter() - t0:.0f} s]")
+    if jobs <= 1:
+        for rs, a in zip(new, args): done(rs, _worker(a))
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+            for rs, r in zip(new, ex.map(_worker, args)): done(rs, r)
+    summaries = {a: [mechanism_summary(res[(a, s)]["metrics"]) for s in seeds] for a in arms}
+    cmp, md = study_table(study, summaries)
+    from datetime import datetime, timezone
+    meta = dict(command=command, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), study=study,
+                base=asdict(base), quick=quick, seeds=list(seeds), model=fp,
+                versions=next((r["versions"] for r in res.values() if r.get("versions")), None) or versions(),
+                wall_this_invocation=time.perf_counter() - t0, wall_runs_total=sum(r["wall"] for r in res.values()),
+                cached_runs=sum(r["cached"] for r in res.values()), runs=len(res))
+    runs = {a: {str(s): {k: res[(a, s)][k] for k in ("key", "wall", "versions", "metrics")} for s in seeds} for a in arms}
+    (out / "study.md").write_text(md + "\n")
+    (out / "study.json").write_text(json.dumps(dict(meta=meta, arms=spec["arms"], summaries=summaries,
+                                                    comparison=cmp, runs=runs)))
+    metrics = {a: [res[(a, s)]["metrics"] for s in seeds] for a in arms}
+    figs = plot_study(study, metrics, out) if figures else []
+    return dict(comparison=cmp, markdown=md, meta=meta, summaries=summaries, metrics=metrics, figures=figs)
+
+# %% ../nbs/14_ablation.ipynb #46d9384d
+STUDY_FIGURES = {  # study: [(file, title, [(metric, y label), ...] one panel each)]
+    "clip-higher": [
+        ("fig2b_entropy.png", "Entropy of the trained batch (Fig. 2b)", [("entropy", "token entropy")]),
+        ("fig3_clipping.png", "What the clip does (Fig. 3)",
+         [("clipfrac_high", "tokens clipped at the top"), ("up_clipped_prob", "old prob of up-clipped tokens"),
+          ("all_correct_frac", "groups all correct (Fig. 3b)")]),
+        ("fig2a_accuracy.png", "Held-out accuracy (Fig. 2a)", [("eval_acc", "held-out avg@k"), ("eval_pass", "held-out pass@k")]),
+    ],
+}
+
+def _derived(rows: list[dict]) -> list[dict]:
+    "Metrics rows with `all_correct_frac` (groups whose responses were all correct / groups generated) added."
+    return [dict(r, all_correct_frac=r["groups_all_correct"] / r["groups_seen"]) if r.get("groups_seen") else r for r in rows]
+
+def plot_study(study: str,       # a name from `STUDIES`
+               metrics: dict,    # {arm: [metrics rows of each seed]}
+               out: str | Path,  # folder for the PNGs
+              ) -> list[Path]:
+    "Draw the study's figures: each metric against gradient updates, mean over seeds with a ± 1 standard error band."
+    import matplotlib; matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out, paths = Path(out), []
+    for fname, title, panels in STUDY_FIGURES[study]:
+        fig, axs = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+        for ax, (key, ylabel) in zip(axs[0], panels):
+            for arm, label, _ in STUDIES[study]["arms"]:
+                runs = [_derived(m) for m in metrics[arm]]
+                xs, ms, sd = mean_curve(runs, key)
+                se = [d / math.sqrt(len(runs)) for d in sd]
+                ax.plot(xs, ms, marker="o" if key.startswith("eval") else None, ms=3, label=label)
+                ax.fill_between(xs, [m - e for m, e in zip(ms, se)], [m + e for m, e in zip(ms, se)], alpha=0.25)
+            ax.set(xlabel="gradient updates", ylabel=ylabel); ax.grid(alpha=0.3)
+        axs[0][0].legend(fontsize=7)
+        fig.suptitle(f"{title}, mean ± s.e. over {len(next(iter(metrics.values())))} seeds", fontsize=10)
+        fig.tight_layout(); fig.savefig(out / fname, dpi=100); plt.close(fig)
+        paths.append(out / fname)
+    return paths
+
 # %% ../nbs/14_ablation.ipynb #a27d361c
 DEFAULT_BASE = "recipes/ablation-tiny.yaml"
 
@@ -294,25 +469,31 @@ def run_ablation(base: DAPOConfig | str | Path = DEFAULT_BASE,  # shared base co
 
 # %% ../nbs/14_ablation.ipynb #d368a517
 def main(argv: list[str] | None = None) -> int:
-    "`dapo-ablate [--quick] [--seeds 0 1 2] [--out DIR] [--rows ...] [--jobs N]`: Table 1 on the tiny task."
+    "`dapo-ablate [--quick] [--seeds 0 1 2] [--out DIR] [--rows ... | --study NAME] [--jobs N]`: Table 1 or a mechanism study on the tiny task."
     ap = argparse.ArgumentParser(prog="dapo-ablate", description="Table 1 of the DAPO paper in miniature: six cumulative "
-                                 "rows x seeds on the tiny task, cached per run; writes table.md/json and figures.")
-    ap.add_argument("--base", default=DEFAULT_BASE, help="shared base recipe of all rows (YAML; a relative path not found here "
-                    "is looked up in the dapo_ref checkout or package)")
+                                 "rows x seeds on the tiny task, cached per run; writes table.md/json and figures. "
+                                 "--study NAME runs a mechanism study instead (two arms x seeds).")
+    ap.add_argument("--base", default=None, help=f"shared base recipe of all rows (YAML; default {DEFAULT_BASE}, or the "
+                    "study's recipe with --study; a relative path not found here is looked up in the dapo_ref checkout or package)")
+    ap.add_argument("--study", default=None, help="run a mechanism study instead of Table 1: " + " ".join(STUDIES))
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 tiny rollout steps per run (< 2 min in all)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rows", nargs="+", default=None, help="row names (default all): " + " ".join(r[0] for r in ROWS))
-    ap.add_argument("--out", default=None, help="folder for runs, table and figures "
-                    "(default benchmarks/ablation; runs/ablation-quick with --quick)")
+    ap.add_argument("--out", default=None, help="folder for runs, table and figures (default benchmarks/ablation, "
+                    "benchmarks/ablation/<study> with --study; under runs/ablation-quick with --quick)")
     ap.add_argument("--target", type=float, default=0.6, help="held-out accuracy for the 'updates to target' column")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     ap.add_argument("--no-figures", action="store_true")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the base config (all rows)")
     a = ap.parse_args(argv)
-    out = a.out or ("runs/ablation-quick" if a.quick else "benchmarks/ablation")
+    root = Path("runs/ablation-quick" if a.quick else "benchmarks/ablation")
+    out = a.out or str(root / a.study if a.study else root)
     with cli_errors("dapo-ablate"):  # every input is checked before torch is imported or a run starts
-        base = load_config(a.base, parse_overrides(a.overrides))
+        if a.study is not None and a.study not in STUDIES:
+            raise InputError(f"--study {a.study} is not a study; studies are: {', '.join(STUDIES)}")
+        if a.study and a.rows: raise InputError("--rows selects rows of Table 1; a --study runs all its arms, so give one or the other")
+        base = load_config(a.base or (STUDIES[a.study]["base"] if a.study else DEFAULT_BASE), parse_overrides(a.overrides))
         for r in a.rows or []: row_switches(r)
         if len(set(a.seeds)) < len(a.seeds): raise InputError(f"--seeds {' '.join(map(str, a.seeds))}: a seed is repeated; give each once")
         for flag, ok, allowed in [("--seeds", min(a.seeds) >= 0, "seeds >= 0"), ("--jobs", a.jobs >= 1, ">= 1"),
@@ -322,12 +503,18 @@ def main(argv: list[str] | None = None) -> int:
     if not __import__("torch").cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    t0 = time.perf_counter()
-    r = run_ablation(base, a.seeds, a.rows, out, quick=a.quick, target=a.target, jobs=a.jobs, threads=a.threads,
-                     figures=not a.no_figures, command=" ".join(["dapo-ablate", *(sys.argv[1:] if argv is None else argv)]))
+    t0, command = time.perf_counter(), " ".join(["dapo-ablate", *(sys.argv[1:] if argv is None else argv)])
+    if a.study:
+        r = run_study(a.study, a.seeds, out, base, quick=a.quick, jobs=a.jobs, threads=a.threads,
+                      figures=not a.no_figures, command=command)
+        done = Path(out) / "study.md"
+    else:
+        r = run_ablation(base, a.seeds, a.rows, out, quick=a.quick, target=a.target, jobs=a.jobs, threads=a.threads,
+                         figures=not a.no_figures, command=command)
+        done = Path(out) / "table.md"
     print(r["markdown"])
     print(f"dapo-ablate: {r['meta']['runs']} runs ({r['meta']['cached_runs']} cached) in {time.perf_counter() - t0:.0f} s; "
-          f"wrote {Path(out) / 'table.md'}")
+          f"wrote {done}")
     return 0
 
 # %% ../nbs/14_ablation.ipynb #71edcab5
