@@ -376,3 +376,41 @@ def test_dapo_train_uses_the_vllm_engine(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     assert "step 1 updates 2 groups" in p.stdout, p.stdout  # 16 prompts x G = 8 / mini-batch 64 = 2 updates
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------- tensor parallel 2 inside a two-rank training job
+@pytest.mark.skipif(CUDA, reason="the CPU miniature of the colocated layout (two CPU processes)")
+def test_tp2_engine_inside_two_rank_job(tmp_path):
+    """torchrun --nproc_per_node 2: one vLLM engine with tensor_parallel_size 2 over both ranks (external_launcher),
+    the learner at zero_stage 3 on the same ranks, 2 DAPO steps of the Trainer dapo-train builds (tests/tp_worker.py).
+    Both ranks pass the same prompts and seeds and get the same completions; the rounds are whole (one engine: one
+    share of the prompts, each group counted once); before the first step and after each sync the engine's greedy
+    completions equal the learner's weights decoded greedily by transformers; the held-out evaluation runs on the
+    engine. On CPU vLLM has no sleep mode: the engine says so and follows the degraded order. ~45-70 s here."""
+    import json, socket, subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+                        str(root / "tests" / "tp_worker.py"), str(tmp_path), "vllm", "3"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r0, r1 = [json.loads((tmp_path / f"vllm{r}.json").read_text()) for r in (0, 1)]
+    assert r0["generated"] == r1["generated"]  # identical prompts, seeds and completions on the engine's two ranks
+    rounds = [g for g in r0["generated"] if g["seed"] is not None and len(g["prompts"]) == 16]  # training rounds
+    assert len(rounds) == sum(r["gen_rounds"] for r in r0["rows"]) >= 2
+    assert all(len({tuple(q) for q in g["prompts"]}) == 16 for g in rounds)  # the whole round on the one engine
+    assert [r["groups_seen"] for r in r0["rows"]] == [16 * r["gen_rounds"] for r in r0["rows"]]  # each group once
+    assert r0["learner"] == "DeepSpeedLearner" and r0["rows"][-1]["grad_updates"] == 4  # 8 groups x 4 / 16, 2 steps
+    assert len(r0["pairs"]) == 3
+    for a in (r0, r1):
+        for pair in a["pairs"]:
+            assert pair["engine"] == pair["learner"]  # the weights the engine serves are the learner's
+    assert r0["pairs"][0]["engine"] != r0["pairs"][-1]["engine"]  # the updates moved the greedy path: not a blind check
+    untimed = lambda ev: {k: v for k, v in ev.items() if not k.startswith("time")}
+    assert untimed(r0["eval"]) == untimed(r1["eval"]) and 0 <= r0["eval"]["eval_acc"] <= 1  # held-out set on the engine
+    assert r0["update_order"] == ["update", "release", "load", "release", "reset_prefix_cache"]
+    assert "no sleep mode" in r0["missing_steps"][0]

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/tp_worker.py OUT_DIR TP     # TP = vllm_tensor_parallel (1 or 2)
     python tests/tp_worker.py OUT_DIR 1                            # one process
+    torchrun --nproc_per_node 2 tests/tp_worker.py OUT_DIR vllm ZERO   # real vLLM, TP 2 over both ranks (.venv-vllm)
 
 Two DAPO steps of the real `Trainer` (tiny policy, plain learner, dynamic sampling) with a recording stand-in for
 the vLLM engine: `RecordingEngine` is a `VLLMRolloutEngine` whose `vllm.LLM` is replaced by a recorder, so
@@ -11,7 +12,14 @@ the samples (chosen by a hash of the three), a wrong answer otherwise. Two ranks
 and seed therefore return the same completions, as vLLM's external_launcher engines do.
 
 Each rank writes OUT_DIR/rank{r}.json: its generate calls (prompts, seed, completions), the recorder's memory calls,
-the responses its learner trained in each step, and the step rows."""
+the responses its learner trained in each step, and the step rows.
+
+`vllm ZERO`: the Trainer as `dapo-train` builds it from recipes/tiny-cpu.yaml (smaller steps), rollout_backend vllm with
+vllm_tensor_parallel 2 (one vLLM engine over both ranks, external_launcher) and the learner at zero_stage ZERO on the same
+ranks. Before the first step and after each of two steps (each ending with the engine's update order and weight sync)
+both ranks compare the engine's greedy completions of four training prompts with the learner's own weights decoded
+greedily by transformers. Each rank writes OUT_DIR/vllm{r}.json: every generate call (prompts, seed, completions),
+the greedy pairs, the held-out evaluation, the engine's update order and the step rows."""
 import hashlib, json, os, sys
 from pathlib import Path
 
@@ -100,11 +108,54 @@ def main(out: Path, tp: int):
     dist.barrier()
 
 
+def main_vllm(out: Path, zero: int):
+    import time
+    from dapo_ref import dist
+    from dapo_ref import trainer as T
+    from dapo_ref.core import load_config
+    from dapo_ref.rollout import HFRolloutEngine, SamplingParams
+    t0 = time.perf_counter()
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"), dict(
+        rollout_backend="vllm", vllm_tensor_parallel=2, vllm_enable_chunked_prefill=False, vllm_gpu_memory_utilization=0.3,
+        zero_stage=zero, gpus_per_node=int(os.environ["WORLD_SIZE"]), group_size=4, prompts_per_step=8, gen_batch_size=16,
+        mini_batch_size=16, total_steps=2, eval_every=0, eval_k=1, output_dir=str(out / "run")))
+    # ZeRO-3 partitioned construction (`DeepSpeedLearner.build_model`) needs accelerate, which .venv-vllm lacks: there the
+    # learner wraps a whole model that deepspeed.initialize partitions (the same optimizer, update and weight stream)
+    model = None if T.importlib.util.find_spec("accelerate") else T.load_model(cfg.model, cfg.dtype)
+    tr = T.Trainer(cfg, model=model, progress=False, log=None)
+    eng, rank = tr.engine, dist.rank()
+    t_built = time.perf_counter() - t0
+    generated, gen = [], eng.generate
+    def recording_generate(prompts, params, use_tqdm=False):
+        comps = gen(prompts, params, use_tqdm)
+        generated.append(dict(prompts=[list(p) for p in prompts], seed=params.seed, completions=[c.token_ids for c in comps]))
+        return comps
+    eng.generate = recording_generate
+    greedy, probe, pairs = SamplingParams(n=1, temperature=0, max_tokens=24), tr.prompt_ids[:4], []
+    def compare():  # every rank: the engine's greedy vs the learner's weights in transformers (a collective under ZeRO-3)
+        got = [c.token_ids for c in eng.generate(probe, greedy)]
+        hf = HFRolloutEngine(tr.learner.policy_copy(), eos_token_id=eng.eos_ids, pad_token_id=tr.pad_id)
+        pairs.append(dict(engine=got, learner=[c.token_ids for c in hf.generate(probe, greedy)]))
+    compare()
+    rows = []
+    for _ in range(2):
+        rows.append(tr.step()); compare()
+    ev = tr.evaluate()  # the held-out set on the engine: both ranks pass the same prompts, rank 0's result counts
+    json.dump(dict(rank=rank, generated=generated, pairs=pairs, eval=ev, n_eval=len(tr.eval_examples), update_order=list(eng.update_order),
+                   missing_steps=eng.missing_steps, learner=type(tr.learner).__name__, build_s=t_built,
+                   total_s=time.perf_counter() - t0, vllm=eng.vllm_version,
+                   rows=[{k: v for k, v in r.items() if isinstance(v, (int, float, str))} for r in rows]),
+              open(out / f"vllm{rank}.json", "w"))
+    dist.barrier()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-    main(out, int(sys.argv[2]))
-    import torch.distributed
-    if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
+    if sys.argv[2] == "vllm": main_vllm(out, int(sys.argv[3]))  # vLLM tears down its groups at exit (needs the job's group)
+    else:
+        main(out, int(sys.argv[2]))
+        import torch.distributed
+        if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
