@@ -234,11 +234,18 @@ def plot_figures(metrics: dict,   # {row: [metrics rows of each seed]}
     return paths
 
 # %% ../nbs/14_ablation.ipynb #b2f071ed
-STUDIES = {  # name: base recipe, arms (name, label, switches), overrides of the --quick base
+STUDIES = {  # name: base recipe, arms (name, label, switches), diagnostics reported, overrides of the --quick base
     "clip-higher": dict(base="recipes/ablation-clip.yaml",
                         arms=[("eps-high-0.20", "eps_high 0.20 (symmetric clip)", dict(eps_high=0.2)),
                               ("eps-high-0.28", "eps_high 0.28 (Clip-Higher)", dict(eps_high=0.28))],
+                        metrics=["entropy_mean", "entropy_end", "clipfrac_high", "clipfrac_low", "up_clipped_prob",
+                                 "all_correct_end", "acc_end", "pass_end", "acc_mean", "pass_mean"],
                         quick=dict(mini_batch_size=1)),  # --quick: 16 responses, 16 updates per step
+    "dynamic-sampling": dict(base="recipes/ablation-tiny.yaml",  # Table 1's rows 5 and 6
+                             arms=[("no-dynamic-sampling", "row 5: no dynamic sampling", row_switches("5-token-loss")),
+                                   ("dynamic-sampling", "row 6: dynamic sampling", row_switches("6-dynamic-sampling"))],
+                             metrics=["acc_end", "acc_mean", "pass_mean", "zero_adv_frac", "gen_rounds", "wall_train"],
+                             quick={}),
 }
 
 def study_config(base: DAPOConfig,     # the study's base config
@@ -257,7 +264,7 @@ def study_config(base: DAPOConfig,     # the study's base config
 def mechanism_summary(rows: list[dict],  # metrics rows of one run
                       tail: int = 5,     # rollout steps averaged for the "end" statistics
                      ) -> dict:
-    "One run's mechanism diagnostics: entropy, clipping, up-clipped probability, all-correct groups, held-out accuracy."
+    "One run's mechanism diagnostics: entropy, clipping, up-clipped probability, zero-advantage groups, cost, held-out accuracy."
     steps = [r for r in rows if r.get("step", 0) > 0]
     evals = [r for r in rows if "eval_acc" in r]
     m = lambda xs: statistics.fmean(xs) if xs else float("nan")
@@ -266,6 +273,8 @@ def mechanism_summary(rows: list[dict],  # metrics rows of one run
                 clipfrac_high=m([r["clipfrac_high"] for r in steps]), clipfrac_low=m([r["clipfrac_low"] for r in steps]),
                 up_clipped_prob=m(up),
                 all_correct_end=m([r["groups_all_correct"] / r["groups_seen"] for r in steps[-tail:]]),
+                zero_adv_frac=m([(r["groups_all_correct"] + r["groups_all_wrong"]) / r["groups_seen"] for r in steps]),
+                gen_rounds=m([r["gen_rounds"] for r in steps]), wall_train=sum(r["time_step"] for r in steps),
                 acc_end=evals[-1]["eval_acc"] if evals else float("nan"),
                 pass_end=evals[-1]["eval_pass"] if evals else float("nan"),
                 acc_mean=m([r["eval_acc"] for r in evals[1:]]), pass_mean=m([r["eval_pass"] for r in evals[1:]]))
@@ -288,22 +297,25 @@ def compare_arms(a: list[float],  # one metric, arm a, one value per seed
                 separated=bool(se > 0 and abs(mb - ma) > 2 * se), n=(na, nb))
 
 # %% ../nbs/14_ablation.ipynb #adfabf6a
-STUDY_METRICS = [  # (key of mechanism_summary, label, scale for the table)
-    ("entropy_mean", "entropy, mean over the run", 1), ("entropy_end", "entropy, last 5 steps", 1),
-    ("clipfrac_high", "clipfrac_high (% tokens)", 100), ("clipfrac_low", "clipfrac_low (% tokens)", 100),
-    ("up_clipped_prob", "old prob of up-clipped tokens", 1), ("all_correct_end", "all-correct groups, last 5 steps", 1),
-    ("acc_end", "held-out avg@k end", 100), ("pass_end", "held-out pass@k end", 100),
-    ("acc_mean", "held-out avg@k, mean of evals", 100), ("pass_mean", "held-out pass@k, mean of evals", 100)]
+STUDY_METRICS = {  # key of mechanism_summary: (label, scale in the table)
+    "entropy_mean": ("entropy, mean over the run", 1), "entropy_end": ("entropy, last 5 steps", 1),
+    "clipfrac_high": ("clipfrac_high (% tokens)", 100), "clipfrac_low": ("clipfrac_low (% tokens)", 100),
+    "up_clipped_prob": ("old prob of up-clipped tokens", 1), "all_correct_end": ("all-correct groups, last 5 steps", 1),
+    "acc_end": ("held-out avg@k end (%)", 100), "pass_end": ("held-out pass@k end (%)", 100),
+    "acc_mean": ("held-out avg@k, mean of evals (%)", 100), "pass_mean": ("held-out pass@k, mean of evals (%)", 100),
+    "zero_adv_frac": ("zero-advantage groups (% generated)", 100), "gen_rounds": ("generation rounds per step", 1),
+    "wall_train": ("training wall time (s)", 1)}
 
 def study_table(study: str, summaries: dict) -> tuple[dict, str]:
     "{metric: compare_arms of the study's two arms} and the markdown table (mean ± se per arm, difference ± se)."
     (a, la, _), (b, lb, _) = STUDIES[study]["arms"]
     cmp, n = {}, len(summaries[a])
     lines = [f"| metric | {la} | {lb} | difference ± se (paired se) | > 2 se |", "|---|---|---|---|---|"]
-    for k, label, sc in STUDY_METRICS:
+    for k in STUDIES[study]["metrics"]:
+        label, sc = STUDY_METRICS[k]
         xa, xb = [s[k] for s in summaries[a]], [s[k] for s in summaries[b]]
         c = cmp[k] = compare_arms(xa, xb)
-        f = lambda x: f"{sc * x:.3g}" if sc != 1 else f"{x:.4f}"
+        f = lambda x, sc=sc: f"{sc * x:.3g}" if sc != 1 else f"{x:.4g}"
         (ma, sa, _), (mb, sb, _) = mean_se(xa), mean_se(xb)
         lines.append(f"| {label} | {f(ma)} ± {f(sa)} | {f(mb)} ± {f(sb)} | {f(c['diff'])} ± {f(c['se'])} "
                      f"({f(c['se_paired'])}) | {'yes' if c['separated'] else 'no'} |")
@@ -368,38 +380,57 @@ def run_study(study: str,                     # a name from `STUDIES`
     return dict(comparison=cmp, markdown=md, meta=meta, summaries=summaries, metrics=metrics, figures=figs)
 
 # %% ../nbs/14_ablation.ipynb #46d9384d
-STUDY_FIGURES = {  # study: [(file, title, [(metric, y label), ...] one panel each)]
+STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each])], x: gradient updates or training wall time
     "clip-higher": [
-        ("fig2b_entropy.png", "Entropy of the trained batch (Fig. 2b)", [("entropy", "token entropy")]),
+        ("fig2b_entropy.png", "Entropy of the trained batch (Fig. 2b)", [("entropy", "token entropy", "grad_updates")]),
         ("fig3_clipping.png", "What the clip does (Fig. 3)",
-         [("clipfrac_high", "tokens clipped at the top"), ("up_clipped_prob", "old prob of up-clipped tokens"),
-          ("all_correct_frac", "groups all correct (Fig. 3b)")]),
-        ("fig2a_accuracy.png", "Held-out accuracy (Fig. 2a)", [("eval_acc", "held-out avg@k"), ("eval_pass", "held-out pass@k")]),
+         [("clipfrac_high", "tokens clipped at the top", "grad_updates"),
+          ("up_clipped_prob", "old prob of up-clipped tokens", "grad_updates"),
+          ("all_correct_frac", "groups all correct (Fig. 3b)", "grad_updates")]),
+        ("fig2a_accuracy.png", "Held-out accuracy (Fig. 2a)",
+         [("eval_acc", "held-out avg@k", "grad_updates"), ("eval_pass", "held-out pass@k", "grad_updates")]),
+    ],
+    "dynamic-sampling": [
+        ("fig6_accuracy.png", "Held-out accuracy with and without dynamic sampling (Fig. 6)",
+         [("eval_acc", "held-out avg@k", "grad_updates"), ("eval_acc", "held-out avg@k", "wall_train")]),
+        ("zero_advantage.png", "Zero-advantage groups and what dynamic sampling pays for them",
+         [("zero_adv_frac", "zero-advantage groups / generated", "grad_updates"),
+          ("gen_rounds", "generation rounds per step", "grad_updates")]),
     ],
 }
 
 def _derived(rows: list[dict]) -> list[dict]:
-    "Metrics rows with `all_correct_frac` (groups whose responses were all correct / groups generated) added."
-    return [dict(r, all_correct_frac=r["groups_all_correct"] / r["groups_seen"]) if r.get("groups_seen") else r for r in rows]
+    "Metrics rows with `all_correct_frac`, `zero_adv_frac` (of the groups generated) and `wall_train` (training seconds so far) added."
+    out, wall = [], 0.0
+    for r in rows:
+        wall += r.get("time_step", 0.0)
+        d = dict(r, wall_train=wall)
+        if r.get("groups_seen"):
+            d.update(all_correct_frac=r["groups_all_correct"] / r["groups_seen"],
+                     zero_adv_frac=(r["groups_all_correct"] + r["groups_all_wrong"]) / r["groups_seen"])
+        out.append(d)
+    return out
 
 def plot_study(study: str,       # a name from `STUDIES`
                metrics: dict,    # {arm: [metrics rows of each seed]}
                out: str | Path,  # folder for the PNGs
               ) -> list[Path]:
-    "Draw the study's figures: each metric against gradient updates, mean over seeds with a ± 1 standard error band."
+    "Draw the study's figures: each metric against gradient updates or wall time, mean over seeds with a ± 1 standard error band."
     import matplotlib; matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     out, paths = Path(out), []
     for fname, title, panels in STUDY_FIGURES[study]:
         fig, axs = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-        for ax, (key, ylabel) in zip(axs[0], panels):
+        for ax, (key, ylabel, x) in zip(axs[0], panels):
             for arm, label, _ in STUDIES[study]["arms"]:
                 runs = [_derived(m) for m in metrics[arm]]
                 xs, ms, sd = mean_curve(runs, key)
+                if x != "grad_updates": xs = mean_curve([[dict(r, **{key: r[x]}) for r in m] for m in runs], key)[1]
                 se = [d / math.sqrt(len(runs)) for d in sd]
                 ax.plot(xs, ms, marker="o" if key.startswith("eval") else None, ms=3, label=label)
                 ax.fill_between(xs, [m - e for m, e in zip(ms, se)], [m + e for m, e in zip(ms, se)], alpha=0.25)
-            ax.set(xlabel="gradient updates", ylabel=ylabel); ax.grid(alpha=0.3)
+            ax.set(xlabel="gradient updates" if x == "grad_updates" else "training wall time (s, mean over seeds)",
+                   ylabel=ylabel); ax.grid(alpha=0.3)
         axs[0][0].legend(fontsize=7)
         fig.suptitle(f"{title}, mean ± s.e. over {len(next(iter(metrics.values())))} seeds", fontsize=10)
         fig.tight_layout(); fig.savefig(out / fname, dpi=100); plt.close(fig)
