@@ -317,6 +317,31 @@ def test_gpu_sleep_wake(setup, level):
     assert ids(eng.generate(PROMPTS, GREEDY)) == want
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (regular vLLM on GPUs)")
+def test_gpu_around_update(setup, tmp_path):
+    """The full memory order on a GPU: the update runs with the engine's weights and KV cache discarded (sleep level 2:
+    more free memory than the KV cache alone would give back), generate refuses meanwhile, and afterwards the engine
+    serves exactly the new weights (greedy = transformers)."""
+    from dapo_ref.vllm_rollout import FULL_ORDER
+    eng, eos, policy = setup["engine"], setup["eos"], setup["policy"]
+    assert eng.update_order == list(FULL_ORDER) and eng.missing_steps == []
+    new = save_tiny_qwen2(tmp_path, seed=1, eos_id=eos)
+    want = ids(HFRolloutEngine(copy.deepcopy(new), eos_token_id=eos, pad_token_id=PAD).generate(PROMPTS, GREEDY))
+    torch.cuda.synchronize(); free0 = torch.cuda.mem_get_info()[0]
+    seen = []
+    def update():
+        torch.cuda.synchronize(); seen.append(torch.cuda.mem_get_info()[0])
+        with pytest.raises(RuntimeError, match="sleeping"):
+            eng.generate(PROMPTS, GREEDY)
+        return "done"
+    try:
+        assert eng.around_update(update, lambda: new.state_dict().items()) == "done"
+        assert seen[0] > free0 + (1 << 28)
+        assert ids(eng.generate(PROMPTS, GREEDY)) == want
+    finally:
+        eng.load_weights(policy.state_dict().items())
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (tensor parallel 2)")
 def test_gpu_tensor_parallel(setup, tmp_path):
     "Tensor parallel 2: greedy as transformers, new weights (one layer per call) sharded correctly, sleep/wake. Runs last."
