@@ -1,5 +1,5 @@
 "Ablation (dapo-ablate) end to end on the --quick base: the table, per-run caching, resuming an interrupted ablation."
-import json, os, subprocess, sys, time
+import json, os, shutil, subprocess, sys, time
 from pathlib import Path
 
 import pytest
@@ -119,3 +119,36 @@ def test_clip_higher_testbed_clips_bind(tmp_path, monkeypatch):
     assert r16["clipfrac_high"] > 2e-3, r16["clipfrac_high"]  # the Table 1 demo averages 2e-4 per step
     assert r16["clipfrac_high"] > 5 * r2["clipfrac_high"], (r16["clipfrac_high"], r2["clipfrac_high"])
     assert 0 < r16["up_clipped_prob"] < 0.5, r16["up_clipped_prob"]  # the up-clipped tokens are unlikely ones (Fig. 3a)
+
+
+def test_quick_study_writes_and_reuses(tmp_path):
+    "dapo-ablate --study on the --quick base: study.md/json and figures; a rerun reuses every run, also from study.json alone."
+    out = tmp_path / "clip"
+    argv = ["--quick", "--study", "clip-higher", "--seeds", "0", "--out", str(out)]
+    r = subprocess.run([PY, "-m", "dapo_ref.ablation", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads((out / "study.json").read_text())
+    assert s["meta"]["runs"] == 2 and s["meta"]["cached_runs"] == 0 and s["meta"]["date"] and "--study clip-higher" in s["meta"]["command"]
+    assert [a[0] for a in s["arms"]] == ["eps-high-0.20", "eps-high-0.28"]
+    for arm, eps in (("eps-high-0.20", 0.2), ("eps-high-0.28", 0.28)):
+        cfg = s["runs"][arm]["0"]["key"]["config"]
+        assert cfg["eps_high"] == eps and cfg["mini_batch_size"] == 1 and cfg["seed"] == 0
+        steps = [m for m in s["runs"][arm]["0"]["metrics"] if m.get("step", 0) > 0]
+        assert [m["grad_updates"] for m in steps] == [16, 32]  # 16 responses, 16 updates per step
+    assert "entropy, mean over the run" in (out / "study.md").read_text()
+    for f in ("fig2b_entropy.png", "fig3_clipping.png", "fig2a_accuracy.png"):
+        assert (out / f).stat().st_size > 1000
+    shutil.rmtree(out / "runs")  # the committed cache keeps study.json only: its runs are reused from there
+    assert main([*argv, "--no-figures"]) == 0
+    s2 = json.loads((out / "study.json").read_text())
+    assert s2["meta"]["cached_runs"] == 2 and s2["summaries"] == s["summaries"]
+    assert main([*argv, "--no-figures", "lr=1e-4"]) == 0  # another base config: trained again
+    assert json.loads((out / "study.json").read_text())["meta"]["cached_runs"] == 0
+
+
+def test_study_cli_errors(capsys):
+    for argv, msg in [(["--study", "clip-hihger"], "--study clip-hihger is not a study; studies are: clip-higher"),
+                      (["--study", "clip-higher", "--rows", "1-grpo"], "give one or the other")]:
+        with pytest.raises(SystemExit) as e: main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("dapo-ablate: error: ") and msg in err and err.count("\n") == 1, err
