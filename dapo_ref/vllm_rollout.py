@@ -279,15 +279,20 @@ class VLLMRolloutEngine(RolloutEngine):
         self._stream(named_tensors)
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
 
-    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        "The load itself: checked buckets of about `weight_bucket_bytes`, one `reload_weights` call each; warn about parameters no call updated."
+    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]],
+                discarded: bool = False,  # the weights were dropped (sleep level 2): a parameter left out holds no values
+               ) -> None:
+        "The load itself: checked buckets of about `weight_bucket_bytes`, one `reload_weights` call each; warn about parameters no call updated (raise after level 2)."
         calls = 0
         with _reload_log() as log:
             for bucket in weight_buckets(named_tensors, self.weight_bucket_bytes):
                 if self._shapes is not None: check_weights(bucket, self._shapes, self._tied)
                 self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=bucket, is_checkpoint_format=True))
                 calls += 1
-        if missing := log.never_loaded(calls):
+        if (missing := log.never_loaded(calls)) and discarded:
+            raise RuntimeError(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor after sleep(level=2) "
+                               f"discarded them: {sorted(missing)[:4]}; send every tensor the engine's model has")
+        if missing:
             warnings.warn(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor and keep their old values: "
                           f"{sorted(missing)[:4]}{' ...' if len(missing) > 4 else ''}")
 
@@ -309,7 +314,7 @@ class VLLMRolloutEngine(RolloutEngine):
             elif step == "wake(weights)": self.llm.wake_up(tags=["weights"])
             elif step == "wake(kv_cache)": self.llm.wake_up(tags=["kv_cache"])
             elif step == "wake": self.llm.wake_up()
-            elif step == "load": self._stream(weights())
+            elif step == "load": self._stream(weights(), discarded="sleep(2)" in self.update_order)
             elif step == "reset_prefix_cache": self.llm.reset_prefix_cache()
             else: raise AssertionError(step)
         self._asleep = self._weights_awake = False
