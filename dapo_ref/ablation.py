@@ -14,8 +14,8 @@ from .core import DAPOConfig, InputError, cli_errors, load_config, save_config, 
 __all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'STUDIES', 'STUDY_METRICS',
            'STUDY_FIGURES', 'DEFAULT_BASE', 'row_switches', 'run_config', 'model_fingerprint', 'versions',
            'cached_result', 'unique_steps', 'run_one', 'run_summary', 'ablation_table', 'table_markdown', 'mean_curve',
-           'plot_figures', 'study_config', 'mechanism_summary', 'mean_se', 'compare_arms', 'study_table', 'run_study',
-           'plot_study', 'run_ablation', 'main']
+           'plot_figures', 'study_config', 'up_clipped_mean', 'clip_probe', 'mechanism_summary', 'mean_se',
+           'compare_arms', 'study_table', 'run_study', 'plot_study', 'run_ablation', 'main']
 
 # %% ../nbs/14_ablation.ipynb #0988fedb
 SWITCHES = ("eps_low", "eps_high", "loss_agg", "overlong_filter", "soft_overlong_punishment", "dynamic_sampling")
@@ -260,6 +260,30 @@ def study_config(base: DAPOConfig,     # the study's base config
     if arm not in arms: raise ValueError(f"unknown arm {arm!r} of study {study}; arms are: {', '.join(arms)}")
     return replace(base, **arms[arm], seed=seed, output_dir=str(Path(out) / "runs" / arm / f"seed-{seed}"))
 
+# %% ../nbs/14_ablation.ipynb #e3b3864e
+def up_clipped_mean(ups: list[dict]) -> tuple[float, float]:
+    "(up-clipped tokens, their mean old probability) from `Learner.update` metrics, each update weighted by its clipped tokens."
+    n = [u["clipfrac_high"] * u["num_tokens"] for u in ups]  # up-clipped tokens of each update
+    return sum(n), sum(k * u["up_clipped_prob"] for k, u in zip(n, ups)) / max(sum(n), 1e-12)
+
+def clip_probe(cfg: DAPOConfig,  # a run's config; its first rollout step is run in a temporary folder
+              ) -> dict:
+    "One rollout step of `cfg`: per-update clip fractions, and the old probability averaged over the up-clipped tokens."
+    import tempfile, torch
+    from dapo_ref.trainer import Trainer
+    torch.use_deterministic_algorithms(True, warn_only=True)  # as `train` does: the step a run makes first
+    with tempfile.TemporaryDirectory() as d:
+        tr = Trainer(replace(cfg, total_steps=1, save_every=0, output_dir=d), eval_examples=[], progress=False, log=None)
+        ups, update = [], tr.learner.update
+        tr.learner.update = lambda *a, **k: ups.append(update(*a, **k)) or ups[-1]  # record every update's metrics
+        tr.fit()
+    n, p = up_clipped_mean(ups)
+    return dict(updates=len(ups), clipfrac_high=statistics.fmean(u["clipfrac_high"] for u in ups),
+                clipfrac_low=statistics.fmean(u["clipfrac_low"] for u in ups),
+                updates_clipping=sum(u["clipfrac_high"] > 0 for u in ups), up_clipped_tokens=round(n),
+                up_clipped_prob_tokens=p,  # mean over the up-clipped tokens
+                up_clipped_prob_step=statistics.fmean(u["up_clipped_prob"] for u in ups))  # the trainer's diluted value
+
 # %% ../nbs/14_ablation.ipynb #f90733ea
 def mechanism_summary(rows: list[dict],  # metrics rows of one run
                       tail: int = 5,     # rollout steps averaged for the "end" statistics
@@ -300,7 +324,7 @@ def compare_arms(a: list[float],  # one metric, arm a, one value per seed
 STUDY_METRICS = {  # key of mechanism_summary: (label, scale in the table)
     "entropy_mean": ("entropy, mean over the run", 1), "entropy_end": ("entropy, last 5 steps", 1),
     "clipfrac_high": ("clipfrac_high (% tokens)", 100), "clipfrac_low": ("clipfrac_low (% tokens)", 100),
-    "up_clipped_prob": ("old prob of up-clipped tokens", 1), "all_correct_end": ("all-correct groups, last 5 steps", 1),
+    "up_clipped_prob": ("up_clipped_prob (trainer's per-update mean, diluted)", 1), "all_correct_end": ("all-correct groups, last 5 steps", 1),
     "acc_end": ("held-out avg@k end (%)", 100), "pass_end": ("held-out pass@k end (%)", 100),
     "acc_mean": ("held-out avg@k, mean of evals (%)", 100), "pass_mean": ("held-out pass@k, mean of evals (%)", 100),
     "zero_adv_frac": ("zero-advantage groups (% generated)", 100), "gen_rounds": ("generation rounds per step", 1),
@@ -315,7 +339,7 @@ def study_table(study: str, summaries: dict) -> tuple[dict, str]:
         label, sc = STUDY_METRICS[k]
         xa, xb = [s[k] for s in summaries[a]], [s[k] for s in summaries[b]]
         c = cmp[k] = compare_arms(xa, xb)
-        f = lambda x, sc=sc: f"{sc * x:.3g}" if sc != 1 else f"{x:.4g}"
+        f = lambda x, sc=sc: f"{sc * x:.3g}"
         (ma, sa, _), (mb, sb, _) = mean_se(xa), mean_se(xb)
         lines.append(f"| {label} | {f(ma)} ± {f(sa)} | {f(mb)} ± {f(sb)} | {f(c['diff'])} ± {f(c['se'])} "
                      f"({f(c['se_paired'])}) | {'yes' if c['separated'] else 'no'} |")
@@ -420,7 +444,7 @@ def plot_study(study: str,       # a name from `STUDIES`
     import matplotlib.pyplot as plt
     out, paths = Path(out), []
     for fname, title, panels in STUDY_FIGURES[study]:
-        fig, axs = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+        fig, axs = plt.subplots(1, len(panels), figsize=(max(6.0, 4.2 * len(panels)), 3.4), squeeze=False)
         for ax, (key, ylabel, x) in zip(axs[0], panels):
             for arm, label, _ in STUDIES[study]["arms"]:
                 runs = [_derived(m) for m in metrics[arm]]
