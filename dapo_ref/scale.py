@@ -117,7 +117,9 @@ class DeepSpeedLearner(Learner):
 @patch(cls_method=True)
 def build_model(cls: DeepSpeedLearner, cfg: DAPOConfig):
     "The policy `cfg.model`: with ZeRO-3 built straight into this rank's partitions (never whole); with ZeRO-2 whole on the CPU."
-    dist.init_distributed(single=True)  # zero.Init partitions over the process group
+    import deepspeed
+    dist.init_distributed(single=True)  # zero.Init partitions over the process group, whose size it reads from deepspeed.comm
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # wraps the group already up
     return from_pretrained_zero3(model_path(cfg.model), deepspeed_config(cfg, dist.world_size()), dtype=getattr(torch, cfg.dtype))
 
 @patch(cls_method=True)

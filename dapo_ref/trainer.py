@@ -22,6 +22,7 @@ from .advantage import group_advantages
 from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
 from .sampling import DynamicSamplingBuffer, DynamicSamplingError
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
+from .zero import gather_batch, balanced_share
 
 # %% auto #0
 __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'METRIC_KEYS', 'TIMING_KEYS', 'check_run', 'model_path', 'load_model', 'load_tokenizer',
@@ -29,8 +30,8 @@ __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'METRIC_KEYS', 'TIMING_KEYS', 'check_r
            'generate_groups', 'RolloutBatch', 'make_batch', 'pack_micro_batches', 'collate', 'forward_logprobs',
            'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators', 'Learner',
            'TorchLearner', 'learner_class', 'strip_timing', 'read_metrics', 'rng_state', 'set_rng_state',
-           'latest_checkpoint', 'plot_curves', 'Remote', 'global_round', 'local_mini_batches', 'make_engine', 'Trainer',
-           'step_metrics', 'summary_line', 'train']
+           'latest_checkpoint', 'plot_curves', 'Remote', 'global_round', 'make_engine', 'Trainer', 'step_metrics',
+           'summary_line', 'train']
 
 # %% ../nbs/09_trainer.ipynb #12029f8b
 _VLLM_FIELDS = ("vllm_tensor_parallel", "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill")
@@ -567,16 +568,6 @@ def global_round(per_rank_acc: list[list[bool]],  # N ranks' accuracies for thei
         acc += per_rank_acc[owner][j * G:(j + 1) * G]
     return handles, torch.tensor(acc, dtype=torch.bool)
 
-def local_mini_batches(owned: list[bool],  # (B,) whether this rank trains each response of the batch, global order
-                       size: int,          # mini_batch_size: responses per optimizer step, all ranks together
-                      ) -> list[list[int]]:
-    "For each global mini-batch, the positions in this rank's local batch (its own responses, in global order) of the responses it owns."
-    out, k = [], 0
-    for s in range(0, len(owned), size):
-        n = sum(owned[s:s + size])
-        out.append(list(range(k, k + n))); k += n
-    return out
-
 # %% ../nbs/09_trainer.ipynb #8614d3e5
 def make_engine(cfg: DAPOConfig,   # rollout_backend, group_size, vllm_* fields
                 learner: Learner,  # the weights to start from
@@ -665,11 +656,13 @@ def collect(self: Trainer, step: int, timer: dict) -> tuple[list, list[Group], d
 # %% ../nbs/09_trainer.ipynb #cffa49e6
 @patch
 def train_on(self: Trainer, batch: RolloutBatch,  # this rank's responses of the step's batch, global order
-             owned: list[bool],                    # (P*G,) whether this rank trains each response of the global batch
+             owned: list[bool],                    # (P*G,) whether this rank holds each response of the global batch
              timer: dict) -> tuple[list[dict], dict]:
     "Algorithm 1 lines 10-11: old log-probs of every mini-batch, then one optimizer step per mini-batch."
     t0 = time.perf_counter()
-    minis = [batch.select(ix) for ix in local_mini_batches(owned, self.cfg.mini_batch_size)]
+    full = gather_batch(batch, owned)  # the step's responses on every rank: token ids and three numbers each
+    share = balanced_share([len(r) for r in full.response_ids], self.cfg.mini_batch_size, self.rank, self.world)
+    minis = [full.select(ix) for ix in share]  # this rank's token-balanced part of each mini-batch
     olds = [self.learner.compute_logprobs(mini) for mini in minis]  # before any update, packed as the update packs them
     t1 = time.perf_counter()
     lp, en = [t for l, _ in olds for t in l], [t for _, e in olds for t in e]

@@ -256,11 +256,11 @@ def gather_batch(batch,              # this rank's responses of the step (a `tra
                  owned: list[bool],  # (B,) whether this rank holds each response of the step's batch
                 ):
     "The step's B responses in global order on every rank (token ids, advantages, flags, rewards all-gathered); `batch` itself on one rank."
-    from .dist import all_gather
+    from .dist import all_gather, is_distributed
     pos = [i for i, o in enumerate(owned) if o]
     if len(pos) != len(batch):
         raise ValueError(f"{len(batch)} local responses but {len(pos)} owned positions; `owned` marks this rank's responses")
-    if len(pos) == len(owned): return batch  # one rank holds everything: nothing to move
+    if not is_distributed(): return batch  # one rank: nothing to move (the decision must be the same on every rank)
     cols = (batch.prompt_ids, batch.response_ids, batch.advantages.tolist(), batch.truncated.tolist(), batch.rewards.tolist())
     rows = [None] * len(owned)
     for where, *theirs in all_gather((pos, *cols)):  # pickle sends a group's shared prompt list once

@@ -1,6 +1,8 @@
 """One rank of the two-process learner checks in tests/test_scale.py (run it with torchrun, not pytest).
 
     torchrun --nproc_per_node 2 tests/scale_worker.py OUT_DIR [3,2,3gc,0]
+    torchrun --nproc_per_node 2 tests/scale_worker.py OUT_DIR build MODEL   (or python tests/scale_worker.py ...: one rank)
+
 
 Each rank builds the same fixed DAPO mini-batch (`fixed_batch`), keeps its share of the groups (`dist.shard`), and for
 ZeRO-3, ZeRO-2, ZeRO-3 with gradient checkpointing (`DeepSpeedLearner`) and the plain learner (`TorchLearner`, stage
@@ -8,7 +10,15 @@ ZeRO-3, ZeRO-2, ZeRO-3 with gradient checkpointing (`DeepSpeedLearner`) and the 
 rollout engine (`HFRolloutEngine`), all through `Trainer.train_on` and
 `Trainer.sync_weights`. Rank 0 writes to OUT_DIR/stage{name}.pt: the full weights the learner streamed, the
 learner's own consolidated weights, the engine's weights on every rank, the old log-probs and the update's metrics.
-The one-device comparison is done by the test, in its own process, with `trainer.TorchLearner`."""
+The one-device comparison is done by the test, in its own process, with `trainer.TorchLearner`.
+
+`build MODEL` (a model the learner loads by name, here a ~57M-parameter Qwen2 from a local HF cache): the ZeRO-3
+learner as `dapo-train` builds it. Each rank measures its peak resident memory above its baseline (torch,
+transformers, DeepSpeed and dapo_ref imported, process group up) while `DeepSpeedLearner.build_model` constructs the
+policy, and checks every parameter is partitioned; then `Trainer` (through `DeepSpeedLearner.build` and the
+transformers engine's copy) trains one mini-batch of the fixed batch with every group on rank 0, recording the
+response tokens each rank's `Learner.update` received; syncs the engine; and measures `save_model`'s peak into
+OUT_DIR/export. Rank 0 writes OUT_DIR/build.pt."""
 import copy, os, sys
 from pathlib import Path
 
@@ -85,6 +95,56 @@ def run_stage(name: str, out: Path):
     dist.barrier()
 
 
+def run_build(model_name: str, out: Path):
+    "ZeRO-3 construction, a balanced update with every group on rank 0, the engine sync and the streamed export."
+    import deepspeed, transformers.models.qwen2.modeling_qwen2  # noqa: F401  (part of the baseline)
+    from transformers.integrations import HfDeepSpeedConfig  # noqa: F401
+    from dapo_ref import dist
+    from dapo_ref.scale import DeepSpeedLearner
+    from dapo_ref.tiny import tiny_splits
+    from dapo_ref.trainer import Trainer, load_tokenizer
+    from dapo_ref.zero import PeakRSS
+    rank, world = dist.rank(), dist.world_size()
+    cfg = test_cfg(); cfg.model, cfg.zero_stage, cfg.gpus_per_node, cfg.lr = model_name, 3, world, LR_BUILD
+    tok = load_tokenizer("tiny")
+    with PeakRSS() as m:
+        model = DeepSpeedLearner.build_model(cfg)
+    params = list(model.parameters())
+    res = dict(rank=rank, construct_extra=m.extra, construct_base=m.base,
+               all_partitioned=all(p.numel() == 0 and hasattr(p, "ds_id") for p in params),
+               full_numel=sum(p.ds_numel for p in params), local_numel=sum(p.ds_tensor.numel() for p in params),
+               model_bytes=sum(p.ds_numel * p.element_size() for p in params))
+    with PeakRSS() as m:  # deepspeed.initialize (optimizer partitions) and the transformers engine's whole copy
+        trainer = Trainer(cfg, train_examples=tiny_splits(8, 1, seed=0)[0], eval_examples=[], model=model,
+                          tokenizer=tok, progress=False, log=None)
+    res["trainer_extra"] = m.extra
+    learner = trainer.learner
+    res["engine_partitioned"] = any(hasattr(p, "ds_id") for p in trainer.engine.model.parameters())
+    trained, update = [], learner.update
+    def recording_update(mini, old):  # what this rank's learner trains: the balanced share
+        trained.append([len(r) for r in mini.response_ids])
+        return update(mini, old)
+    learner.update = recording_update
+    batch = fixed_batch()
+    owned = [rank == 0] * len(batch)  # every kept group generated on rank 0
+    updates, _ = trainer.train_on(batch if rank == 0 else batch.select([]), owned, {})
+    res.update(trained=trained, metrics=updates)
+    learner.end_step()
+    trainer.sync_weights()
+    engine_sd = {n: t.clone() for n, t in trainer.engine.model.state_dict().items()}
+    weights = {n: t.clone() for n, t in learner.named_weights()}
+    res["engine_equal"] = all(torch.equal(engine_sd[k], v) for k, v in weights.items())
+    with PeakRSS() as m:
+        learner.save_model(out / "export")
+    res["export_extra"] = m.extra
+    every = dist.all_gather(res)
+    if rank == 0: torch.save(dict(ranks=every, weights=weights), out / "build.pt")
+    dist.barrier()
+
+
+LR_BUILD = 1e-4  # the learning rate of the `build` check's update (see tests/test_scale.py)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -92,7 +152,8 @@ if __name__ == "__main__":
     from dapo_ref import dist
     dist.init_distributed()
     out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-    stages = sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc", "0"]
-    for s in stages: run_stage(s, out)
+    if sys.argv[2:3] == ["build"]: run_build(sys.argv[3], out)
+    else:
+        for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc", "0"]): run_stage(s, out)
     import torch.distributed
     torch.distributed.destroy_process_group()
