@@ -4,15 +4,15 @@
 
 # %% ../nbs/09a_train.ipynb #20d87ad1
 from __future__ import annotations
-import argparse, os, sys
+import argparse, contextlib, math, os, sys
 
 import torch
-import yaml
 
 from . import dist
-from .core import load_config, parse_overrides
-from .trainer import Trainer, summary_line
+from .core import USER_ERRORS, InputError, cli_errors, load_config, one_line, parse_overrides
+from .trainer import Trainer, check_run, summary_line
 from .sampling import DynamicSamplingError
+from .runs import SAMPLING_TIMEOUT, CheckpointError, DivergenceError, prepare_output_dir
 
 # %% auto #0
 __all__ = ['main']
@@ -23,18 +23,41 @@ def _parser() -> argparse.ArgumentParser:
                                  "or on every rank under torchrun / the deepspeed launcher.")
     ap.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/tiny-cpu.yaml")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of recipe fields, e.g. lr=1e-5 total_steps=10")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    ap.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest loadable checkpoint")
+    ap.add_argument("--overwrite", action="store_true", help="replace the run already in output_dir (its metrics and checkpoints)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads per rank (fix it for bit-exact resume); default: 1 for model=tiny, else torch's choice")
-    ap.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept on disk (newest first)")
+    ap.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept on disk (newest first); 0 keeps all")
+    ap.add_argument("--sampling-timeout", type=float, default=SAMPLING_TIMEOUT,
+                    help="seconds one step's unbounded dynamic sampling (max_num_gen_batches=0) may run before the run stops")
     ap.add_argument("--quiet", action="store_true", help="no progress bars or log lines, only the summary")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     return ap
 
+@contextlib.contextmanager
+def _errors(rank: int):
+    "`cli_errors` on rank 0; the other ranks exit with the same status, silently (rank 0 has said it)."
+    if rank == 0:
+        with cli_errors("dapo-train"): yield
+    else:
+        try: yield
+        except USER_ERRORS: raise SystemExit(2) from None
+
+def _check_flags(threads: int | None, keep: int, sampling_timeout: float):
+    "The options that are not config fields: an `InputError` naming the flag and its range."
+    if threads is not None and threads < 1:
+        raise InputError(f"--threads {threads} is out of range: give a number >= 1 (or leave it out: 1 for model=tiny)")
+    if keep < 0:
+        raise InputError(f"--keep-checkpoints {keep} is out of range: give a number >= 0 (0 keeps every checkpoint)")
+    if not (math.isfinite(sampling_timeout) and sampling_timeout > 0):
+        raise InputError(f"--sampling-timeout {sampling_timeout:g} is out of range: give a number of seconds > 0")
+
+
+# %% ../nbs/09a_train.ipynb #b7c1e2d4
 def main(argv: list[str] | None = None  # command-line arguments; None = sys.argv[1:]
         ) -> int:
     "`dapo-train`: run DAPO training from a YAML recipe with key=value overrides; rank 0 prints one summary line."
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # key=value items may come before and after flags
     if not torch.cuda.is_available():  # deepspeed (imported by accelerate) otherwise logs its CPU fallback on stdout
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers.utils import logging as hf_logging
@@ -42,24 +65,28 @@ def main(argv: list[str] | None = None  # command-line arguments; None = sys.arg
     torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world = dist.init_distributed()  # under a launcher: join its group; alone: (0, 1)
     quiet = args.quiet or rank != 0
-    err = lambda e: print(f"dapo-train: error: {e}", file=sys.stderr) if rank == 0 else None
     try:
-        ov = parse_overrides(args.overrides)
-        resume = bool(ov.pop("resume", False)) or args.resume  # `resume=true` is a run option, not a config field
-        cfg = load_config(args.config, ov)
-        # the tiny model's matrices are too small to split across threads: on 2 shared cores one thread generates
-        # ~4x faster than two (measured, benchmarks/README.md); a hub model keeps torch's default
-        threads = args.threads or (1 if cfg.model == "tiny" else None)
-        if threads: torch.set_num_threads(threads)
-        trainer = Trainer(cfg, progress=False if quiet else None, log=None if quiet else print)
-    except (ValueError, KeyError, FileNotFoundError, yaml.YAMLError) as e:  # config and data errors name the field
-        err(e); return 2
+        with _errors(rank):  # bad input: one line, exit 2, before the model loads
+            _check_flags(args.threads, args.keep_checkpoints, args.sampling_timeout)
+            ov = parse_overrides(args.overrides)
+            resume = bool(ov.pop("resume", False)) or args.resume  # `resume=true` is a run option, not a config field
+            cfg = check_run(load_config(args.config, ov), world)  # fields this launch cannot honour
+            prepare_output_dir(cfg, resume, args.overwrite)  # an earlier run is never replaced silently
+            # the tiny model's matrices are too small to split across threads: on 2 shared cores one thread generates
+            # ~4x faster than two (measured, benchmarks/README.md); a hub model keeps torch's default
+            threads = args.threads or (1 if cfg.model == "tiny" else None)
+            if threads: torch.set_num_threads(threads)
+            trainer = Trainer(cfg, progress=False if quiet else None, log=None if quiet else print)
+            trainer.sampling_timeout = args.sampling_timeout
+    except SystemExit as e: return e.code
     try:
-        summary = trainer.fit(resume=resume, keep_checkpoints=args.keep_checkpoints)
-    except DynamicSamplingError as e:  # raised on every rank in the same round
-        err(e); return 1
+        summary = trainer.fit(resume=resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite)
+    except (DynamicSamplingError, DivergenceError, CheckpointError) as e:  # raised on every rank alike
+        if rank == 0: print(f"dapo-train: error: {one_line(e)}", file=sys.stderr, flush=True)
+        return 1
     if rank == 0: print(summary_line(summary))
     return 0
+
 
 # %% ../nbs/09a_train.ipynb #7540ad5b
 if __name__ == "__main__" and "get_ipython" not in globals():  # `python -m dapo_ref.train`; not when run in a notebook

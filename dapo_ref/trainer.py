@@ -15,12 +15,14 @@ from tqdm import tqdm
 from fastcore.basics import patch
 
 from . import dist
-from .core import DAPOConfig, save_config, validate
-from .data import MathExample, load_math_dataset, prompt_token_ids
+from .core import DAPOConfig, InputError, save_config, validate
+from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
 from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
 from .sampling import DynamicSamplingBuffer, DynamicSamplingError
+from .runs import (MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, UpdateGuard, checkpoint_error, divergence_error,
+                           newest_loadable_checkpoint, prepare_output_dir)
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
 from .zero import gather_batch, balanced_share
 
@@ -315,6 +317,7 @@ class Learner:
         self.net = model if net is None else net
         for g in optimizer.param_groups: g.setdefault("initial_lr", g["lr"])
         self.sched = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(cfg.warmup_steps))
+        self.guard = UpdateGuard(optimizer)  # runs: a step runs only if loss, gradient and new weights are sane
 
     @classmethod
     def build(cls, cfg: DAPOConfig, pad_token_id: int, model=None) -> "Learner":
@@ -415,12 +418,14 @@ def update(self: Learner, batch: RolloutBatch,  # this rank's share of one mini-
         total += float(loss.detach()); weight += w
         if w: rmin, rmax = min(rmin, m["ratio_min"]), max(rmax, m["ratio_max"])
         for key in METRIC_KEYS: sums[key] += m.get(key, 0.0) * w  # token-weighted means over micro-batches
+    self.guard.loss, self.guard.reason = total, None  # the guard inside optimizer_step reads the loss, sets a reason
     grad_norm = self.optimizer_step()
     tot = dist.all_reduce([sums[k] for k in METRIC_KEYS] + [weight, total])
     lo, hi = dist.all_reduce([rmin], "min")[0], dist.all_reduce([rmax], "max")[0]
     W = tot[len(METRIC_KEYS)]
     out = {k: v / max(W, 1) for k, v in zip(METRIC_KEYS, tot)}
-    out.update(loss=tot[-1], grad_norm=grad_norm, skipped=float(not math.isfinite(grad_norm)), lr=self.lr,
+    skipped = self.guard.reason is not None or not math.isfinite(grad_norm)  # not applied (runs.UpdateGuard)
+    out.update(loss=tot[-1], grad_norm=grad_norm, skipped=float(skipped), lr=self.lr,
                num_tokens=float(num_tokens), num_seqs=float(num_seqs), ratio_min=lo if W else 1.0, ratio_max=hi if W else 1.0)
     return out
 
@@ -472,12 +477,11 @@ class TorchLearner(Learner):
     def backward(self, loss: Tensor, last: bool): loss.backward()
 
     def optimizer_step(self) -> float:
-        "Sum the gradients over ranks, clip the global norm, AdamW step; skip the step when the norm is not finite."
+        "Sum the gradients over ranks, clip the global norm, AdamW step (which `self.guard` skips unless it is sane)."
         params = [p for p in self.model.parameters() if p.requires_grad]
         dist.all_reduce_tensors([p.grad for p in params if p.grad is not None])  # Spinning Up's mpi_avg_grads, as a sum
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        if math.isfinite(grad_norm): self.opt.step()
-        else: self.opt.zero_grad(set_to_none=True)  # a non-finite step would poison the weights
+        self.opt.step()  # the UpdateGuard installed on it runs AdamW only if loss, gradient and new weights are sane
         return grad_norm
 
     def save(self, path: str | Path):
@@ -608,15 +612,13 @@ class Trainer:
         self.tokenizer = tokenizer = tokenizer or load_tokenizer(cfg.model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.prompt_ids = [prompt_token_ids(e, tokenizer) for e in train_examples]
-        too_long = [i for i, p in enumerate(self.prompt_ids) if len(p) > cfg.max_prompt_length]
-        if too_long:
-            raise ValueError(f"max_prompt_length = {cfg.max_prompt_length}: {len(too_long)} training prompts are longer "
-                             f"(first: row {too_long[0]}, {len(self.prompt_ids[too_long[0]])} tokens); raise max_prompt_length "
-                             "or drop those rows")
+        check_prompt_lengths(train_examples, self.prompt_ids, cfg.max_prompt_length)  # names the row in the file
         self.learner = learner_class(cfg).build(cfg, self.pad_id, model=model)
         self.engine = engine or make_engine(cfg, self.learner, tokenizer, self.pad_id)
         self.sampler = PromptSampler(len(train_examples), cfg.seed)
         self.step_idx, self.grad_updates, self.rows = 0, 0, []
+        self.bad_updates, self.max_bad_updates = 0, MAX_BAD_UPDATES  # rejected updates in a row; that many stop the run
+        self.sampling_timeout = SAMPLING_TIMEOUT  # seconds a step's unbounded dynamic sampling may run
         self.out = Path(cfg.output_dir)
         main = self.rank == 0
         self.log = (log or (lambda s: None)) if main else (lambda s: None)
@@ -635,6 +637,7 @@ def collect(self: Trainer, step: int, timer: dict) -> tuple[list, list[Group], d
     "Algorithm 1 lines 2 and 4-8: generate and score rounds until `prompts_per_step` informative groups are kept (Eq. 11)."
     cfg, G = self.cfg, self.cfg.group_size
     buf = DynamicSamplingBuffer(cfg.prompts_per_step, G, cfg.max_num_gen_batches, enabled=cfg.dynamic_sampling)
+    watch = SamplingWatch(buf, self.sampling_timeout, self.log)  # unbounded rounds: progress lines and a time limit
     n_prompts = cfg.gen_batch_size if cfg.dynamic_sampling else cfg.prompts_per_step
     seen, tp = [], cfg.vllm_tensor_parallel if self.world > 1 else 1
     d, D, t = rollout_groups(self.rank, self.world, tp)  # the ranks of one engine pass the same prompts and seeds
@@ -646,6 +649,7 @@ def collect(self: Trainer, step: int, timer: dict) -> tuple[list, list[Group], d
         seen += groups[t::tp]                       # the groups this rank holds: each group counted once in metrics
         handles, acc = global_round(dist.all_gather([a for g in groups for a in g.acc]), groups, self.rank, G, tp)
         buf.add(handles, acc)                       # line 6: the same round on every rank, so the same decisions
+        watch(step)
     counts = [timer.get("reward_timeouts", 0), timer.get("reward_errors", 0)]
     timeouts, errors = dist.all_reduce(counts if t == 0 else [0, 0])  # one count per engine
     stats = dict(gen_rounds=buf.rounds, frac_kept=buf.frac_kept, groups_seen=buf.n_seen,
@@ -672,6 +676,9 @@ def train_on(self: Trainer, batch: RolloutBatch,  # this rank's responses of the
     for mini, (old_logp, _) in zip(tqdm(minis, desc="update", leave=False, disable=not self._bars), olds):
         updates.append(self.learner.update(mini, old_logp))  # line 11
         self.grad_updates += 1
+        why = self.learner.guard.reason  # None: applied; else why the update was not
+        self.bad_updates = self.bad_updates + 1 if why else 0
+        if why: self.log(f"step {self.step_idx}: gradient update {self.grad_updates} not applied: {why}")
     timer["logprobs"], timer["update"] = t1 - t0, time.perf_counter() - t1
     return updates, stats
 
@@ -713,7 +720,6 @@ def step(self: Trainer) -> dict:
     dt = time.perf_counter() - t0
     row = dict(step=self.step_idx, grad_updates=self.grad_updates, data_pos=self.sampler.pos,
                **step_metrics(seen_all, updates, kept_reward_mean=kept[0] / max(kept[1], 1), **gstats, **bstats, lr=lr))
-    if row["skipped_updates"]: self.log(f"step {self.step_idx}: skipped {row['skipped_updates']} update(s) with a non-finite grad norm")
     n_tok = sum(len(r) for g in seen_all for r in g.responses)
     row.update(time_generate=timer.get("generate", 0.0), time_score=timer.get("score", 0.0),
                time_logprobs=timer["logprobs"], time_update=timer["update"], time_step=dt,
@@ -744,17 +750,23 @@ def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
     "Write checkpoints/step-N atomically (every rank its part; rank 0 renames); keep the newest `keep`."
     d, main = self.out / "checkpoints", dist.is_main()
     final, tmp = d / f"step-{self.step_idx}", d / f"step-{self.step_idx}.tmp"
+    prev = latest_checkpoint(self.out)
     if main:
         if tmp.exists(): shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    self.learner.save(tmp)
-    torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
-    if main:
-        self.tokenizer.save_pretrained(tmp)
-        (tmp / "state.json").write_text(json.dumps(dict(step=self.step_idx, grad_updates=self.grad_updates,
-                                                        data_pos=self.sampler.pos, world_size=self.world, metrics=self.rows)))
-    dist.barrier()
+    failed = None
+    try:
+        self.learner.save(tmp)
+        torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
+        if main:
+            self.tokenizer.save_pretrained(tmp)
+            (tmp / "state.json").write_text(json.dumps(dict(step=self.step_idx, grad_updates=self.grad_updates,
+                                                            data_pos=self.sampler.pos, world_size=self.world, metrics=self.rows)))
+    except (OSError, RuntimeError) as e: failed = e  # a full disk: OSError, or torch's zip writer's RuntimeError
+    if dist.all_reduce([float(failed is not None)])[0]:  # every rank learns that one failed (this replaces a barrier)
+        if main: shutil.rmtree(tmp, ignore_errors=True)
+        raise checkpoint_error(failed or RuntimeError("another rank could not write its part"), tmp, prev)
     if main:
         if final.exists(): shutil.rmtree(final)
         os.replace(tmp, final)
@@ -787,12 +799,15 @@ def _write(self: Trainer, row: dict):
             if isinstance(v, (int, float)) and k not in ("step", "grad_updates"): self._tb.add_scalar(k, v, row["grad_updates"])
 
 @patch
-def _start(self: Trainer, resume: bool):
-    "Config on disk, then the newest checkpoint (when `resume`) or a fresh start with the held-out accuracy at step 0."
+def _start(self: Trainer, resume: bool, overwrite: bool = False):
+    "Config on disk, then the newest checkpoint that loads (when `resume`) or a fresh start with the held-out accuracy at step 0."
     cfg, main = self.cfg, dist.is_main()
+    changed = prepare_output_dir(cfg, resume, overwrite)  # an earlier run: only resumed or overwritten; FROZEN fields kept
+    if changed: self.log("resume: " + ", ".join(f"{k} {a} -> {b}" for k, a, b in changed) + " (applied; config.yaml updated)")
+    dist.barrier()
     if main: save_config(cfg, self.out / "config.yaml")
     dist.barrier()
-    ck = latest_checkpoint(self.out) if resume else None
+    ck = newest_loadable_checkpoint(self.out, self.log) if resume else None  # a broken newer one is skipped, kept
     if ck is not None:
         self.load_checkpoint(ck)
         self.log(f"resumed from {ck} (step {self.step_idx}, {self.grad_updates} gradient updates)")
@@ -806,22 +821,27 @@ def _start(self: Trainer, resume: bool):
     dist.barrier()  # no rank reads the checkpoint folder after this point until rank 0 has cleared it
     if ck is None:
         torch.manual_seed(cfg.seed); random.seed(cfg.seed)
-        if main and (self.out / "checkpoints").exists(): shutil.rmtree(self.out / "checkpoints")
+        if main and not resume and (self.out / "checkpoints").exists(): shutil.rmtree(self.out / "checkpoints")  # --overwrite
         self._write(dict(step=0, grad_updates=0, **self.evaluate()))  # held-out accuracy before training
 
 # %% ../nbs/09_trainer.ipynb #ec23f834
 @patch
-def fit(self: Trainer, resume: bool = False, keep_checkpoints: int = 2) -> dict:
+def fit(self: Trainer, resume: bool = False, keep_checkpoints: int = 2,
+        overwrite: bool = False,  # replace a run already in output_dir (without it, and without resume, it is refused)
+       ) -> dict:
     "Algorithm 1 line 1: train for `cfg.total_steps` rollout steps (from the newest checkpoint when `resume`); return a summary."
     cfg, t_start, main = self.cfg, time.perf_counter(), dist.is_main()
+    if keep_checkpoints < 0: raise InputError(f"keep_checkpoints = {keep_checkpoints} is out of range: allowed >= 0 (0 keeps all)")
     if main: self.out.mkdir(parents=True, exist_ok=True)
-    self._start(resume)
+    self._start(resume, overwrite)
     bar = tqdm(total=cfg.total_steps, initial=self.step_idx, desc="rollout steps", disable=not self._bars)
     while self.step_idx < cfg.total_steps:
         row = self.step()
         last = self.step_idx == cfg.total_steps
         if last or (cfg.eval_every and self.step_idx % cfg.eval_every == 0): row.update(self.evaluate())
         self._write(row)
+        if self.bad_updates >= self.max_bad_updates:  # the weights are the last good ones; stop before a checkpoint
+            raise divergence_error(self.bad_updates, self.learner.guard.reason, cfg.lr)
         bar.update(1)
         bar.set_postfix(acc=f"{row['acc']:.2f}", ent=f"{row['entropy']:.2f}", len=f"{row['resp_len_mean']:.0f}",
                         **({"held_out": f"{row['eval_acc']:.2f}"} if "eval_acc" in row else {}))
@@ -855,8 +875,9 @@ def summary_line(s: dict) -> str:
 def train(cfg: DAPOConfig,             # the run's config
           resume: bool = False,        # continue from output_dir/checkpoints/step-N (the newest)
           deterministic: bool = True,  # torch.use_deterministic_algorithms, so a resumed run repeats exactly
-          keep_checkpoints: int = 2,   # checkpoints kept on disk
+          keep_checkpoints: int = 2,   # checkpoints kept on disk; 0 keeps all
+          overwrite: bool = False,     # replace a run already in output_dir
           **kwargs) -> dict:
     "Run DAPO training for `cfg` on this process's rank (all ranks under a launcher); returns the summary."
     if deterministic: torch.use_deterministic_algorithms(True, warn_only=True)
-    return Trainer(cfg, **kwargs).fit(resume=resume, keep_checkpoints=keep_checkpoints)
+    return Trainer(cfg, **kwargs).fit(resume=resume, keep_checkpoints=keep_checkpoints, overwrite=overwrite)

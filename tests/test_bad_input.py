@@ -117,6 +117,13 @@ def eval_args(w: World, *extra, data=None, model=None):
     return ["--model", str(model or w.model), "--data", str(data or w.data), "--k", "1", "--max-tokens", "2",
             "--out", str(w.dir / "new-results.json"), *map(str, extra)]
 
+def train_args(w: World, *extra, out="runs/old", data=None, saved=False):
+    "dapo-train arguments: the tiny-cpu recipe into `out` (the user's earlier run by default), then `extra`."
+    if saved:  # the earlier run's config.yaml as dapo-train writes it (every field)
+        from dapo_ref.core import load_config, save_config
+        save_config(load_config(ROOT / "recipes" / "tiny-cpu.yaml", {"output_dir": "runs/old"}), w.dir / "runs" / "old" / "config.yaml")
+    return ["--config", "recipes/tiny-cpu.yaml", f"output_dir={out}", *([f"train_data={data}"] if data else []), *extra]
+
 RECIPE_CASES = [  # (id, the recipe file, fragments); run through every command that reads a recipe
     ("empty-recipe", recipe("# nothing here yet\n"), ("recipe.yaml holds no config keys", "recipes/tiny-cpu.yaml", "{}")),
     ("duplicate-key", recipe("model: tiny\nlr: 1e-6\nlr: 1e-2\n"), ("recipe.yaml: key 'lr' appears twice (lines 2 and 3)", "keep one")),
@@ -147,6 +154,29 @@ CASES = [
          ("lr = inf is not a finite number", "allowed lr > 0")),
     Case("dapo-train-override-twice", "dapo-train", lambda w: ["--config", "recipes/tiny-cpu.yaml", "lr=1e-6", "lr=1e-5"],
          ("override lr= is given twice", "keep one")),
+    # dapo-train: the run folder, resume and the run options, all refused before the model loads
+    Case("train-existing-run", "dapo-train", lambda w: train_args(w),
+         ("output_dir = runs/old already holds a run (metrics.jsonl; 1 checkpoint folder(s): step-000002)",
+          "pass --resume to continue it, choose a new output_dir, or pass --overwrite to replace it")),
+    Case("train-resume-changes-experiment", "dapo-train", lambda w: train_args(w, "--resume", "group_size=4", "lr=0.01", saved=True),
+         ("--resume: runs/old was trained with a different experiment (group_size 8 -> 4, lr 0.0003 -> 0.01)",
+          "drop those overrides", "or train in a new output_dir")),
+    Case("train-resume-and-overwrite", "dapo-train", lambda w: train_args(w, "--resume", "--overwrite"),
+         ("--resume and --overwrite ask for opposite things", "pass one of them")),
+    Case("train-keep-checkpoints", "dapo-train", lambda w: train_args(w, "--keep-checkpoints", "-1"),
+         ("--keep-checkpoints -1 is out of range", "0 keeps every checkpoint")),
+    Case("train-threads", "dapo-train", lambda w: train_args(w, "--threads", "-1"), ("--threads -1 is out of range", ">= 1")),
+    Case("train-sampling-timeout", "dapo-train", lambda w: train_args(w, "--sampling-timeout", "0"),
+         ("--sampling-timeout 0 is out of range", "seconds > 0")),
+    Case("train-output-blocked", "dapo-train", lambda w: train_args(w, out="results.json/run"),
+         ("output_dir = results.json/run: results.json is a file", "choose another output_dir")),
+    Case("train-output-unwritable", "dapo-train", lambda w: train_args(w, out="/proc/dapo-no-such/run"),
+         ("output_dir = /proc/dapo-no-such/run: cannot write in /proc", "choose another output_dir")),
+    Case("train-prompt-too-long", "dapo-train",
+         lambda w: train_args(w, f"model={w.model}", "max_prompt_length=400", out="runs/new",
+                              data=w.write("long.jsonl", jsonl_rows([("What is 1 + 1?", 2), ("What is 1 + 1?", 2),
+                                                                    ("What is 2 + 2?", 4), ("x" * 1000, 1)]))),
+         ("max_prompt_length = 400: 1 of 3 prompts are longer (first: row 3 of long.jsonl", "raise max_prompt_length or drop those rows")),
     # dapo-ablate's own flags
     Case("dapo-ablate-threads", "dapo-ablate", lambda w: ["--threads", "-1"], ("--threads -1 is out of range", ">= 1")),
     Case("dapo-ablate-seeds", "dapo-ablate", lambda w: ["--seeds", "0", "0"], ("--seeds 0 0", "give each once")),

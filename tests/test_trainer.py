@@ -3,7 +3,7 @@ kill -9 and resume, dynamic sampling that cannot fill its batch, and the CLI's e
 
 The slow ones (a real run, two subprocess runs) carry `@pytest.mark.slow`; the whole file takes about
 2-3 minutes on 2 cores (see the report at the bottom of benchmarks/README.md)."""
-import json, os, signal, subprocess, sys, time
+import json, math, os, signal, subprocess, sys, time
 from pathlib import Path
 
 import pytest
@@ -213,3 +213,145 @@ def test_cli_errors_exit_2_without_traceback_as_a_process(tmp_path):
     assert p.returncode == 2 and "top_p" in err and "Traceback" not in err, err
     p = _run_cli(["--config-typo"])  # argparse errors also exit 2
     assert p.wait(timeout=120) == 2
+
+
+# ---------------------------------------------------------------- run folder, resume, numerical guard (dapo_ref.runs)
+
+SMALL = ["prompts_per_step=2", "gen_batch_size=4", "group_size=4", "mini_batch_size=8", "l_max=48", "l_cache=8",
+         "dynamic_sampling=false", "eval_every=0", "eval_k=1", "warmup_steps=0"]  # one update per step, ~1 s a step
+
+
+def test_lr_1e10_never_reaches_a_checkpoint_and_stops_with_the_lr_message(tmp_path):
+    """lr = 1e10 with grad clipping: AdamW's first step would make every weight ~1e10 (finite). The guard rejects
+    each update, the checkpoints of steps 1-2 hold the starting weights, and after 3 rejections the run stops."""
+    from safetensors.torch import load_file
+    from dapo_ref.runs import MAX_BAD_UPDATES
+    from dapo_ref.trainer import load_model
+    run = tmp_path / "run"
+    p = _run_cli([*SMALL, "lr=1e10", "total_steps=5", "save_every=1", "--keep-checkpoints", "0", f"output_dir={run}"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 1 and "Traceback" not in err, err
+    assert "lr = 1e+10 is probably too large" in err and "smaller lr" in err, err
+    w0 = max(float(t.abs().max()) for t in load_model("tiny").state_dict().values())  # largest pre-step weight
+    cks = sorted((run / "checkpoints").glob("step-*"))
+    assert [c.name for c in cks] == ["step-1", "step-2"] and MAX_BAD_UPDATES == 3  # step 3's rejection stops it
+    for ck in cks:
+        for name, t in load_file(ck / "model.safetensors").items():
+            assert torch.isfinite(t).all() and float(t.abs().max()) <= 1e3 * w0, (ck.name, name)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(r["skipped_updates"] == 1 for r in rows[1:])
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+
+
+def test_resume_skips_a_truncated_checkpoint_keeps_it_and_applies_total_steps(tmp_path, capsys):
+    run = tmp_path / "run"
+    common = ["--config", str(RECIPE), "--threads", "1", *SMALL, "save_every=1", "--keep-checkpoints", "0", f"output_dir={run}"]
+    assert main([*common, "total_steps=2"]) == 0
+    st = run / "checkpoints" / "step-2" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:-100])  # a copy cut short
+    broken = st.read_bytes()
+    capsys.readouterr()
+    assert main([*common, "total_steps=3", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resume: total_steps 2 -> 3 (applied; config.yaml updated)" in out, out
+    assert "resume: skipping step-2: model.safetensors is truncated" in out and "step-2.broken-1" in out, out
+    assert (run / "checkpoints" / "step-2.broken-1" / "model.safetensors").read_bytes() == broken  # kept, unchanged
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3]  # step 2 trained again from step-1
+    assert "total_steps: 3" in (run / "config.yaml").read_text()
+
+
+def test_a_failed_checkpoint_write_names_disk_space_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
+    from dapo_ref.runs import checkpoint_problem
+    run, calls, save = tmp_path / "run", [], TorchLearner.save
+    def full_disk(self, path):  # the second checkpoint runs out of space half way, as torch's zip writer reports it
+        calls.append(path); save(self, path)
+        if len(calls) == 2: raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 0")
+    monkeypatch.setattr(TorchLearner, "save", full_disk)
+    rc = main(["--config", str(RECIPE), "--threads", "1", "--quiet", *SMALL, "total_steps=2", "save_every=1",
+               f"output_dir={run}"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    assert "GiB of disk space is free there" in err and "step-1 is intact" in err and "--resume" in err, err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]  # no half-written step-2.tmp
+    assert checkpoint_problem(run / "checkpoints" / "step-1") is None
+
+
+def test_unbounded_dynamic_sampling_prints_progress_and_stops_at_the_timeout(tmp_path, capsys):
+    from dapo_ref.tiny import tiny_splits
+    train_ex, _ = tiny_splits(64, 4, seed=0)
+    data = save_math_dataset([make_example(e.question, "-123456789") for e in train_ex], tmp_path / "never.jsonl")
+    rc = main(["--config", str(RECIPE), "--threads", "1", *[a for a in SMALL if a.split("=")[0] not in ("dynamic_sampling", "l_max", "l_cache")],
+               f"train_data={data}",
+               "max_num_gen_batches=0", "l_max=8", "l_cache=2", "--sampling-timeout", "4", f"output_dir={tmp_path / 'run'}"])
+    cap = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in cap.err, cap.err
+    assert "step 1: dynamic sampling: 4 rounds, 16 groups seen, 0.0% informative" in cap.out, cap.out
+    assert "ran" in cap.err and "Raise the limit (dapo-train --sampling-timeout, now 4 s)" in cap.err, cap.err
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_learner_rejects_a_blow_up_on_its_partition(tmp_path, policy, stage):
+    """ZeRO-2/3 on one rank: the guard sits on the torch optimizer inside DeepSpeed's (its fp32 partition), so
+    lr = 1e10 leaves every weight as it was, and a sane lr goes through."""
+    pytest.importorskip("deepspeed")
+    from dapo_ref.scale import DeepSpeedLearner
+    from dapo_ref.trainer import RolloutBatch
+    tok = policy[1]
+    ids = tok.encode("1+1=", add_special_tokens=False)
+    batch = RolloutBatch([ids] * 4, [ids[:3], ids[:2], ids[:3], ids[:1]], torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                         torch.zeros(4, dtype=torch.bool), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    for lr, applied in ((1e10, False), (1e-3, True)):
+        cfg = tiny_cfg(tmp_path, zero_stage=stage, lr=lr, warmup_steps=0)
+        learner = DeepSpeedLearner(fresh(policy)[0], cfg, tok.pad_token_id)
+        before = {n: t.clone() for n, t in learner.named_weights()}
+        old, _ = learner.compute_logprobs(batch)
+        m = learner.update(batch, old)
+        after = dict(learner.named_weights())
+        same = all(torch.equal(before[n], after[n]) for n in before)
+        assert m["skipped"] == float(not applied) and same != applied, (lr, m, learner.guard.reason)
+        if not applied: assert "would grow from" in learner.guard.reason
+
+
+GUARD_WORKER = '''
+import json, sys, torch
+from dapo_ref import dist
+from dapo_ref.core import load_config
+from dapo_ref.trainer import load_policy, RolloutBatch
+from dapo_ref.scale import DeepSpeedLearner
+recipe, stage, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rank, world = dist.init_distributed()
+torch.set_num_threads(1)
+res = []
+for lr in (1e10, 1e-3):
+    model, tok = load_policy("tiny")
+    cfg = load_config(recipe, dict(zero_stage=stage, lr=lr, warmup_steps=0, gpus_per_node=world))
+    learner = DeepSpeedLearner(model, cfg, tok.pad_token_id)
+    ids = tok.encode(f"{rank}+1=", add_special_tokens=False)  # each rank its own responses
+    batch = RolloutBatch([ids] * 2, [ids[:3], ids[:1 + rank]], torch.tensor([1.0, -1.0]), torch.zeros(2, dtype=torch.bool),
+                         torch.tensor([1.0, -1.0]))
+    before = {n: t.clone() for n, t in learner.named_weights()}
+    old, _ = learner.compute_logprobs(batch)
+    m = learner.update(batch, old)
+    same = all(torch.equal(before[n], t) for n, t in learner.named_weights())
+    res.append(dict(lr=lr, skipped=m["skipped"], same=same, reason=learner.guard.reason))
+json.dump(res, open(f"{out}/rank{rank}.json", "w"))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path, stage):
+    """Two ranks, ZeRO-2/3: each previews the update of its own partition, the verdict is all-reduced, so both skip
+    lr = 1e10 (weights unchanged on both) and both apply lr = 1e-3."""
+    import socket
+    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
+    (tmp_path / "worker.py").write_text(GUARD_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
+    p = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+                        str(tmp_path / "worker.py"), str(RECIPE), str(stage), str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1, (r0, r1)  # the same verdict and reason on both ranks
+    assert r0[0]["skipped"] == 1.0 and r0[0]["same"] and "would grow from" in r0[0]["reason"]
+    assert r0[1]["skipped"] == 0.0 and not r0[1]["same"] and r0[1]["reason"] is None
