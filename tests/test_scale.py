@@ -7,13 +7,15 @@
 - the ZeRO-3 learner as `dapo-train` builds it, two processes, a ~57M-parameter Qwen2 loaded by its hub name: every
   parameter partitioned right after construction, each rank's construction peak < 0.75x the model's bytes; a
   mini-batch whose groups were all generated on rank 0 is trained token-balanced (loss tokens differ by at most one
-  response) and the update matches one device within 3e-6; the streamed export costs rank 0 < 0.5x the model and
+  response) and the update matches the same learner on one process within 3e-6 (the plain learner within 1e-5);
+  the HF engine's copy is whole and synced; the streamed export costs rank 0 < 0.5x the model and
   loads back equal to the learner's weights;
 - `dapo-train` under torchrun with ZeRO-3 (the 30-step tiny recipe) raises the training reward like the one-device
   run; it stops with the same DynamicSamplingError on both ranks when the batch cannot be filled; and a run killed
   with SIGKILL after a checkpoint and resumed with --resume repeats the uninterrupted one exactly.
 
-Measured on 2 shared cores: the update/sync launch ~20-30 s, the 57M build launch BUILD_S (the first DeepSpeed start on a machine also compiles a
+Measured on 2 shared cores: the update/sync launch ~20-30 s, the 57M build launch ~35 s and its
+one-rank twin ~25 s (the first DeepSpeed start on a machine also compiles a
 shared-memory op, ~45 s, cached under ~/.cache), the 30-step run ~110 s, the error run ~15 s, the kill/resume ~80 s.
 Set DAPO_REF_SKIP_SCALE_E2E=1 to skip the two-process training runs (learning, resume) when CI time is tight."""
 import json, os, random, signal, subprocess, sys, time
