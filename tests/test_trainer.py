@@ -258,6 +258,9 @@ def test_resume_skips_a_truncated_checkpoint_keeps_it_and_applies_total_steps(tm
     assert (run / "checkpoints" / "step-2.broken-1" / "model.safetensors").read_bytes() == broken  # kept, unchanged
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3]  # step 2 trained again from step-1
     assert "total_steps: 3" in (run / "config.yaml").read_text()
+    assert main([*common, "total_steps=1", "--overwrite"]) == 0  # asked for: the run is replaced
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
 
 
 def test_a_failed_checkpoint_write_names_disk_space_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
