@@ -27,8 +27,9 @@ $(VENV)/.installed: $(VENV)/.installed-lib
 install: $(VENV)/.installed
 
 # The warm-started tiny model ships with the package: the run starts at once (about 80 s on 2 quiet cores).
+# Each run gets its own folder (runs/tiny-cpu-<date-time>): an earlier demo is never overwritten.
 demo: $(VENV)/.installed-lib
-	$(BIN)/dapo-train --config recipes/tiny-cpu.yaml
+	$(BIN)/dapo-train --config recipes/tiny-cpu.yaml output_dir=runs/tiny-cpu-$$(date +%Y%m%d-%H%M%S)
 
 test: install check-export check-clean nbtest pytest docs test-vllm
 	@echo "make test: all checks passed"
