@@ -449,7 +449,8 @@ def plot_study(study: str,       # a name from `STUDIES`
             for arm, label, _ in STUDIES[study]["arms"]:
                 runs = [_derived(m) for m in metrics[arm]]
                 xs, ms, sd = mean_curve(runs, key)
-                if x != "grad_updates": xs = mean_curve([[dict(r, **{key: r[x]}) for r in m] for m in runs], key)[1]
+                if x != "grad_updates":  # the mean over seeds of x at the same steps
+                    xs = mean_curve([[dict(r, **{key: r[x]}) for r in m if key in r] for m in runs], key)[1]
                 se = [d / math.sqrt(len(runs)) for d in sd]
                 ax.plot(xs, ms, marker="o" if key.startswith("eval") else None, ms=3, label=label)
                 ax.fill_between(xs, [m - e for m, e in zip(ms, se)], [m + e for m, e in zip(ms, se)], alpha=0.25)
