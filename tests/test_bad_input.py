@@ -19,6 +19,8 @@ from typing import Callable
 
 import pytest
 
+from test_eval import byte_tokenizer  # 256 byte tokens + <|endoftext|>, built in code
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"dapo-train": "dapo_ref.train", "dapo-eval": "dapo_ref.eval", "dapo-plan": "dapo_ref.plan",
            "dapo-ablate": "dapo_ref.ablation"}
@@ -70,17 +72,6 @@ def user_files(d: Path) -> None:
 def snapshot(*dirs: Path) -> dict:
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for d in dirs for p in sorted(d.rglob("*")) if p.is_file()}
 
-
-def byte_tokenizer():
-    "Byte-level BPE tokenizer without merges (256 byte tokens + <|endoftext|>), built in code."
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
 def jsonl_rows(problems) -> str:
