@@ -250,7 +250,7 @@ finally:
 '''
 
 # %% ../nbs/02_reward.ipynb #a1e0c003
-SLOW_AFTER = 0.2  # seconds a math-verify call may hold a worker's slot while others wait (typical: milliseconds)
+SLOW_AFTER = 0.05  # seconds a math-verify call may hold a worker's slot while others wait (typical: milliseconds)
 
 class _VerifyPool:
     "Client of one math-verify server process: it imports math-verify once and forks its workers from itself."
