@@ -337,7 +337,9 @@ for lr in (1e10, 1e-3):
     m = learner.update(batch, old)
     same = all(torch.equal(before[n], t) for n, t in learner.named_weights())
     res.append(dict(lr=lr, skipped=m["skipped"], same=same, reason=learner.guard.reason))
-json.dump(res, open(f"{out}/rank{rank}.json", "w"))
+with open(f"{out}/rank{rank}.json", "w") as f: json.dump(res, f)
+dist.barrier()
+torch.distributed.destroy_process_group()  # as the other workers do: no gloo threads left running at exit
 '''
 
 
