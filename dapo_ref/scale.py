@@ -16,7 +16,7 @@ from .core import DAPOConfig
 from fastcore.basics import patch
 
 from .trainer import Learner, prepare_model, model_path
-from .zero import from_pretrained_zero3, plain_from_pretrained, save_pretrained_streamed
+from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
 
 # %% auto #0
 __all__ = ['deepspeed_config', 'gathered_named_weights', 'DeepSpeedLearner']
@@ -49,12 +49,6 @@ def deepspeed_config(cfg: DAPOConfig,      # zero_stage, dtype, offload_*, grad_
     }
 
 # %% ../nbs/10_scale.ipynb #10728165
-def _gathered(params: list):
-    "Context that gathers ZeRO-3 partitioned `params` on every rank (a no-op for plain tensors)."
-    if not any(hasattr(p, "ds_id") for p in params): return contextlib.nullcontext()
-    import deepspeed
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
 def gathered_named_weights(module: torch.nn.Module,  # a model whose parameters may be ZeRO-3 partitioned
                           ) -> Iterable[tuple[str, Tensor]]:
     "`module.state_dict()`'s names and full tensors, gathering one module's ZeRO-3 shards at a time (a collective)."
@@ -65,7 +59,7 @@ def gathered_named_weights(module: torch.nn.Module,  # a model whose parameters 
         names = [(f"{prefix}.{n}" if prefix else n, t) for n, t in own + bufs]
         names = [(n, t) for n, t in names if n in persistent]
         if not names: continue
-        with _gathered([p for _, p in own]):
+        with gathered([p for _, p in own]):
             # copies: the gathered storage is released when the context exits, and engines may batch tensors
             for n, t in names: yield n, t.detach().clone()
 
