@@ -175,24 +175,31 @@ def spawn():
     return w
 
 def drop(w):
+    "Kill w; it is reaped later (`reap`): tearing down a forked copy of sympy takes tens of ms, off the round's clock."
     sel.unregister(w["r"]); del W[w["r"]]
     try: os.kill(w["pid"], signal.SIGKILL)
     except ProcessLookupError: pass
-    os.waitpid(w["pid"], 0); os.close(w["r"])
+    DEAD.append(w["pid"]); os.close(w["r"])
     try: w["w"].close()
     except OSError: pass
 '''
 
 # %% ../nbs/02_reward.ipynb #a1e0c002
 _POOL_SRC += r'''
+def reap(block=False):
+    for pid in list(DEAD):
+        if os.waitpid(pid, 0 if block else os.WNOHANG)[0]: DEAD.remove(pid)
+
 def run(pairs, timeout, workers, slow_after, max_aside):
     "Verdicts 1 / 0 / 'timeout' / 'error' for `pairs`; each call may run for `timeout` seconds."
-    res, left, todo = [None] * len(pairs), len(pairs), {}
+    reap()
+    res, left, todo, lost = [None] * len(pairs), len(pairs), {}, 0.0  # lost: round time the steps aside cost
     for i, (gold, _) in enumerate(pairs): todo.setdefault(gold, collections.deque()).append(i)
     for w in sorted((w for w in W.values() if w["job"] is None), key=lambda w: w["pid"])[workers:]: drop(w)
     ran = lambda w, now: w["ran"] + (0.0 if w["aside"] else now - w["t0"])  # running time of w's call
     def finish(w, v):
-        nonlocal left
+        nonlocal left, lost
+        if w.pop("fresh", False): lost += (time.monotonic() - w["t0"]) / workers  # a new fork's first call: page copies
         res[w["job"]], w["job"], left = v, None, left - 1
         if v not in (0, 1): drop(w)
         elif w["aside"]: os.kill(w["pid"], signal.SIGCONT); w["aside"] = False  # answered just as it was stopped
@@ -205,16 +212,22 @@ def run(pairs, timeout, workers, slow_after, max_aside):
         except OSError: finish(w, "error")
     while left:
         live = [w for w in W.values() if not w["aside"]]
-        while todo and len(live) < workers: live.append(spawn())
+        replacing = len(live) < len(W)  # some calls stepped aside: new workers take their slots
+        while todo and len(live) < workers:
+            t = time.monotonic(); live.append(spawn())
+            if replacing: lost += time.monotonic() - t; live[-1]["fresh"] = True  # replaces a call that stepped aside
         for w in live:
             if w["job"] is None and todo: take(w)
         now, aside = time.monotonic(), [w for w in W.values() if w["aside"]]
         if todo:  # calls are waiting: a slow call is stopped (its clock too) and a new worker takes its slot
             slow = [w for w in live if w["job"] is not None and ran(w, now) > slow_after][:max(0, max_aside - len(aside))]
-            for w in slow: os.kill(w["pid"], signal.SIGSTOP); w.update(ran=ran(w, now), aside=True)
+            for w in slow:
+                os.kill(w["pid"], signal.SIGSTOP); w.update(ran=ran(w, now), aside=True)
+                lost += w["ran"] / workers  # its slice held one of `workers` slots while others waited
             if slow: continue
         else:  # nothing waits any more: the stopped calls run again side by side, each with the time it has left
-            for w in aside: os.kill(w["pid"], signal.SIGCONT); w.update(aside=False, t0=now)
+            for w in aside:  # ... each charged the delay the steps aside caused: the round ends within one timeout
+                os.kill(w["pid"], signal.SIGCONT); w.update(aside=False, t0=now, ran=w["ran"] + lost)
         busy = [w for w in W.values() if w["job"] is not None and not w["aside"]]
         wake = [now + timeout - ran(w, now) for w in busy]
         if todo and len(aside) < max_aside: wake += [now + slow_after - ran(w, now) for w in busy]
@@ -237,7 +250,7 @@ def run(pairs, timeout, workers, slow_after, max_aside):
 
 # %% ../nbs/02_reward.ipynb #a1e0c00a
 _POOL_SRC += r'''
-SERVER, W, sel = os.getpid(), {}, selectors.DefaultSelector()
+SERVER, W, DEAD, sel = os.getpid(), {}, [], selectors.DefaultSelector()
 sel.register(0, selectors.EVENT_READ)
 out.write("ready\n"); out.flush()
 try:
@@ -247,6 +260,7 @@ try:
         out.flush()
 finally:
     for w in list(W.values()): drop(w)
+    reap(block=True)
 '''
 
 # %% ../nbs/02_reward.ipynb #a1e0c003
