@@ -4,18 +4,23 @@
 
 # %% ../nbs/14_ablation.ipynb #dacafeec
 from __future__ import annotations
-import argparse, hashlib, json, math, os, shutil, statistics, sys, time
+import argparse, collections, hashlib, inspect, json, math, os, random, shutil, statistics, sys, tempfile, time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
+
 from .core import DAPOConfig, InputError, cli_errors, load_config, save_config, parse_overrides
+from .data import PROMPT_TEMPLATE
+from .tiny import MAX_OPS, RESPONSE_PREFIX, _problem_text, _sample_chain, _work, is_heldout
 
 # %% auto #0
-__all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'STUDIES', 'STUDY_METRICS',
-           'STUDY_FIGURES', 'DEFAULT_BASE', 'row_switches', 'run_config', 'model_fingerprint', 'versions',
-           'cached_result', 'unique_steps', 'run_one', 'run_summary', 'ablation_table', 'table_markdown', 'mean_curve',
-           'plot_figures', 'study_config', 'up_clipped_mean', 'clip_probe', 'mechanism_summary', 'mean_se',
-           'compare_arms', 'study_table', 'run_study', 'plot_study', 'run_ablation', 'main']
+__all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'STUDIES', 'TESTBED',
+           'TESTBED_VERSION', 'TESTBED_NAME', 'STUDY_METRICS', 'STUDY_FIGURES', 'DEFAULT_BASE', 'row_switches',
+           'run_config', 'model_fingerprint', 'versions', 'cached_result', 'unique_steps', 'run_one', 'run_summary',
+           'ablation_table', 'table_markdown', 'mean_curve', 'plot_figures', 'study_config', 'testbed_response',
+           'testbed_batches', 'build_testbed', 'testbed_model', 'up_clipped_mean', 'clip_probe', 'mechanism_summary',
+           'mean_se', 'compare_arms', 'study_table', 'run_study', 'plot_study', 'run_ablation', 'main']
 
 # %% ../nbs/14_ablation.ipynb #0988fedb
 SWITCHES = ("eps_low", "eps_high", "loss_agg", "overlong_filter", "soft_overlong_punishment", "dynamic_sampling")
@@ -55,7 +60,9 @@ def run_config(base: DAPOConfig,  # the shared base config
     return replace(base, **row_switches(row), seed=seed, output_dir=str(Path(out) / "runs" / row / f"seed-{seed}"))
 
 def model_fingerprint(model: str) -> str:
-    "Identity of the policy: the tiny model's version and weight hash, or the model name/folder."
+    "Identity of the policy: the tiny (or testbed) model's version and weight hash, or the model name/folder."
+    if model == TESTBED_NAME:
+        return f"{TESTBED_VERSION}:{hashlib.sha256((testbed_model() / 'model.safetensors').read_bytes()).hexdigest()[:12]}"
     if model != "tiny": return model
     from dapo_ref.tiny import ensure_tiny_model, TINY_VERSION
     h = hashlib.sha256((ensure_tiny_model() / "model.safetensors").read_bytes()).hexdigest()[:12]
@@ -246,6 +253,28 @@ STUDIES = {  # name: base recipe, arms (name, label, switches), diagnostics repo
                                    ("dynamic-sampling", "row 6: dynamic sampling", row_switches("6-dynamic-sampling"))],
                              metrics=["acc_end", "acc_mean", "pass_mean", "zero_adv_frac", "gen_rounds", "wall_train"],
                              quick={}),
+    "clip-higher-testbed": dict(base="recipes/ablation-clip-testbed.yaml",  # the same arms on the testbed policy
+                                arms=[("eps-high-0.20", "eps_high 0.20 (symmetric clip)", dict(eps_high=0.2)),
+                                      ("eps-high-0.28", "eps_high 0.28 (Clip-Higher)", dict(eps_high=0.28))],
+                                metrics=["entropy_mean", "entropy_end", "clipfrac_high", "clipfrac_low", "all_correct_end",
+                                         "acc_end", "pass_end", "acc_mean", "pass_mean", "trunc_mean"],
+                                quick=dict(mini_batch_size=1)),
+    "token-loss": dict(base="recipes/ablation-testbed.yaml",  # the testbed: runaway loops among the long responses
+                       arms=[("sample-level", "sample-level loss (seq-mean-token-mean)",
+                              dict(loss_agg="seq-mean-token-mean", overlong_filter=False, soft_overlong_punishment=False)),
+                             ("token-level", "token-level loss (token-mean, Eq. 12)",
+                              dict(loss_agg="token-mean", overlong_filter=False, soft_overlong_punishment=False))],
+                       metrics=["trunc_mean", "trunc_end", "len_mean", "len_end", "entropy_mean", "entropy_end",
+                                "acc_end", "acc_mean"],
+                       quick={}),
+    "overlong": dict(base="recipes/ablation-testbed.yaml",  # the testbed: correct restated solutions cut at L_max
+                     arms=[("no-filter", "truncated responses scored -1",
+                            dict(overlong_filter=False, soft_overlong_punishment=False, loss_agg="token-mean")),
+                           ("filter", "overlong filtering (truncated masked)",
+                            dict(overlong_filter=True, soft_overlong_punishment=False, loss_agg="token-mean"))],
+                     metrics=["acc_end", "acc_mean", "pass_mean", "entropy_mean", "entropy_end", "trunc_mean", "trunc_end",
+                              "len_mean", "len_end"],
+                     quick={}),
 }
 
 def study_config(base: DAPOConfig,     # the study's base config
@@ -259,6 +288,104 @@ def study_config(base: DAPOConfig,     # the study's base config
     arms = {a: sw for a, _, sw in STUDIES[study]["arms"]}
     if arm not in arms: raise ValueError(f"unknown arm {arm!r} of study {study}; arms are: {', '.join(arms)}")
     return replace(base, **arms[arm], seed=seed, output_dir=str(Path(out) / "runs" / arm / f"seed-{seed}"))
+
+# %% ../nbs/14_ablation.ipynb #66b5c876
+TESTBED = dict(steps=300, batch_size=32, lr=2e-3, seed=0, threads=1,  # fine-tuning of the shipped tiny model
+               p_guess=0.3, p_loop=0.2, p_restate=0.2, loop_lines=16)  # the mixture; the rest: plain working
+TESTBED_VERSION = "testbed-v1"
+TESTBED_NAME = "tiny-testbed"  # the `model:` value that loads it
+
+def testbed_response(rng,              # random.Random: the same state gives the same response
+                     x0: int, ops: list,  # a problem from `_sample_chain`
+                     p_guess: float, p_loop: float, p_restate: float, loop_lines: int,
+                    ) -> tuple[list[str], bool, str]:
+    "(lines, ends with EOS, kind) of one supervised response: a guess, a runaway loop, a restated or a plain solution."
+    lines = _work(x0, ops)[0]                      # correct working + "Answer: N"
+    u = rng.random()
+    if u < p_guess: return [f"Answer: {rng.randint(0, 99)}"], True, "guess"
+    if u < p_guess + p_loop:                       # k lines of working, then line k again and again: no answer, no end
+        k = rng.randint(1, len(ops))
+        return lines[:k] + [lines[k - 1]] * loop_lines, False, "loop"
+    if u < p_guess + p_loop + p_restate: return [_problem_text(x0, ops)] + lines, True, "restated"
+    return lines, True, "plain"
+
+def testbed_batches(tokenizer, n_batches: int, batch_size: int = 32, seed: int = 0, **mix):
+    "Yield (input_ids, labels), both (batch_size, T): prompt + one `testbed_response` (+ EOS when it ends); labels -100 on prompt and padding."
+    rng, eos = random.Random(f"testbed-sft-{seed}"), tokenizer.eos_token_id
+    for _ in range(n_batches):
+        seqs = []
+        while len(seqs) < batch_size:
+            x0, ops = _sample_chain(rng, rng.randint(1, MAX_OPS))
+            text = _problem_text(x0, ops)
+            if is_heldout(text): continue          # never train on a held-out problem
+            lines, ends, _ = testbed_response(rng, x0, ops, **mix)
+            p = tokenizer(PROMPT_TEMPLATE.format(problem=text), add_special_tokens=False)["input_ids"]
+            r = tokenizer(RESPONSE_PREFIX + "\n".join(lines), add_special_tokens=False)["input_ids"] + [eos] * ends
+            seqs.append((p, r))
+        T = max(len(p) + len(r) for p, r in seqs)
+        ids = torch.full((batch_size, T), eos, dtype=torch.long)      # (b, T) right-padded
+        labels = torch.full((batch_size, T), -100, dtype=torch.long)  # (b, T)
+        for i, (p, r) in enumerate(seqs):
+            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+            labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
+        yield ids, labels
+
+
+# %% ../nbs/14_ablation.ipynb #ec5d46e8
+def _testbed_hash(**kw) -> str:
+    "Identity of a testbed build: its settings, the source that builds it and the tiny model it starts from."
+    global _TESTBED_SRC
+    if _TESTBED_SRC is None:  # read once per process: an edit of this file during a run must not change the identity
+        _TESTBED_SRC = "".join(inspect.getsource(f) for f in (testbed_response, testbed_batches, build_testbed))
+    return hashlib.sha256(json.dumps([TESTBED_VERSION, {**TESTBED, **kw}, _TESTBED_SRC, model_fingerprint("tiny")],
+                                     sort_keys=True).encode()).hexdigest()[:12]
+_TESTBED_SRC = None
+
+def build_testbed(out: str | Path,  # a new folder; it appears complete or not at all
+                  log=None, **kw,   # overrides of TESTBED (tests use a few steps)
+                 ) -> Path:
+    "The testbed policy: the warm-started tiny model fine-tuned on `testbed_batches`, saved with save_pretrained."
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from dapo_ref.tiny import ensure_tiny_model, _sft
+    cfg, out = {**TESTBED, **kw}, Path(out)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        shutil.copytree(ensure_tiny_model(verbose=False), tmp, dirs_exist_ok=True)
+        (tmp / "tiny_build.json").unlink(missing_ok=True)
+        tok, old = AutoTokenizer.from_pretrained(tmp), torch.get_num_threads()
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        torch.set_num_threads(cfg["threads"]); torch.manual_seed(cfg["seed"])
+        try:
+            mix = {k: cfg[k] for k in ("p_guess", "p_loop", "p_restate", "loop_lines")}
+            losses = _sft(model, testbed_batches(tok, cfg["steps"], cfg["batch_size"], cfg["seed"], **mix),
+                          cfg["steps"], cfg["lr"], max(1, cfg["steps"] // 20))
+        finally: torch.set_num_threads(old)
+        model.save_pretrained(tmp)
+        (tmp / "testbed_build.json").write_text(json.dumps(dict(version=TESTBED_VERSION, settings=cfg,
+            start=model_fingerprint("tiny"), hash=_testbed_hash(**kw), final_loss=statistics.fmean(losses[-20:]),
+            versions=versions()), indent=1))
+        os.replace(tmp, out)  # atomic: a concurrent build of the same testbed leaves one complete folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").exists(): raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True); raise
+    return out
+
+def testbed_model(cache_dir: str | Path | None = None,  # None = $DAPO_REF_CACHE or ~/.cache/dapo_ref
+                  log=print, **kw) -> Path:
+    "The testbed policy folder, built once (about 2 minutes on one core) and cached by `_testbed_hash`."
+    from dapo_ref.tiny import _cache_root
+    root = Path(cache_dir) if cache_dir is not None else _cache_root()
+    path = root / f"{TESTBED_VERSION}-{_testbed_hash(**kw)}"
+    if (path / "model.safetensors").exists(): return path
+    root.mkdir(parents=True, exist_ok=True)
+    if log: log(f"building the {TESTBED_NAME} policy into {path} (one time, about 2 minutes)")
+    t0 = time.perf_counter()
+    build_testbed(path, **kw)
+    if log: log(f"built {path} in {time.perf_counter() - t0:.0f} s")
+    return path
+
 
 # %% ../nbs/14_ablation.ipynb #e3b3864e
 def up_clipped_mean(ups: list[dict]) -> tuple[float, float]:
@@ -293,12 +420,15 @@ def mechanism_summary(rows: list[dict],  # metrics rows of one run
     evals = [r for r in rows if "eval_acc" in r]
     m = lambda xs: statistics.fmean(xs) if xs else float("nan")
     up = [r["up_clipped_prob"] for r in steps if r.get("clipfrac_high", 0) > 0]
+    g = lambda k, last=0: [r[k] for r in steps[-last:] if k in r]  # a metric over the steps (the last `last`) that log it
     return dict(entropy_mean=m([r["entropy"] for r in steps]), entropy_end=m([r["entropy"] for r in steps[-tail:]]),
                 clipfrac_high=m([r["clipfrac_high"] for r in steps]), clipfrac_low=m([r["clipfrac_low"] for r in steps]),
                 up_clipped_prob=m(up),
                 all_correct_end=m([r["groups_all_correct"] / r["groups_seen"] for r in steps[-tail:]]),
                 zero_adv_frac=m([(r["groups_all_correct"] + r["groups_all_wrong"]) / r["groups_seen"] for r in steps]),
                 gen_rounds=m([r["gen_rounds"] for r in steps]), wall_train=sum(r["time_step"] for r in steps),
+                len_mean=m(g("resp_len_mean")), len_end=m(g("resp_len_mean", tail)),
+                trunc_mean=m(g("truncated_frac")), trunc_end=m(g("truncated_frac", tail)),
                 acc_end=evals[-1]["eval_acc"] if evals else float("nan"),
                 pass_end=evals[-1]["eval_pass"] if evals else float("nan"),
                 acc_mean=m([r["eval_acc"] for r in evals[1:]]), pass_mean=m([r["eval_pass"] for r in evals[1:]]))
@@ -328,7 +458,9 @@ STUDY_METRICS = {  # key of mechanism_summary: (label, scale in the table)
     "acc_end": ("held-out avg@k end (%)", 100), "pass_end": ("held-out pass@k end (%)", 100),
     "acc_mean": ("held-out avg@k, mean of evals (%)", 100), "pass_mean": ("held-out pass@k, mean of evals (%)", 100),
     "zero_adv_frac": ("zero-advantage groups (% generated)", 100), "gen_rounds": ("generation rounds per step", 1),
-    "wall_train": ("training wall time (s)", 1)}
+    "wall_train": ("training wall time (s)", 1),
+    "len_mean": ("response length, mean over the run (tokens)", 1), "len_end": ("response length, last 5 steps", 1),
+    "trunc_mean": ("truncated at L_max, mean over the run (%)", 100), "trunc_end": ("truncated at L_max, last 5 steps (%)", 100)}
 
 def study_table(study: str, summaries: dict) -> tuple[dict, str]:
     "{metric: compare_arms of the study's two arms} and the markdown table (mean ± se per arm, difference ± se)."
@@ -365,6 +497,9 @@ def run_study(study: str,                     # a name from `STUDIES`
     spec = STUDIES[study]
     base = load_config(base or spec["base"]) if not isinstance(base, DAPOConfig) else base
     if quick: base = replace(base, **{**QUICK, **spec.get("quick", {})})
+    if base.model == TESTBED_NAME:  # built here, once, not by each worker; --quick: a 10-step build (machinery only)
+        if quick: base = replace(base, model=str(testbed_model(steps=10, log=log)))
+        else: testbed_model(log=log)
     out = Path(out or Path("benchmarks/ablation") / study); out.mkdir(parents=True, exist_ok=True)
     fp, n_eval = model_fingerprint(base.model), (QUICK_EVAL_PROMPTS if quick else None)
     arms, prior, t0, res = [a for a, _, _ in spec["arms"]], _prior_runs(out), time.perf_counter(), {}
@@ -420,6 +555,26 @@ STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each]
         ("zero_advantage.png", "Zero-advantage groups and what dynamic sampling pays for them",
          [("zero_adv_frac", "zero-advantage groups / generated", "grad_updates"),
           ("gen_rounds", "generation rounds per step", "grad_updates")]),
+    ],
+    "clip-higher-testbed": [
+        ("fig2b_entropy.png", "Entropy of the trained batch (Fig. 2b), testbed policy", [("entropy", "token entropy", "grad_updates")]),
+        ("fig3_clipping.png", "What the clip does (Fig. 3), testbed policy",
+         [("clipfrac_high", "tokens clipped at the top", "grad_updates"),
+          ("all_correct_frac", "groups all correct (Fig. 3b)", "grad_updates")]),
+        ("fig2a_accuracy.png", "Held-out accuracy (Fig. 2a), testbed policy",
+         [("eval_acc", "held-out avg@k", "grad_updates"), ("eval_pass", "held-out pass@k", "grad_updates")]),
+    ],
+    "token-loss": [
+        ("fig4_length_entropy.png", "Sample-level vs token-level loss (Fig. 4)",
+         [("truncated_frac", "runaway: truncated at L_max", "grad_updates"),
+          ("resp_len_mean", "mean response length (tokens)", "grad_updates"), ("entropy", "token entropy", "grad_updates")]),
+        ("accuracy.png", "Held-out accuracy", [("eval_acc", "held-out avg@k", "grad_updates")]),
+    ],
+    "overlong": [
+        ("fig5_filtering.png", "Overlong filtering (Fig. 5)",
+         [("eval_acc", "held-out avg@k", "grad_updates"), ("entropy", "token entropy", "grad_updates"),
+          ("truncated_frac", "truncated at L_max", "grad_updates")]),
+        ("length.png", "Response length", [("resp_len_mean", "mean response length (tokens)", "grad_updates")]),
     ],
 }
 

@@ -1,5 +1,5 @@
 "Ablation (dapo-ablate) end to end on the --quick base: the table, per-run caching, resuming an interrupted ablation."
-import json, os, shutil, subprocess, sys, time
+import json, os, re, shutil, subprocess, sys, time
 from pathlib import Path
 
 import pytest
@@ -142,3 +142,55 @@ def test_study_cli_errors(capsys):
         with pytest.raises(SystemExit) as e: main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("dapo-ablate: error: ") and msg in err and err.count("\n") == 1, err
+
+
+def _testbed_samples(n_problems=64, k=4, l_max=64, seed=0):
+    "k responses at T = 1 to each of the first n_problems held-out problems, cut at l_max: (response ids, text, example)."
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from dapo_ref.ablation import testbed_model
+    from dapo_ref.data import prompt_token_ids
+    from dapo_ref.trainer import load_splits
+    from dapo_ref.core import load_config
+    path = testbed_model(log=None)
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    out = []
+    for ex in load_splits(load_config(ROOT / "recipes/ablation-testbed.yaml"))[1][:n_problems]:
+        p = torch.tensor([prompt_token_ids(ex, tok)] * k)
+        with torch.no_grad():
+            o = model.generate(p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0, top_p=1.0,
+                               max_new_tokens=l_max, pad_token_id=tok.eos_token_id)
+        for row in o[:, p.shape[1]:].tolist():
+            ids = row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+            out.append((ids, tok.decode(ids, skip_special_tokens=True), ex))
+    return out, tok.eos_token_id
+
+
+def test_testbed_has_what_the_length_studies_act_on():
+    """The token-loss and overlong studies rely on the testbed policy producing, at L_max = 64, runaway responses (loops
+    and runaway working: long, wrong, never ending) and correct restated solutions cut while still correct."""
+    import torch
+    from dapo_ref.core import load_config
+    from dapo_ref.tiny import _APPLY
+    torch.set_num_threads(1)
+    cfg = load_config(ROOT / "recipes/ablation-testbed.yaml")
+    assert (cfg.model, cfg.l_max) == ("tiny-testbed", 64)
+    samples, eos = _testbed_samples(l_max=cfg.l_max)
+    def lines_ok(lines):  # every line of working "a<op>b=c" is correct arithmetic
+        ms = [re.fullmatch(r"(\d+)([-+*])(\d+)=(\d+)", l) for l in lines]
+        return all(m and _APPLY[m[2]](int(m[1]), int(m[3])) == int(m[4]) for m in ms)
+    cut = [(ids, t) for ids, t, _ in samples if eos not in ids]
+    assert all(len(ids) == cfg.l_max for ids, _ in cut)
+    lines = [t.strip().split("\n") for _, t in cut]
+    loops = sum(any(a == b for a, b in zip(ls, ls[1:])) for ls in lines)
+    restated_ok = sum(ls[0].startswith("Start at") and len(ls) > 2 and lines_ok(ls[1:-1]) and
+                      not any(a == b for a, b in zip(ls, ls[1:])) for ls in lines)
+    finished = [(ids, t) for ids, t, _ in samples if eos in ids]
+    n = len(samples)
+    print(f"{n} samples: {loops} loops, {restated_ok} correct restated cut, {len(finished)} finished")
+    # measured (seed 0): 256 samples, 72 cut: 22 exact loops, 2 correct restated solutions, the rest runaway working
+    assert len(cut) / n > 0.15, (len(cut), n)      # long responses for the token-level loss and the filter to act on
+    assert loops / n > 0.03, (loops, n)            # among them, exact repetition
+    assert restated_ok >= 1, (restated_ok, n)      # and correct solutions cut while still correct: the noisy -1
+    assert len(finished) / n > 0.6
