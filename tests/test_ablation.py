@@ -194,3 +194,24 @@ def test_testbed_has_what_the_length_studies_act_on():
     assert loops / n > 0.03, (loops, n)            # among them, exact repetition
     assert restated_ok >= 1, (restated_ok, n)      # and correct solutions cut while still correct: the noisy -1
     assert len(finished) / n > 0.6
+
+
+def test_all_quick(tmp_path):
+    "dapo-ablate --all --quick: every part of the study on the --quick base (a 10-step testbed), then mechanisms.md."
+    from dapo_ref.ablation import ALL, MECHANISMS
+    r = subprocess.run([PY, "-m", "dapo_ref.ablation", "--all", "--quick", "--out", str(tmp_path)], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for kind, name, seeds, folder in ALL:
+        j = json.loads((tmp_path / folder / ("table.json" if kind == "table" else "study.json")).read_text())
+        assert j["meta"]["quick"] and j["meta"]["seeds"] == list(seeds), folder
+        if kind == "study":  # the testbed parts ran on the 10-step testbed folder, not the full build
+            cfg = next(iter(next(iter(j["runs"].values())).values()))["key"]["config"]
+            assert (cfg["model"] == "tiny") == (name == "dynamic-sampling"), cfg["model"]
+            assert name == "dynamic-sampling" or "testbed-v1-" in cfg["model"]
+    md = (tmp_path / "mechanisms.md").read_text()
+    for tech, *_ in MECHANISMS: assert tech in md
+    assert "reproduced" in md and "dapo-ablate --all --quick" in md
+    r2 = subprocess.run([PY, "-m", "dapo_ref.ablation", "--all", "--study", "overlong"], cwd=ROOT, env=ENV,
+                        capture_output=True, text=True, timeout=120)
+    assert r2.returncode == 2 and "--all runs every part" in r2.stderr
