@@ -199,7 +199,7 @@ def test_testbed_has_what_the_length_studies_act_on():
 def test_all_quick(tmp_path):
     "dapo-ablate --all --quick: every part of the study on the --quick base (a 10-step testbed), then mechanisms.md."
     from dapo_ref.ablation import ALL, MECHANISMS
-    r = subprocess.run([PY, "-m", "dapo_ref.ablation", "--all", "--quick", "--out", str(tmp_path)], cwd=ROOT, env=ENV,
+    r = subprocess.run([PY, "-m", "dapo_ref.ablation", "--all", "--quick", "--jobs", "2", "--out", str(tmp_path)], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     for kind, name, seeds, folder in ALL:
