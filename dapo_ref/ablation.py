@@ -16,8 +16,8 @@ from .tiny import MAX_OPS, RESPONSE_PREFIX, _problem_text, _sample_chain, _work,
 
 # %% auto #0
 __all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'STUDIES', 'TESTBED',
-           'TESTBED_VERSION', 'TESTBED_NAME', 'STUDY_METRICS', 'STUDY_FIGURES', 'ALL', 'TESTBED_TARGET', 'MECHANISMS',
-           'DEFAULT_BASE', 'row_switches', 'run_config', 'model_fingerprint', 'versions', 'cached_result',
+           'TESTBED_VERSION', 'TESTBED_NAME', 'TESTBEDS', 'STUDY_METRICS', 'STUDY_FIGURES', 'ALL', 'TESTBED_TARGET',
+           'MECHANISMS', 'DEFAULT_BASE', 'row_switches', 'run_config', 'model_fingerprint', 'versions', 'cached_result',
            'unique_steps', 'run_one', 'run_summary', 'ablation_table', 'table_markdown', 'mean_curve', 'plot_figures',
            'study_config', 'testbed_response', 'testbed_batches', 'build_testbed', 'testbed_model', 'up_clipped_mean',
            'clip_probe', 'mechanism_summary', 'mean_se', 'compare_arms', 'study_table', 'run_study', 'plot_study',
@@ -62,8 +62,9 @@ def run_config(base: DAPOConfig,  # the shared base config
 
 def model_fingerprint(model: str) -> str:
     "Identity of the policy: the tiny (or testbed) model's version and weight hash, or the model name/folder."
-    if model == TESTBED_NAME:
-        return f"{TESTBED_VERSION}:{hashlib.sha256((testbed_model() / 'model.safetensors').read_bytes()).hexdigest()[:12]}"
+    if model in TESTBEDS:
+        path = testbed_model(**TESTBEDS[model]) / "model.safetensors"
+        return f"{TESTBED_VERSION}:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
     if model != "tiny": return model
     from dapo_ref.tiny import ensure_tiny_model, TINY_VERSION
     h = hashlib.sha256((ensure_tiny_model() / "model.safetensors").read_bytes()).hexdigest()[:12]
@@ -260,6 +261,12 @@ STUDIES = {  # name: base recipe, arms (name, label, switches), diagnostics repo
                                 metrics=["entropy_mean", "entropy_end", "clipfrac_high", "clipfrac_low", "all_correct_end",
                                          "acc_end", "pass_end", "acc_mean", "pass_mean", "trunc_mean"],
                                 quick=dict(mini_batch_size=1)),
+    "clip-higher-guesser": dict(base="recipes/ablation-clip-guesser.yaml",  # the exploration token is rare
+                                arms=[("eps-high-0.20", "eps_high 0.20 (symmetric clip)", dict(eps_high=0.2)),
+                                      ("eps-high-0.28", "eps_high 0.28 (Clip-Higher)", dict(eps_high=0.28))],
+                                metrics=["acc_mean", "acc_end", "pass_mean", "entropy_mean", "entropy_end", "clipfrac_high",
+                                         "up_clipped_prob", "len_mean"],
+                                quick=dict(mini_batch_size=1)),
     "token-loss": dict(base="recipes/ablation-testbed.yaml",  # the testbed: runaway loops among the long responses
                        arms=[("sample-level", "sample-level loss (seq-mean-token-mean)",
                               dict(loss_agg="seq-mean-token-mean", overlong_filter=False, soft_overlong_punishment=False)),
@@ -295,6 +302,10 @@ TESTBED = dict(steps=300, batch_size=32, lr=2e-3, seed=0, threads=1,  # fine-tun
                p_guess=0.3, p_loop=0.2, p_restate=0.2, loop_lines=16)  # the mixture; the rest: plain working
 TESTBED_VERSION = "testbed-v1"
 TESTBED_NAME = "tiny-testbed"  # the `model:` value that loads it
+TESTBEDS = {  # `model:` name -> overrides of TESTBED; each is built by `testbed_model` and cached
+    TESTBED_NAME: {},
+    "tiny-guesser": dict(p_guess=0.85, p_loop=0.0, p_restate=0.0, steps=150),  # working it out is the rare path
+}
 
 def testbed_response(rng,              # random.Random: the same state gives the same response
                      x0: int, ops: list,  # a problem from `_sample_chain`
@@ -381,7 +392,7 @@ def testbed_model(cache_dir: str | Path | None = None,  # None = $DAPO_REF_CACHE
     path = root / f"{TESTBED_VERSION}-{_testbed_hash(**kw)}"
     if (path / "model.safetensors").exists(): return path
     root.mkdir(parents=True, exist_ok=True)
-    if log: log(f"building the {TESTBED_NAME} policy into {path} (one time, about 2 minutes)")
+    if log: log(f"building a testbed policy ({kw or 'the default mixture'}) into {path} (one time, up to 2 minutes)")
     t0 = time.perf_counter()
     build_testbed(path, **kw)
     if log: log(f"built {path} in {time.perf_counter() - t0:.0f} s")
@@ -488,9 +499,10 @@ def _prior_runs(out: Path) -> dict:
 # %% ../nbs/14_ablation.ipynb #1b1e02a7
 def _testbed_base(base: DAPOConfig, quick: bool, log) -> DAPOConfig:
     "Build the testbed policy here, once, before any worker needs it; --quick: a 10-step testbed (machinery only)."
-    if base.model != TESTBED_NAME: return base
-    if quick: return replace(base, model=str(testbed_model(steps=10, log=log)))
-    testbed_model(log=log)
+    if base.model not in TESTBEDS: return base
+    kw = TESTBEDS[base.model]
+    if quick: return replace(base, model=str(testbed_model(**{**kw, "steps": 10}, log=log)))
+    testbed_model(**kw, log=log)
     return base
 
 def run_study(study: str,                     # a name from `STUDIES`
@@ -570,6 +582,14 @@ STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each]
         ("fig2a_accuracy.png", "Held-out accuracy (Fig. 2a), testbed policy",
          [("eval_acc", "held-out avg@k", "grad_updates"), ("eval_pass", "held-out pass@k", "grad_updates")]),
     ],
+    "clip-higher-guesser": [
+        ("fig2_clip_higher.png", "Clip-Higher where working it out is rare (Fig. 2)",
+         [("eval_acc", "held-out avg@k", "grad_updates"), ("entropy", "token entropy", "grad_updates"),
+          ("resp_len_mean", "mean response length (tokens)", "grad_updates")]),
+        ("fig3_clipping.png", "What the clip does (Fig. 3)",
+         [("clipfrac_high", "tokens clipped at the top", "grad_updates"),
+          ("up_clipped_prob", "old prob of up-clipped tokens", "grad_updates")]),
+    ],
     "token-loss": [
         ("fig4_length_entropy.png", "Sample-level vs token-level loss (Fig. 4)",
          [("truncated_frac", "runaway: truncated at L_max", "grad_updates"),
@@ -629,12 +649,15 @@ ALL = [  # (kind, name, seeds, folder under benchmarks/ablation): what `dapo-abl
     ("study", "token-loss", (0, 1, 2, 3), "token-loss"),
     ("study", "overlong", (0, 1, 2, 3), "overlong"),
     ("study", "clip-higher-testbed", (0, 1, 2, 3, 4, 5), "clip-higher-testbed"),
+    ("study", "clip-higher-guesser", (0, 1, 2, 3, 4, 5), "clip-higher-guesser"),
     ("study", "dynamic-sampling", (0, 1, 2), "dynamic-sampling"),
 ]
 TESTBED_TARGET = 0.45  # "updates to target" on the testbed, whose held-out avg@4 starts at 0.27 (the tiny task: 0.60)
 MECHANISMS = [  # (technique, study, paper's claim, [(metric, direction the paper reports for arm 2 - arm 1)])
     ("Clip-Higher (Fig. 2b)", "clip-higher-testbed", "eps_high 0.28 keeps entropy from collapsing",
      [("entropy_mean", +1), ("pass_end", +1), ("acc_mean", +1)]),
+    ("Clip-Higher, rare token (Fig. 2)", "clip-higher-guesser", "unlikely tokens with positive advantage can grow",
+     [("acc_mean", +1), ("acc_end", +1), ("entropy_mean", +1)]),
     ("Token-level loss (Fig. 4)", "token-loss", "sample-level averaging lets length and entropy drift up",
      [("len_mean", -1), ("entropy_mean", -1)]),
     ("Overlong filtering (Fig. 5)", "overlong", "masking truncated samples stabilises training and helps accuracy",
@@ -758,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                     "study's recipe with --study; a relative path not found here is looked up in the dapo_ref checkout or package)")
     ap.add_argument("--study", default=None, help="run a mechanism study instead of Table 1: " + " ".join(STUDIES))
     ap.add_argument("--all", action="store_true", help="the whole study: Table 1 on the testbed and every mechanism "
-                    "study of ALL (about 45 minutes with --jobs 2 on 2 cores), then benchmarks/ablation/mechanisms.md")
+                    "study of ALL (about 52 minutes with --jobs 2 on 2 cores), then benchmarks/ablation/mechanisms.md")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 tiny rollout steps per run (< 2 min in all)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rows", nargs="+", default=None, help="row names (default all): " + " ".join(r[0] for r in ROWS))

@@ -77,9 +77,9 @@ TINY_N_TRAIN, TINY_N_EVAL = 4000, 64  # sizes of the tiny task's training set an
 
 def model_path(name: str) -> str:
     "The folder or hub name that transformers (and vLLM) load for `name`; `tiny` builds (once, cached) the tiny model."
-    if name == "tiny-testbed":  # the length-mechanism testbed of the ablation study (nbs/14_ablation), built once, cached
-        from dapo_ref.ablation import testbed_model
-        return str(testbed_model())
+    if name.startswith("tiny-"):  # the ablation study's testbed policies (nbs/14_ablation), built once, cached
+        from dapo_ref.ablation import TESTBEDS, testbed_model
+        if name in TESTBEDS: return str(testbed_model(**TESTBEDS[name]))
     if name != "tiny": return name
     from dapo_ref.tiny import ensure_tiny_model
     return str(ensure_tiny_model())
