@@ -694,6 +694,7 @@ def run_all(out: str | Path = "benchmarks/ablation", quick: bool = False, jobs: 
     "Every part of `ALL` (cached runs reused), then `mechanisms.md` in `out`."
     out, t0, parts = Path(out), time.perf_counter(), {}
     for kind, name, seeds, folder in ALL:
+        if quick: seeds = seeds[:1]  # --quick checks the machinery: one seed per part
         if kind == "table":
             parts[folder] = run_ablation(name, seeds, None, out / folder, quick=quick, target=TESTBED_TARGET, jobs=jobs,
                                          threads=threads, figures=figures, command=command, log=log)
@@ -760,7 +761,8 @@ def run_ablation(base: DAPOConfig | str | Path = DEFAULT_BASE,  # shared base co
     metrics = {row: [res[(row, s)]["metrics"] for s in seeds] for row in rows}
     table = ablation_table({row: [run_summary(m, target) for m in ms] for row, ms in metrics.items()})
     wall = time.perf_counter() - t0
-    meta = dict(command=command,
+    from datetime import datetime, timezone
+    meta = dict(command=command, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 base=asdict(base), quick=quick, seeds=list(seeds), rows=rows, target=target, model=fp,
                 versions=next(iter(res.values()))["versions"] if res else versions(),
                 wall_this_invocation=wall, wall_runs_total=sum(r["wall"] for r in res.values()),
