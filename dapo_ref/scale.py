@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_scale.ipynb #7820a124
 from __future__ import annotations
-import contextlib, math, sys, warnings
+import sys, warnings
 from pathlib import Path
 from typing import Iterable
 
