@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: install demo test tiny-model check-export check-clean nbtest pytest docs docs-browser clean-docs venv-vllm test-vllm
+.PHONY: install demo test tiny-model testbeds check-export check-clean nbtest pytest docs docs-browser clean-docs venv-vllm test-vllm
 
 # The library alone (what `make demo` needs), then the dev extra on top (notebook tools, pytest, the docs site).
 $(VENV)/.installed-lib: setup.py settings.ini pyproject.toml
@@ -59,6 +59,11 @@ check-clean: install
 # builds it (tests/test_tiny.py fails until then), rebuild it on purpose (about 7 minutes on 2 cores) and commit it:
 tiny-model: install
 	$(BIN)/dapo-tiny
+
+# The testbed policies of nbs/14_ablation.ipynb ship with the package too (dapo_ref/testbeds/, a folder per build hash).
+# After a change to how they are built (tests/test_testbeds.py fails until then), rebuild and commit them (~3 min):
+testbeds: install
+	$(PY) -c "from dapo_ref.ablation import ship_testbeds; ship_testbeds()"
 
 # Every notebook top to bottom; cells flagged slow/gpu (settings.ini tst_flags) are skipped.
 nbtest: install

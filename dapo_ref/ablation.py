@@ -16,12 +16,13 @@ from .tiny import MAX_OPS, RESPONSE_PREFIX, _problem_text, _sample_chain, _work,
 
 # %% auto #0
 __all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'STUDIES', 'TESTBED',
-           'TESTBED_VERSION', 'TESTBED_NAME', 'TESTBEDS', 'STUDY_METRICS', 'STUDY_FIGURES', 'ALL', 'TESTBED_TARGET',
-           'MECHANISMS', 'DEFAULT_BASE', 'row_switches', 'run_config', 'model_fingerprint', 'versions', 'cached_result',
-           'unique_steps', 'run_one', 'run_summary', 'ablation_table', 'table_markdown', 'mean_curve', 'plot_figures',
-           'study_config', 'testbed_response', 'testbed_batches', 'build_testbed', 'testbed_model', 'up_clipped_mean',
-           'clip_probe', 'mechanism_summary', 'mean_se', 'compare_arms', 'study_table', 'run_study', 'plot_study',
-           'mechanism_table', 'run_all', 'run_ablation', 'main']
+           'TESTBED_VERSION', 'TESTBED_NAME', 'TESTBEDS', 'TESTBED_SHIP_COMMAND', 'STUDY_METRICS', 'STUDY_FIGURES',
+           'ALL', 'TESTBED_TARGET', 'MECHANISMS', 'DEFAULT_BASE', 'row_switches', 'run_config', 'model_fingerprint',
+           'versions', 'cached_result', 'unique_steps', 'run_one', 'run_summary', 'ablation_table', 'table_markdown',
+           'mean_curve', 'plot_figures', 'study_config', 'testbed_response', 'testbed_batches', 'build_testbed',
+           'testbed_model', 'ship_testbeds', 'up_clipped_mean', 'clip_probe', 'mechanism_summary', 'mean_se',
+           'compare_arms', 'study_table', 'run_study', 'plot_study', 'mechanism_table', 'run_all', 'run_ablation',
+           'main']
 
 # %% ../nbs/14_ablation.ipynb #0988fedb
 SWITCHES = ("eps_low", "eps_high", "loss_agg", "overlong_filter", "soft_overlong_punishment", "dynamic_sampling")
@@ -384,20 +385,46 @@ def build_testbed(out: str | Path,  # a new folder; it appears complete or not a
         shutil.rmtree(tmp, ignore_errors=True); raise
     return out
 
-def testbed_model(cache_dir: str | Path | None = None,  # None = $DAPO_REF_CACHE or ~/.cache/dapo_ref
+TESTBED_SHIP_COMMAND = "make testbeds"  # = ship_testbeds(): every TESTBEDS entry into dapo_ref/testbeds/
+
+def testbed_model(cache_dir: str | Path | None = None,  # None = the shipped copy, else $DAPO_REF_CACHE or ~/.cache/dapo_ref
                   log=print, **kw) -> Path:
-    "The testbed policy folder, built once (about 2 minutes on one core) and cached by `_testbed_hash`."
+    """The testbed policy folder: the copy shipped in the package when it was built from exactly these settings, this
+    source and this tiny model (its folder is named by `_testbed_hash`), else built once (about 2 minutes on one core)
+    and cached under that name."""
     from dapo_ref.tiny import _cache_root
+    name = f"{TESTBED_VERSION}-{_testbed_hash(**kw)}"
+    shipped = _shipped_testbeds() / name
+    if cache_dir is None and (shipped / "model.safetensors").exists(): return shipped
     root = Path(cache_dir) if cache_dir is not None else _cache_root()
-    path = root / f"{TESTBED_VERSION}-{_testbed_hash(**kw)}"
+    path = root / name
     if (path / "model.safetensors").exists(): return path
     root.mkdir(parents=True, exist_ok=True)
-    if log: log(f"building a testbed policy ({kw or 'the default mixture'}) into {path} (one time, up to 2 minutes)")
+    if log: log(f"building a testbed policy ({kw or 'the default mixture'}) into {path} (one time, up to 2 minutes; "
+                f"`{TESTBED_SHIP_COMMAND}` ships it with the package)")
     t0 = time.perf_counter()
     build_testbed(path, **kw)
     if log: log(f"built {path} in {time.perf_counter() - t0:.0f} s")
     return path
 
+def _shipped_testbeds() -> Path:
+    "Where the package keeps its built testbeds (dapo_ref/testbeds/, one folder per `_testbed_hash`)."
+    import importlib.util
+    return Path(importlib.util.find_spec("dapo_ref").origin).parent / "testbeds"
+
+def ship_testbeds(log=print) -> list[Path]:
+    "Build every `TESTBEDS` entry (or take it from the cache) into the package's testbeds/ folder; drop stale ones."
+    from dapo_ref.tiny import _cache_root
+    dest, keep = _shipped_testbeds(), []
+    dest.mkdir(exist_ok=True)
+    for name, kw in TESTBEDS.items():
+        src = testbed_model(cache_dir=_cache_root(), log=log, **kw)  # the cache: built (or reused) outside the package
+        keep.append(dest / src.name)
+        if not keep[-1].exists(): shutil.copytree(src, keep[-1])
+        if log: log(f"{name}: {keep[-1]}")
+    for old in dest.iterdir():
+        if old.is_dir() and old not in keep: shutil.rmtree(old)
+    return keep
 
 # %% ../nbs/14_ablation.ipynb #e3b3864e
 def up_clipped_mean(ups: list[dict]) -> tuple[float, float]:
