@@ -9,16 +9,23 @@ ZeRO-3, ZeRO-2, ZeRO-3 with gradient checkpointing (`DeepSpeedLearner`) and the 
 "0", gradients summed with one all-reduce): computes old log-probs, does one `update`, and syncs the new weights into a
 rollout engine (`HFRolloutEngine`), all through `Trainer.train_on` and
 `Trainer.sync_weights`. Rank 0 writes to OUT_DIR/stage{name}.pt: the full weights the learner streamed, the
-learner's own consolidated weights, the engine's weights on every rank, the old log-probs and the update's metrics.
+learner's own consolidated weights, the engine's weights on every rank, the old log-probs, the update's metrics and
+the full gradient of every parameter as the optimizer step received it (`capture_grads`: summed over ranks, not yet
+clipped). Adam's eps is `ADAM_EPS` on every learner here (`set_adam_eps`; why: tests/test_scale.py).
 The one-device comparison is done by the test, in its own process, with `trainer.TorchLearner`.
 
 `build MODEL` (a model the learner loads by name, here a ~57M-parameter Qwen2 from a local HF cache): the ZeRO-3
 learner as `dapo-train` builds it. Each rank measures its peak resident memory above its baseline (torch,
 transformers, DeepSpeed and dapo_ref imported, process group up) while `DeepSpeedLearner.build_model` constructs the
-policy, and checks every parameter is partitioned; then `Trainer` (through `DeepSpeedLearner.build` and the
+policy, and checks every parameter is partitioned and the gathered weights equal the checkpoint's; then `Trainer` (through `DeepSpeedLearner.build` and the
 transformers engine's copy) trains one mini-batch of the fixed batch with every group on rank 0, recording the
-response tokens each rank's `Learner.update` received; syncs the engine; and measures `save_model`'s peak into
-OUT_DIR/export. Rank 0 writes OUT_DIR/build.pt."""
+response tokens each rank's `Learner.update` received and the full gradients; syncs the engine; measures
+`save_model`'s peak into OUT_DIR/export; and writes the model again with `zero.save_pretrained_streamed` in shards of
+model/8 bytes into OUT_DIR/export8. Rank 0 writes OUT_DIR/build.pt.
+
+`build MODEL MODE` (for the record, not the tests; `python tests/scale_worker.py OUT build MODEL MODE` or torchrun):
+`no-heap-fix` constructs without `zero.returned_large_blocks`, `transformers` with transformers' own `from_pretrained`
+under a live `HfDeepSpeedConfig`; compare their `construct_extra` in build.pt with the default's."""
 import copy, os, sys
 from pathlib import Path
 
@@ -49,9 +56,44 @@ def fixed_batch(vocab: int = 392, seed: int = 0):
     return RolloutBatch(prompts, responses, adv, torch.zeros(N_GROUPS * G, dtype=torch.bool), adv.clone())
 
 
+ADAM_EPS = 1e-5  # Adam's eps in the update checks (product default 1e-8): g -> g/(|g|+eps) is then (1/eps)-Lipschitz
+
+
+def set_adam_eps(learner, eps: float = ADAM_EPS):
+    "Set eps in the torch optimizer both learners step (TorchLearner's AdamW, the torch AdamW inside DeepSpeed's ZeRO)."
+    for g in learner.sched.optimizer.param_groups: g["eps"] = eps
+
+
+def capture_grads(learner) -> dict:
+    """Wrap `learner.optimizer_step` (called after the last backward, before the step): fills the returned dict with
+    every parameter's full, un-partitioned float32 gradient, summed over ranks and not yet clipped. DeepSpeed:
+    `deepspeed.utils.safe_get_full_grad` (a collective: every rank calls it, parameters in the same order); the plain
+    learner: `p.grad` when `clip_grad_norm_` is called, i.e. after its all-reduce and before the clip."""
+    grads, inner = {}, learner.optimizer_step
+    if type(learner).__name__ == "DeepSpeedLearner":
+        from deepspeed.utils import safe_get_full_grad
+        def step():
+            for n, p in learner.model.named_parameters():
+                g = safe_get_full_grad(p)
+                grads[n] = None if g is None else g.detach().float().cpu().clone()
+            return inner()
+    else:
+        from unittest import mock
+        names, clip = {id(p): n for n, p in learner.model.named_parameters()}, torch.nn.utils.clip_grad_norm_
+        def clip_and_capture(params, *a, **k):
+            params = list(params)
+            for p in params: grads[names[id(p)]] = None if p.grad is None else p.grad.detach().float().cpu().clone()
+            return clip(params, *a, **k)
+        def step():
+            with mock.patch("torch.nn.utils.clip_grad_norm_", clip_and_capture): return inner()
+    learner.optimizer_step = step
+    return grads
+
+
 def trainer_update(cfg, model, tok, engine=None):
     """`Trainer.train_on` (Algorithm 1 lines 10-11, one mini-batch) on this rank's groups of the fixed batch, through the
-    same `Trainer` as `dapo-train`: returns (trainer, old log-probs, the update's metrics, micro-batch count)."""
+    same `Trainer` as `dapo-train`, with Adam's eps `ADAM_EPS`: returns (trainer, old log-probs, the update's metrics,
+    micro-batch count, the full pre-clip gradients)."""
     from dapo_ref import dist
     from dapo_ref.tiny import tiny_splits
     from dapo_ref.trainer import Trainer
@@ -62,8 +104,10 @@ def trainer_update(cfg, model, tok, engine=None):
     batch = fixed_batch().select([i for i, o in enumerate(owned) if o])
     n_micro = len(trainer.learner.micro_batches(batch))
     old, _ = trainer.learner.compute_logprobs(batch)
+    set_adam_eps(trainer.learner)
+    grads = capture_grads(trainer.learner)
     updates, _ = trainer.train_on(batch, owned, {})
-    return trainer, old, updates[0], n_micro
+    return trainer, old, updates[0], n_micro, grads
 
 
 def run_stage(name: str, out: Path):
@@ -76,7 +120,7 @@ def run_stage(name: str, out: Path):
     cfg.gpus_per_node = world
     model, tok = load_policy("tiny")
     engine = HFRolloutEngine(copy.deepcopy(model), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    trainer, old, metrics, n_micro = trainer_update(cfg, model, tok, engine)
+    trainer, old, metrics, n_micro, grads = trainer_update(cfg, model, tok, engine)
     learner = trainer.learner
     from transformers.modeling_layers import GradientCheckpointingLayer
     ckpt = [m.gradient_checkpointing and m.training for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -90,35 +134,67 @@ def run_stage(name: str, out: Path):
     olds, n_micros = dist.all_gather(old), dist.all_gather(n_micro)
     if rank == 0:
         torch.save(dict(streamed=streamed, consolidated=consolidated, engines=engines, old=olds, n_micro=n_micros,
-                        metrics=metrics, world=world, checkpointed_layers=ckpt, learner=type(learner).__name__),
+                        metrics=metrics, world=world, checkpointed_layers=ckpt, learner=type(learner).__name__,
+                        grads=grads),
                    out / f"stage{name}.pt")
     dist.barrier()
 
 
-def run_build(model_name: str, out: Path):
+def matches_checkpoint(model, name) -> bool:
+    "Every gathered weight equals the checkpoint's tensor (a collective; rank 0 compares)."
+    from safetensors import safe_open
+    from dapo_ref import dist
+    from dapo_ref.zero import checkpoint_folder, gathered, module_tensors
+    folder, wm = checkpoint_folder(name)
+    ok = True
+    for _, items in module_tensors(model):
+        with gathered([t for _, t in items]):
+            if dist.is_main():
+                for k, t in items:
+                    with safe_open(folder / wm[k], "pt") as f: ok &= torch.equal(f.get_tensor(k), t.data)
+    return ok
+
+
+def run_build(model_name: str, out: Path, mode: str = "ours"):
     "ZeRO-3 construction, a balanced update with every group on rank 0, the engine sync and the streamed export."
     import deepspeed, transformers.models.qwen2.modeling_qwen2  # noqa: F401  (part of the baseline)
-    from transformers.integrations import HfDeepSpeedConfig  # noqa: F401
+    from transformers.integrations import HfDeepSpeedConfig  # (part of the baseline)
     from dapo_ref import dist
     from dapo_ref.scale import DeepSpeedLearner
     from dapo_ref.tiny import tiny_splits
     from dapo_ref.trainer import Trainer, load_tokenizer
-    from dapo_ref.zero import PeakRSS
+    import dapo_ref.zero
+    from dapo_ref.zero import PeakRSS, save_pretrained_streamed
     rank, world = dist.rank(), dist.world_size()
     cfg = test_cfg(); cfg.model, cfg.zero_stage, cfg.gpus_per_node, cfg.lr = model_name, 3, world, LR_BUILD
     tok = load_tokenizer("tiny")
+    if mode == "no-heap-fix":
+        import contextlib; dapo_ref.zero.returned_large_blocks = contextlib.nullcontext
+    if mode == "transformers":  # DeepSpeed's comm over the process group, which build_model sets up itself
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
     with PeakRSS() as m:
-        model = DeepSpeedLearner.build_model(cfg)
+        if mode == "transformers":
+            from transformers import AutoModelForCausalLM
+            from dapo_ref.scale import deepspeed_config
+            keep = HfDeepSpeedConfig(deepspeed_config(cfg, world))
+            model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+            model.hf_ds_config = keep
+        else:
+            model = DeepSpeedLearner.build_model(cfg)
     params = list(model.parameters())
     res = dict(rank=rank, construct_extra=m.extra, construct_base=m.base,
                all_partitioned=all(p.numel() == 0 and hasattr(p, "ds_id") for p in params),
                full_numel=sum(p.ds_numel for p in params), local_numel=sum(p.ds_tensor.numel() for p in params),
-               model_bytes=sum(p.ds_numel * p.element_size() for p in params))
+               model_bytes=sum(p.ds_numel * p.element_size() for p in params),
+               hf_ds_config_alive=getattr(model, "hf_ds_config", None) is not None)
+    res["matches_checkpoint"] = matches_checkpoint(model, model_name)  # a collective; rank 0's answer counts
     with PeakRSS() as m:  # deepspeed.initialize (optimizer partitions) and the transformers engine's whole copy
         trainer = Trainer(cfg, train_examples=tiny_splits(8, 1, seed=0)[0], eval_examples=[], model=model,
                           tokenizer=tok, progress=False, log=None)
     res["trainer_extra"] = m.extra
     learner = trainer.learner
+    set_adam_eps(learner)
+    grads = capture_grads(learner)
     res["engine_partitioned"] = any(hasattr(p, "ds_id") for p in trainer.engine.model.parameters())
     trained, update = [], learner.update
     def recording_update(mini, old):  # what this rank's learner trains: the balanced share
@@ -137,8 +213,9 @@ def run_build(model_name: str, out: Path):
     with PeakRSS() as m:
         learner.save_model(out / "export")
     res["export_extra"] = m.extra
+    save_pretrained_streamed(learner.model, out / "export8", shard_bytes=res["model_bytes"] // 8)  # several shards
     every = dist.all_gather(res)
-    if rank == 0: torch.save(dict(ranks=every, weights=weights), out / "build.pt")
+    if rank == 0: torch.save(dict(ranks=every, weights=weights, grads=grads), out / "build.pt")
     dist.barrier()
 
 
@@ -152,7 +229,7 @@ if __name__ == "__main__":
     from dapo_ref import dist
     dist.init_distributed()
     out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-    if sys.argv[2:3] == ["build"]: run_build(sys.argv[3], out)
+    if sys.argv[2:3] == ["build"]: run_build(sys.argv[3], out, *sys.argv[4:5])
     else:
         for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc", "0"]): run_stage(s, out)
     import torch.distributed
