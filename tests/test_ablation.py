@@ -15,6 +15,11 @@ def _cmd(out, *extra):
     return [PY, "-m", "dapo_ref.ablation", "--quick", "--seeds", "0", "--out", str(out), *extra]
 
 
+def _snapshot(d: Path) -> dict:
+    "Every file under `d`: its bytes and modification time (ns)."
+    return {str(p.relative_to(d)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
 def _meta(out):
     return json.loads((out / "table.json").read_text())["meta"]
 
@@ -27,7 +32,9 @@ def test_quick_ablation_interrupt_resume_and_cache(tmp_path):
     try:
         while len(list(out.glob("runs/*/seed-0/result.json"))) < 2:
             assert p.poll() is None, "the ablation ended before it could be interrupted"
-            assert time.time() - t0 < 90, "no run finished within 90 s"
+            # a hang guard, not a speed claim: a --quick run takes ~3 s (16 runs in 47 s, benchmarks/); 600 s only
+            # catches an ablation that never finishes a run
+            assert time.time() - t0 < 600, "no run finished within 600 s"
             time.sleep(0.2)
     finally:
         p.kill(); p.wait()
@@ -35,7 +42,7 @@ def test_quick_ablation_interrupt_resume_and_cache(tmp_path):
     assert 2 <= finished < 6
 
     # 2. the same command again resumes: the finished runs are reused, the rest are trained
-    r = subprocess.run(_cmd(out), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(_cmd(out), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)  # hang guard (~15 s)
     assert r.returncode == 0, r.stderr[-2000:]
     m = _meta(out)
     assert m["runs"] == 6 and m["cached_runs"] == finished and m["quick"] and m["seeds"] == [0]
@@ -60,12 +67,16 @@ def test_quick_ablation_interrupt_resume_and_cache(tmp_path):
         cfg = json.loads((d / "result.json").read_text())["key"]["config"]
         assert {k: cfg[k] for k in row_switches(row)} == row_switches(row)
 
-    # 3. a third invocation reuses every run and is much faster
+    # 3. a third invocation reuses every run: none is trained again. A trained run rewrites its folder (key.json, lock,
+    # metrics.jsonl, result.json with new timings), so every file under runs/ unchanged, bytes and mtime, proves reuse
+    # without timing anything
+    before = _snapshot(out / "runs")
     assert main(["--quick", "--seeds", "0", "--out", str(out), "--no-figures"]) == 0
     m3 = _meta(out)
-    assert m3["cached_runs"] == 6
-    # the six runs took wall_runs_total seconds to train; reusing them takes a small fraction of that
-    assert m3["wall_this_invocation"] < m3["wall_runs_total"] / 3, (m3["wall_this_invocation"], m3["wall_runs_total"])
+    assert m3["cached_runs"] == 6 and m3["runs"] == 6
+    after = _snapshot(out / "runs")
+    assert after.keys() == before.keys() and all(after[k] == before[k] for k in before), \
+        sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
 
     # 4. a different base config is not served from the cache
     assert main(["--quick", "--seeds", "0", "--out", str(out), "--rows", "1-grpo", "--no-figures", "lr=1e-4"]) == 0
@@ -107,7 +118,10 @@ def test_clip_higher_testbed_clips_bind(monkeypatch):
     base = replace(load_config(STUDIES["clip-higher"]["base"]), eps_high=0.2, seed=0)
     p16, p2 = clip_probe(base), clip_probe(replace(base, mini_batch_size=64))  # 128 responses / 64 = 2 updates
     assert (p16["updates"], p2["updates"]) == (16, 2)
-    assert p16["clipfrac_high"] > 2e-3, p16  # 7e-3 measured; the Table 1 demo averages 2e-4 per step
+    # A seeded probe (seed 0, one thread): measured clipfrac_high 7.3e-3, 5 of 16 updates clipping, 18 up-clipped
+    # tokens; with 2 updates exactly 0. Another CPU can change sampled tokens through logit ulps, so the thresholds are
+    # presence checks well below the measured values (2e-3: 3.6x below; 3 updates; 5 tokens: 3.6x below), not fits.
+    assert p16["clipfrac_high"] > 2e-3, p16  # the Table 1 demo averages 2e-4 per step
     assert p16["updates_clipping"] >= 3 and p16["up_clipped_tokens"] >= 5, p16  # not one update's accident
     assert p2["clipfrac_high"] < p16["clipfrac_high"] / 10, (p2, p16)
 
@@ -189,9 +203,14 @@ def test_testbed_has_what_the_length_studies_act_on():
     finished = [(ids, t) for ids, t, _ in samples if eos in ids]
     n = len(samples)
     print(f"{n} samples: {loops} loops, {restated_ok} correct restated cut, {len(finished)} finished")
-    # measured (seed 0): 256 samples, 72 cut: 22 exact loops, 2 correct restated solutions, the rest runaway working
+    # measured (seed 0): 256 samples, 72 cut: 22 exact loops, 2 correct restated solutions, the rest runaway working.
+    # The sampling is seeded (torch.manual_seed(seed)), so on one machine the counts are fixed; another CPU can change
+    # logits by ulps and so the draws. Bounds at >= 4 binomial standard errors below the measured fractions,
+    # se = sqrt(p (1 - p) / 256): cut 0.28 (se 0.028): 0.15 is 4.6 se below; loops 0.086 (se 0.0175): 0.015 is 4.1 se
+    # below; finished 0.72 (se 0.028): 0.6 is 4.2 se below. restated_ok >= 1 (measured 2) is a presence check: the
+    # mechanism exists in this policy (P(0 | rate 2/256) = (1 - 2/256)^256 = 0.13 on fresh draws: seed-dependent).
     assert len(cut) / n > 0.15, (len(cut), n)      # long responses for the token-level loss and the filter to act on
-    assert loops / n > 0.03, (loops, n)            # among them, exact repetition
+    assert loops / n > 0.015, (loops, n)           # among them, exact repetition
     assert restated_ok >= 1, (restated_ok, n)      # and correct solutions cut while still correct: the noisy -1
     assert len(finished) / n > 0.6
 
@@ -200,7 +219,7 @@ def test_all_quick(tmp_path):
     "dapo-ablate --all --quick: every part of the study, one seed each, on the --quick base (10-step testbeds), then mechanisms.md."
     from dapo_ref.ablation import ALL, MECHANISMS
     r = subprocess.run([PY, "-m", "dapo_ref.ablation", "--all", "--quick", "--out", str(tmp_path)], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600)  # hang guard: 16 runs in 47 s (benchmarks/)
     assert r.returncode == 0, r.stderr[-2000:]
     for kind, name, seeds, folder in ALL:
         j = json.loads((tmp_path / folder / ("table.json" if kind == "table" else "study.json")).read_text())

@@ -152,18 +152,25 @@ def test_overlong_properties(args):
         if L > l_max: assert v == -1.0
         if l_cache > 0 and L == l_max: assert v == -1.0           # (l_max - l_cache - l_max) / l_cache = -1
         if l_cache > 0 and l_max - l_cache < L <= l_max:
-            assert math.isclose(v, (l_max - l_cache - L) / l_cache, rel_tol=1e-6, abs_tol=1e-7)
+            # overlong_penalty divides in float64 (integers: the same correctly rounded quotient as Python's) and casts
+            # once to float32: exactly the float32 rounding of Python's quotient (within 2^-25 of the real value)
+            want = (l_max - l_cache - L) / l_cache
+            assert v == torch.tensor(want, dtype=torch.float64).float().item()
+            assert abs(v - want) <= 2.0**-25
     assert (p[1:] <= p[:-1]).all()                                    # monotone non-increasing in L
-    if l_cache > 0:  # continuous: Lipschitz with constant 1 / l_cache (float32 rounding allowed)
+    if l_cache > 0:  # continuous: Lipschitz with constant 1 / l_cache, up to the float32 cast of each value
         grid = torch.arange(0, 2 * l_max + 10, dtype=torch.float64)
         q = overlong_penalty(grid, l_max, l_cache).double()
-        assert ((q[:-1] - q[1:]).abs() <= 1 / l_cache + 1e-6).all()
+        # each value is within 2^-25 (half a float32 ulp below 1) + 2^-53 (the float64 division) of the real one
+        assert ((q[:-1] - q[1:]).abs() <= 1 / l_cache + 2 * (2.0**-25 + 2.0**-53)).all()
 
 @settings(max_examples=100, deadline=None)
 @given(st.floats(0, 50, allow_nan=False), st.floats(0, 1e-3))
 def test_overlong_continuous_reals(L, h):
     a, b = overlong_penalty([L, L + h], 30, 7).double().tolist()
-    assert b <= a and a - b <= h / 7 + 1e-6
+    # L + h rounds in float64 (<= 2^-53 * 51 < 2^-47), which moves the penalty by /7; each penalty is within
+    # 2^-25 + 2^-53 of its real value (float64 division, one float32 cast)
+    assert b <= a and a - b <= h / 7 + 2.0**-47 / 7 + 2 * (2.0**-25 + 2.0**-53)
 
 def test_overlong_validation():
     for kw, msg in [(dict(l_max=10, l_cache=10), "l_cache = 10"), (dict(l_max=10, l_cache=-1), "l_cache = -1"),
@@ -171,7 +178,12 @@ def test_overlong_validation():
         with pytest.raises(ValueError, match=msg): overlong_penalty([1], **kw)
     assert overlong_penalty(torch.tensor([3, 5]), 10, 2).shape == (2,)
 
-# ---- adversarial inputs: bounded time, score -1, no exception ----
+# ---- adversarial inputs: they finish (score -1, no exception) ----
+# HANG_S is a hang guard, not a speed claim: linear-time scoring of these inputs takes well under 1 s and catastrophic
+# regex backtracking would take hours, so a limit two orders of magnitude above the expected time catches only a hang
+# (or an exponential blow-up) and no machine is too slow for it.
+HANG_S = 120
+
 def _timed(f):
     t = time.monotonic(); out = f(); return out, time.monotonic() - t
 
@@ -180,30 +192,34 @@ def test_adversarial_100k_characters():
     for resp in (big, "Answer: " + "9" * 100_000):
         for mode in STRING_MODES:
             d, dt = _timed(lambda: score_response(resp, "7", mode=mode))
-            assert d["score"] == -1.0 and dt < 10
+            assert d["score"] == -1.0 and dt < HANG_S
     s, dt = _timed(lambda: normalize_answer(big))  # the ground-truth side is not windowed
-    assert dt < 10
+    assert dt < HANG_S
     for mode in STRING_MODES:
         d, dt = _timed(lambda: score_response("Answer: 7", big, mode=mode))
-        assert d["score"] == -1.0 and dt < 10
+        assert d["score"] == -1.0 and dt < HANG_S
 
 def test_adversarial_nested_braces():
     nested = "{" * 10_000 + "1" + "}" * 10_000
     for resp, gt in [("Answer: " + nested, "1"), ("Answer: \\boxed" + nested, "1"), ("Answer: 1", nested)]:
         for mode in STRING_MODES:
             d, dt = _timed(lambda: score_response(resp, gt, mode=mode))
-            assert d["score"] == -1.0 and dt < 10
+            assert d["score"] == -1.0 and dt < HANG_S
 
 def test_math_verify_pathological_bounded():
     R.math_verify_equal("1", "1")  # start a worker outside the timing
+    # the property: the power tower never finishes in sympy, so the 2 s per-call limit is what ends it
+    assert R.verify_pairs([("$1$", "$9^{9^{9^{9}}}$")], 2, workers=1) == ["timeout"]
     for resp, gt in [("Answer: 9^{9^{9^{9}}}", "1"),                        # a power tower sympy tries to evaluate
                      ("Answer: " + "{" * 10_000 + "1" + "}" * 10_000, "2"),
                      ("Answer: 1", "{" * 10_000 + "1" + "}" * 10_000 + "+1")]:
         d, dt = _timed(lambda: score_response(resp, gt, use_math_verify=True, timeout_s=2))
-        assert d["score"] == -1.0 and dt < 10, (resp[:30], dt)
+        assert d["score"] == -1.0 and dt < HANG_S, (resp[:30], dt)  # hang guard: the 2 s limit, kill and respawn
     d = score_response("Answer: 0.5", "\\frac{1}{2}", use_math_verify=True)  # a fresh worker replaced the killed one
     assert d["score"] == 1.0
 
+# The 2-3 s per-call limits used with these cases bound calls that take milliseconds (0.5 = 1/2, x+1 = 1+x; measured
+# 1-20 ms here, so the limit is > 100x the work, not a speed claim); only the power tower reaches its limit, by design.
 MV_CASES = [("Answer: 0.5", "\\frac{1}{2}", 1), ("Answer: 1/2", "\\frac12", 1), ("Answer: 2\\sqrt{2}", "\\sqrt{8}", 1),
             ("Answer: 0.6", "\\frac{1}{2}", -1), ("Answer: x+1", "1+x", 1), ("Answer: 9^{9^{9^{9}}}", "1", -1)]
 
@@ -228,7 +244,7 @@ def test_math_verify_in_forked_workers_do_not_share_parent_pipes():
 
 def test_server_start_failures(monkeypatch):
     with pytest.raises(TimeoutError, match="did not start within"):
-        R._VerifyPool(start_timeout=0.001)
+        R._VerifyPool(start_timeout=0.001)  # no interpreter starts and imports math-verify in 1 ms, on any machine
     monkeypatch.setattr(R, "_POOL_SRC", "import math_verify_missing_module")
     with pytest.raises(RuntimeError, match="pip install math-verify"):
         R._VerifyPool()
@@ -265,17 +281,18 @@ def _round(n=1024, n_adv=16, seed=0):
     return resp, gts, adv
 
 def test_batch_1024_with_16_pathological():
-    "1024 responses, 16 pathological: about the ordinary time plus one per-call limit, not 16 of them."
+    """1024 responses, 16 pathological: each of the 16 is cut by its own per-call limit (counted as a timeout), none
+    takes a worker down (no errors), and every other verdict agrees with the strings."""
     timeout = 4.0
     resp, gts, adv = _round()
-    t = time.monotonic(); score_batch(*_round(n_adv=0)[:2], mode="math-verify", timeout=timeout); normal = time.monotonic() - t
     t = time.monotonic(); scores, accs, m = score_batch(resp, gts, mode="math-verify", timeout=timeout); dt = time.monotonic() - t
     assert m["reward_timeouts"] == 16 and m["reward_errors"] == 0
     assert scores[adv].tolist() == [-1.0] * 16
     ref = score_batch(resp, gts, mode="dapo-strict")[0]
     assert scores.tolist() == ref.tolist()  # integers: math-verify agrees with the strings on every other response
-    # generous: 2 workers running the 16 calls to their limits one pair at a time would take 16 * 4 / 2 = 32 s more
-    assert dt < 2 * normal + timeout + 10, (dt, normal)
+    # a hang guard, not a speed claim: even all 16 limits run one after another on one worker (16 * 4 = 64 s) plus
+    # the ordinary calls (a few s) stay far below it; only a call that never ends reaches it
+    assert dt < 16 * timeout + HANG_S, dt
 
 def _descendants(pid):
     out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split()
@@ -315,7 +332,8 @@ def test_killed_client_leaves_no_process():
     assert len(procs) >= 2
     p.send_signal(signal.SIGKILL); p.wait()
     t = time.monotonic()
-    while any(_alive(q) for q in procs) and time.monotonic() - t < 20: time.sleep(0.2)
+    # a hang guard, not a speed claim: the server notices its closed stdin at once; 60 s only bounds the wait
+    while any(_alive(q) for q in procs) and time.monotonic() - t < 60: time.sleep(0.2)
     assert not any(_alive(q) for q in procs)
 
 _RANK = """

@@ -175,7 +175,9 @@ def test_sampling_knobs_reach_vllm(setup):
 @torch.no_grad()
 def test_first_token_distribution(setup):
     """400 one-token samples at temperature 0.7, top_k 5: every token is in the top 5 of the transformers logits
-    and the frequencies match softmax(top-5 logits / 0.7) within 0.08 (3 sigma of a frequency <= 0.075)."""
+    and the frequencies match softmax(top-5 logits / 0.7) within 0.1: 4 sigma of a frequency of 400 draws
+    (sd <= sqrt(0.25 / 400) = 0.025); distribution-free, Hoeffding gives P(|f - p| >= 0.1) <= 2 exp(-2 * 400 * 0.1^2)
+    = 6.7e-4 per token, 3.4e-3 for the 5. The draws are seeded (seed=5)."""
     eng, policy = setup["engine"], setup["policy"]
     eng_eos, eng.eos_ids = eng.eos_ids, [PAD]  # PAD is never sampled here; only max_tokens ends a sample
     try:
@@ -190,7 +192,7 @@ def test_first_token_distribution(setup):
         assert c.token_ids[0] in counts, f"token {c.token_ids[0]} outside the top 5"
         counts[c.token_ids[0]] += 1
     for t, p in zip(top.indices.tolist(), probs.tolist()):
-        assert abs(counts[t] / 400 - p) < 0.08, (t, counts[t] / 400, p)
+        assert abs(counts[t] / 400 - p) < 0.1, (t, counts[t] / 400, p)  # see the docstring
 
 
 # ---------------------------------------------------------------- weights from the learner
@@ -309,7 +311,9 @@ def test_gpu_sleep_wake(setup, level):
     assert ids(eng.generate(PROMPTS, GREEDY)) == want
     torch.cuda.synchronize(); free0 = torch.cuda.mem_get_info()[0]
     eng.sleep(level=level)
-    assert torch.cuda.mem_get_info()[0] > free0 + (1 << 28)  # the KV cache alone is GiBs at 0.3 of a GPU
+    # 256 MiB: sleep releases the KV cache, >= 0.3 x 16 GiB less a tiny model (~4.8 GiB) on any GPU of >= 16 GiB, so
+    # the margin separates a release from allocator noise (tens of MiB) and is < 1/18 of the smallest expected release
+    assert torch.cuda.mem_get_info()[0] > free0 + (1 << 28)
     with pytest.raises(RuntimeError, match="sleeping"):
         eng.generate(PROMPTS, GREEDY)
     eng.load_weights(policy.state_dict().items())
@@ -336,7 +340,7 @@ def test_gpu_around_update(setup, tmp_path):
         return "done"
     try:
         assert eng.around_update(update, lambda: new.state_dict().items()) == "done"
-        assert seen[0] > free0 + (1 << 28)
+        assert seen[0] > free0 + (1 << 28)  # 256 MiB: see test_gpu_sleep_wake (the KV cache alone is GiBs)
         assert ids(eng.generate(PROMPTS, GREEDY)) == want
     finally:
         eng.load_weights(policy.state_dict().items())
