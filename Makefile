@@ -40,7 +40,12 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed-lib
 	$(BIN)/dapo-train --config recipes/tiny-cpu.yaml output_dir=runs/tiny-cpu-$$(date +%Y%m%d-%H%M%S)
 
-test: install check-export check-clean nbtest pytest docs test-vllm
+# The notebooks (two cores), the docs site (mostly Chromium waiting on pages) and the vLLM venv (mostly disk) run side
+# by side, each target's output printed whole when it ends; then pytest on every core; then the vLLM tests.
+test: install check-export check-clean
+	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest docs venv-vllm
+	$(MAKE) --no-print-directory pytest
+	$(MAKE) --no-print-directory test-vllm
 	@echo "make test: all checks passed"
 
 # The notebooks are the source of dapo_ref/: exporting them must change nothing.

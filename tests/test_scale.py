@@ -10,8 +10,8 @@
   all generated on rank 0 is trained token-balanced (loss tokens differ by at most one response) and the update
   matches the plain learner's on one device; the HF engine's copy is whole and synced; the streamed export costs
   rank 0 < 2 modules + the allowance and loads back equal to the learner's weights, also cut into >= 8 shards;
-- `dapo-train` under torchrun with ZeRO-3 (the 30-step tiny recipe) raises the training reward like the one-device
-  run; it stops with the same DynamicSamplingError on both ranks when the batch cannot be filled; and a run killed
+- `dapo-train` under torchrun with ZeRO-3 (the tiny recipe, 8 rollout steps) raises the held-out accuracy like the
+  one-device run (measured 42.6% -> 81.2%, 29 s); it stops with the same DynamicSamplingError on both ranks when the batch cannot be filled; and a run killed
   with SIGKILL after a checkpoint and resumed with --resume repeats the uninterrupted one exactly.
 
 Learner equivalence (both sides float32; the learner has no float64 mode): what is compared is what the equivalence
@@ -30,7 +30,7 @@ launch of the same 57M model was merged into this one (its checks are asserted h
 
 Measured here (2 shared cores, one run each, the shared-memory op already compiled): the update/sync launch
 40 s, the 57M build launch 48-71 s (the first DeepSpeed start on a machine also compiles a shared-memory op,
-~45 s, cached under ~/.cache). Not re-measured here: the 30-step run (~110 s), the error run (~15 s), the kill/resume
+~45 s, cached under ~/.cache). Not re-measured here: the error run (~15 s), the kill/resume
 (~80 s), as stated by their author. Set DAPO_REF_SKIP_SCALE_E2E=1 to skip the two-process training runs (learning,
 resume) when CI time is tight."""
 import contextlib, json, math, os, random, signal, subprocess, sys, time
@@ -470,26 +470,22 @@ def test_two_process_run_learns(tmp_path):
     assert s["world_size"] == 2 and s["grad_updates"] == E2E_STEPS * 16 * 8 // 64
     assert rows[1]["groups_seen"] == 32  # gathered from both ranks: the whole round
     assert s["eval_start"] is not None and s["eval_end"] is not None  # held-out evaluated at start and end (sharded)
-    steps = rows[1:]
-    first, last = [sum(r["reward_mean"] for r in steps[a:b]) / (b - a) for a, b in ((0, 10), (len(steps) - 10, len(steps)))]
-    assert last - first >= E2E_MARGIN, (first, last)  # the training reward rises like the one-device run's
+    # the held-out accuracy rises as the one-device run's does (tests/test_trainer.py::test_short_run_raises_held_out_accuracy)
+    assert s["eval_end"] - s["eval_start"] >= E2E_MARGIN, (s["eval_start"], s["eval_end"])
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(out / "final")  # full weights gathered from the ZeRO-3 shards
     ck = out / "checkpoints" / f"step-{s['steps']}"
     assert (ck / "model.safetensors").exists() and (ck / "deepspeed").is_dir()
 
 
-E2E_STEPS = 30                    # the tiny-cpu recipe as `make demo` runs it (16 prompts x G = 8 per step, 2 updates each)
-E2E_OVERRIDES = ["eval_every=0", f"total_steps={E2E_STEPS}"]  # held-out accuracy at the start and the end only
-# Training reward (Eq. 7 + Eq. 13, mean over all generated responses), mean of the last 10 steps minus the first 10,
-# measured on this recipe with tiny-v2 (30 steps, same seed): one device (`dapo-train`) 0.005 -> 0.201 (+0.196);
-# two processes with ZeRO-3 -0.011 -> 0.213 (+0.224), held-out 43.0% -> 79.7%.
-# One 10-step mean averages 1280 responses. A reward lies in [-2, 1] (Eq. 7's +-1 plus Eq. 13's penalty in [-1, 0]),
-# so its sd is <= 1.5 and a 1280-response mean's standard error <= 1.5 / sqrt(1280) = 0.042; the difference of two
-# such means has se <= 0.059 (responses treated as independent given the policy). The margin 0.06 sits 0.136 =
-# 2.3 worst-case se (3.4 se at sd 1) below the smaller measured rise (the earlier tiny-v1 runs rose by +0.13, which
-# also passes).
-E2E_MARGIN = 0.06
+E2E_STEPS = 8  # the tiny-cpu recipe (16 prompts x G = 8 per step, 2 updates each) for 8 rollout steps: 16 updates
+E2E_OVERRIDES = ["eval_every=0", "eval_k=4", f"total_steps={E2E_STEPS}"]  # held-out avg@4 at the start and the end
+# The same run and criterion as the one-device test_trainer.py::test_short_run_raises_held_out_accuracy (8 steps,
+# avg@4, measured there 43.4% -> 84.0%), here on two ranks with ZeRO-3 (each rank generates and evaluates its share).
+# Held-out avg@4 is a mean over 64 problems x 4 samples: given the policy its sd is <= sqrt(0.25 / 256) = 0.031 per
+# evaluation, <= 0.044 for the rise. E2E_MARGIN = 0.20 is half the one-device rise and 4.7 sd below it. (The
+# learning curve itself, 30 steps, is the demo's and the trainer notebook's; this test shows the two-rank path learns.)
+E2E_MARGIN = 0.20
 
 
 @pytest.mark.slow
