@@ -80,6 +80,7 @@ class DAPOConfig:
     vllm_tensor_parallel: int = 1   # vLLM tensor-parallel size per engine (reference script 4 for 32B)
     vllm_gpu_memory_utilization: float = 0.7  # GPU memory fraction vLLM may take (reference 0.7-0.8)
     vllm_enable_chunked_prefill: bool = True  # vLLM chunked prefill (reference script: on)
+    vllm_enforce_eager: bool = False  # vLLM without CUDA graphs / torch.compile: starts in seconds, decodes slower (CPU tests)
 
 # %% ../nbs/00_core.ipynb #e3863112
 class InputError(ValueError):

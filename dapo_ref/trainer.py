@@ -36,7 +36,7 @@ __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'METRIC_KEYS', 'TIMING_KEYS', 'check_r
            'summary_line', 'train']
 
 # %% ../nbs/09_trainer.ipynb #12029f8b
-_VLLM_FIELDS = ("vllm_tensor_parallel", "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill")
+_VLLM_FIELDS = ("vllm_tensor_parallel", "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager")
 
 def check_run(cfg: DAPOConfig,  # a validated config
               world: int = 1,   # ranks in this launch

@@ -152,7 +152,8 @@ def vllm_engine_kwargs(cfg,            # a `DAPOConfig`
                       ) -> dict:
     "`VLLMRolloutEngine` keyword arguments from a `DAPOConfig`: its vllm_* fields, dtype, seed, max_model_len, and the launcher of a multi-rank job."
     kw = dict(tensor_parallel_size=cfg.vllm_tensor_parallel, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-              enable_chunked_prefill=cfg.vllm_enable_chunked_prefill, dtype=cfg.dtype, seed=cfg.seed,
+              enable_chunked_prefill=cfg.vllm_enable_chunked_prefill, enforce_eager=cfg.vllm_enforce_eager,
+              dtype=cfg.dtype, seed=cfg.seed,
               max_model_len=cfg.max_prompt_length + cfg.l_max)
     if world > 1 and cfg.vllm_tensor_parallel > 1:  # the job's ranks are the engine's workers (torchrun started them)
         kw["distributed_executor_backend"] = "external_launcher"

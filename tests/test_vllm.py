@@ -68,7 +68,8 @@ def setup(tmp_path_factory):
     pos = next(i for i in range(2, len(path0)) if path0[i] not in path0[:i] and path0[i] != PAD)
     eos = path0[pos]
     policy = save_tiny_qwen2(d, seed=0, eos_id=eos)  # same weights (same seed), tokenizer/config EOS = eos
-    engine = VLLMRolloutEngine(d, dtype="float32", seed=0, max_model_len=256, gpu_memory_utilization=0.3)
+    engine = VLLMRolloutEngine(d, dtype="float32", seed=0, max_model_len=256, gpu_memory_utilization=0.3,
+                               enforce_eager=not CUDA)  # CPU: no torch.compile of the model, starts in seconds
     out = dict(dir=d, policy=policy, eos=eos, eos_pos=pos, engine=engine)
     yield out
     out.clear(); del engine; gc.collect()
@@ -294,7 +295,8 @@ def test_from_config_maps_fields(setup):
                      dtype="float32", seed=3, max_prompt_length=16, l_max=32)
     kw = vllm_engine_kwargs(cfg)
     assert kw == dict(tensor_parallel_size=1, gpu_memory_utilization=0.5, enable_chunked_prefill=False,
-                      dtype="float32", seed=3, max_model_len=48)
+                      enforce_eager=False, dtype="float32", seed=3, max_model_len=48)
+    assert vllm_engine_kwargs(DAPOConfig(vllm_enforce_eager=True))["enforce_eager"] is True
     mc = setup["engine"].llm.llm_engine.model_config
     assert str(mc.dtype) == "torch.float32" and mc.max_model_len == 256 and mc.seed == 0
 
@@ -390,7 +392,8 @@ def test_dapo_train_uses_the_vllm_engine(tmp_path):
         from dapo_ref.vllm_rollout import VLLMRolloutEngine
         torch.set_num_threads(1)
         cfg = load_config("recipes/tiny-cpu.yaml", dict(rollout_backend="vllm", total_steps=1, eval_every=0, eval_k=1,
-                          save_every=1, vllm_gpu_memory_utilization=0.3, vllm_enable_chunked_prefill=False, output_dir="{tmp_path / 'run'}"))
+                          save_every=1, vllm_gpu_memory_utilization=0.3, vllm_enable_chunked_prefill=False,
+                          vllm_enforce_eager=True, output_dir="{tmp_path / 'run'}"))
         tr = Trainer(cfg, progress=False, log=None)
         assert isinstance(tr.engine, VLLMRolloutEngine), type(tr.engine)
         assert not any(isinstance(v, HFRolloutEngine) or type(v).__name__.endswith("ForCausalLM") and v is not tr.learner.model

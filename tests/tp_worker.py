@@ -117,6 +117,7 @@ def main_vllm(out: Path, zero: int):
     t0 = time.perf_counter()
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"), dict(
         rollout_backend="vllm", vllm_tensor_parallel=2, vllm_enable_chunked_prefill=False, vllm_gpu_memory_utilization=0.3,
+        vllm_enforce_eager=True,  # no torch.compile of the model on the CPU: the engine starts in seconds
         zero_stage=zero, gpus_per_node=int(os.environ["WORLD_SIZE"]), group_size=4, prompts_per_step=8, gen_batch_size=16,
         mini_batch_size=16, total_steps=2, eval_every=0, eval_k=1, output_dir=str(out / "run")))
     # ZeRO-3 partitioned construction (`DeepSpeedLearner.build_model`) needs accelerate, which .venv-vllm lacks: there the
