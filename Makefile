@@ -23,7 +23,8 @@ INSTALL := $(call installer,$(VENV))
 .PHONY: install demo test tiny-model testbeds check-export check-clean nbtest pytest docs docs-browser clean-docs venv-vllm test-vllm
 
 # The library alone (what `make demo` needs), then the dev extra on top (notebook tools, pytest, the docs site).
-$(VENV)/.installed-lib: setup.py settings.ini pyproject.toml
+# (not pyproject.toml: nbdev_export rewrites it, unchanged, on every export, which would reinstall after check-export)
+$(VENV)/.installed-lib: setup.py settings.ini
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q $(TORCH) $(if $(filter 1,$(USE_UV)),$(UV_PIN))
 	$(INSTALL) -e .
@@ -42,12 +43,16 @@ demo: $(VENV)/.installed-lib
 
 # The notebooks (two cores), the docs site (mostly Chromium waiting on pages) and the vLLM venv (mostly disk) run side
 # by side, the last two niced so the notebooks keep the cores, each target's output printed whole when it ends; then
-# pytest on every core beside the vLLM tests (they fill the cores pytest's last long tests leave idle).
+# pytest on every core; then the vLLM tests (beside pytest they were slower: vLLM's CPU threads compete with it).
 NICE ?=
 test: install check-export check-clean
+	@echo "make test: $$(date +%T) notebooks, docs and .venv-vllm"
 	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest docs venv-vllm NICE="nice -n 15"
-	$(MAKE) --no-print-directory -j2 --output-sync=target pytest test-vllm
-	@echo "make test: all checks passed"
+	@echo "make test: $$(date +%T) pytest"
+	$(MAKE) --no-print-directory pytest
+	@echo "make test: $$(date +%T) vLLM tests"
+	$(MAKE) --no-print-directory test-vllm
+	@echo "make test: $$(date +%T) all checks passed"
 
 # The notebooks are the source of dapo_ref/: exporting them must change nothing.
 check-export: install

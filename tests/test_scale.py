@@ -458,9 +458,17 @@ ZERO3 = "zero_stage=3"
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("DAPO_REF_SKIP_SCALE_E2E") == "1", reason="DAPO_REF_SKIP_SCALE_E2E=1")
-def test_two_process_run_learns(tmp_path):
-    out = tmp_path / "run"
-    p, dt = _torchrun([*TRAIN, ZERO3, *E2E_OVERRIDES, f"output_dir={out}"], timeout=900)
+def test_two_process_run_learns_and_kill_9_resume_repeats_it(tmp_path):
+    """ZeRO-3 on two ranks, one run answering two questions (three launches; they were five):
+    1. the run learns: the held-out accuracy rises as the one-device run's does, rank 0 alone writes metrics, the
+       rounds are gathered from both ranks, full weights are exported from the shards;
+    2. the same run killed with SIGKILL (torchrun and both ranks) as soon as its first checkpoint is on disk, then
+       `--resume` (ZeRO-3 partitions, schedule, RNG of each rank and data position restored), repeats it exactly:
+       identical metrics apart from timings, the held-out evaluation at the end included."""
+    common = [*TRAIN, ZERO3, *E2E_OVERRIDES, "save_every=1"]
+    t0 = time.perf_counter()
+    out = tmp_path / "ref"
+    p, dt = _torchrun([*common, f"output_dir={out}"], timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     print(f"\ntwo-process run: {dt:.1f} s; {p.stdout.strip().splitlines()[-1]}")
     assert "on 2 ranks" in p.stdout and p.stdout.count("held-out accuracy") == 1  # rank 0 alone prints
@@ -476,6 +484,36 @@ def test_two_process_run_learns(tmp_path):
     AutoModelForCausalLM.from_pretrained(out / "final")  # full weights gathered from the ZeRO-3 shards
     ck = out / "checkpoints" / f"step-{s['steps']}"
     assert (ck / "model.safetensors").exists() and (ck / "deepspeed").is_dir()
+    # 2. killed as soon as its first checkpoint is on disk, then resumed
+    run = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    k = subprocess.Popen([*TORCHRUN, _port(), *common, f"output_dir={run}"], cwd=ROOT, env=env, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t1 = time.perf_counter()
+    while latest_checkpoint(run) is None:  # kill -9 the whole launch as soon as the first checkpoint is on disk
+        assert k.poll() is None, "the run ended before its first checkpoint"
+        assert time.perf_counter() - t1 < 600, "hang guard: no checkpoint within 600 s"  # a timeout, not a speed check
+        time.sleep(0.05)
+    # torchrun starts each rank in a session of its own (torch.distributed.elastic's Popen(start_new_session=True)):
+    # killing torchrun's process group would leave both ranks training on. Kill torchrun and every descendant.
+    import psutil
+    tree = [psutil.Process(k.pid), *psutil.Process(k.pid).children(recursive=True)]
+    assert len(tree) >= 3, tree  # torchrun and its two ranks
+    for q in tree:
+        try: q.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess: pass
+    gone, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, alive
+    k.wait()
+    killed_at = latest_checkpoint(run).name
+    rows_at_kill = len(read_metrics(run / "metrics.jsonl"))
+    assert rows_at_kill <= E2E_STEPS, rows_at_kill  # the killed run did not finish: the resume has steps left to train
+    p, _ = _torchrun([*common, f"output_dir={run}", "--resume"], timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    print(f"two-process run + kill -9 + resume (3 launches): {time.perf_counter() - t0:.1f} s, killed at {killed_at}")
+    ref, cut = [[strip_timing(r) for r in read_metrics(tmp_path / d / "metrics.jsonl")] for d in ("ref", "killed")]
+    assert killed_at != f"step-{E2E_STEPS}" and [r["step"] for r in cut] == list(range(E2E_STEPS + 1))
+    assert cut == ref  # bit-identical: same floats, not only close ones
 
 
 E2E_STEPS = 8  # the tiny-cpu recipe (16 prompts x G = 8 per step, 2 updates each) for 8 rollout steps: 16 updates
@@ -505,32 +543,3 @@ def test_two_process_config_error_names_the_field(tmp_path):
     p, _ = _torchrun([*TRAIN, "offload_params=true", f"output_dir={tmp_path / 'run'}"], timeout=300)
     assert p.returncode != 0 and p.stderr.count("dapo-train: error: offload_params") == 1, p.stderr[-3000:]
     assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DAPO_REF_SKIP_SCALE_E2E") == "1", reason="DAPO_REF_SKIP_SCALE_E2E=1")
-def test_two_process_kill_9_and_resume_repeats_the_run(tmp_path):
-    """ZeRO-3 on two ranks: 3 steps straight; then the same run killed with SIGKILL (torchrun and both ranks) as soon
-    as its first checkpoint is on disk, and `--resume` (ZeRO-3 partitions, schedule, RNG of each rank and data
-    position restored): identical metrics apart from timings."""
-    common = [*TRAIN, ZERO3, "total_steps=3", "eval_every=2", "eval_k=1", "save_every=1"]
-    t0 = time.perf_counter()
-    p, _ = _torchrun([*common, f"output_dir={tmp_path / 'ref'}"], timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    run = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    k = subprocess.Popen([*TORCHRUN, _port(), *common, f"output_dir={run}"], cwd=ROOT, env=env, start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while latest_checkpoint(run) is None:  # kill -9 the whole launch as soon as the first checkpoint is on disk
-        assert k.poll() is None, "the run ended before its first checkpoint"
-        assert time.perf_counter() - t0 < 600, "hang guard: no checkpoint within 600 s"  # a timeout, not a speed check
-        time.sleep(0.05)
-    os.killpg(k.pid, signal.SIGKILL)
-    k.wait()
-    killed_at = latest_checkpoint(run).name
-    p, _ = _torchrun([*common, f"output_dir={run}", "--resume"], timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    print(f"\ntwo-process kill -9 and resume (3 launches): {time.perf_counter() - t0:.1f} s, killed at {killed_at}")
-    ref, cut = [[strip_timing(r) for r in read_metrics(tmp_path / d / "metrics.jsonl")] for d in ("ref", "killed")]
-    assert killed_at != "step-3" and [r["step"] for r in cut] == [0, 1, 2, 3]
-    assert cut == ref  # bit-identical: same floats, not only close ones
