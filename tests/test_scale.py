@@ -459,7 +459,7 @@ ZERO3 = "zero_stage=3"
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("DAPO_REF_SKIP_SCALE_E2E") == "1", reason="DAPO_REF_SKIP_SCALE_E2E=1")
 def test_two_process_run_learns_and_kill_9_resume_repeats_it(tmp_path):
-    """ZeRO-3 on two ranks, one run answering two questions (three launches; they were five):
+    """ZeRO-3 on two ranks, one run answering two questions (three launches; they were four):
     1. the run learns: the held-out accuracy rises as the one-device run's does, rank 0 alone writes metrics, the
        rounds are gathered from both ranks, full weights are exported from the shards;
     2. the same run killed with SIGKILL (torchrun and both ranks) as soon as its first checkpoint is on disk, then
