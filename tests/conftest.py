@@ -9,7 +9,7 @@ import pytest
 
 import vllm_shm
 
-SPREAD = {"shared"}  # test_bad_input: a 2-layer model and a data file, built in about a second
+SPREAD = {"shared", "cli"}  # test_bad_input: a 2-layer model and a data file (about a second); the command server (its imports, ~6 s)
 
 
 def pytest_itemcollected(item):

@@ -24,66 +24,6 @@ def _meta(out):
     return json.loads((out / "table.json").read_text())["meta"]
 
 
-@pytest.mark.slow
-def test_quick_ablation_interrupt_resume_and_cache(tmp_path):
-    out = tmp_path / "abl"
-    # 1. an ablation killed after its first two runs finished
-    p = subprocess.Popen(_cmd(out), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    t0 = time.time()
-    try:
-        while len(list(out.glob("runs/*/seed-0/result.json"))) < 2:
-            assert p.poll() is None, "the ablation ended before it could be interrupted"
-            # a hang guard, not a speed claim: a --quick run takes ~3 s (16 runs in 47 s, benchmarks/); 600 s only
-            # catches an ablation that never finishes a run
-            assert time.time() - t0 < 600, "no run finished within 600 s"
-            time.sleep(0.2)
-    finally:
-        p.kill(); p.wait()
-    finished = len(list(out.glob("runs/*/seed-0/result.json")))
-    assert 2 <= finished < 6
-
-    # 2. the same command again resumes: the finished runs are reused, the rest are trained
-    r = subprocess.run(_cmd(out), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)  # hang guard (~15 s)
-    assert r.returncode == 0, r.stderr[-2000:]
-    m = _meta(out)
-    assert m["runs"] == 6 and m["cached_runs"] == finished and m["quick"] and m["seeds"] == [0]
-    table = json.loads((out / "table.json").read_text())["table"]
-    assert [t["row"] for t in table] == [r[0] for r in ROWS]
-    assert all(t["n_seeds"] == 1 for t in table)
-    for t in table:
-        assert 0.0 <= t["acc_end"] <= 1.0 and t["gen_rounds"] >= 1.0 and t["resp_len"] > 0
-    assert table[-1]["gen_rounds"] >= 1.0 and all(t["gen_rounds"] == 1.0 for t in table[:-1])  # only row 6 resamples
-    md = (out / "table.md").read_text().splitlines()
-    assert md[0].count("|") == len(COLUMNS) + 1 and len(md) == 2 + 6
-    for c in ("held-out avg@k end", "updates to 0.60", "entropy", "resp len", "truncated", "gen rounds/step"):
-        assert c in md[0]
-    for f in ("fig2b_entropy_clip_higher.png", "fig4_length_token_loss.png", "fig6_accuracy_dynamic_sampling.png",
-              "accuracy_per_row.png"):
-        assert (out / f).stat().st_size > 1000
-    # every run keeps its metrics and config, and no weights or checkpoints
-    for row, _, _ in ROWS:
-        d = out / "runs" / row / "seed-0"
-        assert (d / "metrics.jsonl").exists() and (d / "config.yaml").exists()
-        assert not (d / "checkpoints").exists() and not (d / "final").exists()
-        cfg = json.loads((d / "result.json").read_text())["key"]["config"]
-        assert {k: cfg[k] for k in row_switches(row)} == row_switches(row)
-
-    # 3. a third invocation reuses every run: none is trained again. A trained run rewrites its folder (key.json, lock,
-    # metrics.jsonl, result.json with new timings), so every file under runs/ unchanged, bytes and mtime, proves reuse
-    # without timing anything
-    before = _snapshot(out / "runs")
-    assert main(["--quick", "--seeds", "0", "--out", str(out), "--no-figures"]) == 0
-    m3 = _meta(out)
-    assert m3["cached_runs"] == 6 and m3["runs"] == 6
-    after = _snapshot(out / "runs")
-    assert after.keys() == before.keys() and all(after[k] == before[k] for k in before), \
-        sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-
-    # 4. a different base config is not served from the cache
-    assert main(["--quick", "--seeds", "0", "--out", str(out), "--rows", "1-grpo", "--no-figures", "lr=1e-4"]) == 0
-    assert _meta(out)["cached_runs"] == 0
-
-
 def test_cli_errors(capsys):
     for argv, msg in [(["--rows", "3-clip-hihger"], "rows are: 1-grpo"),
                       (["--base", "recipes/no-such.yaml"], "no recipe file at recipes/no-such.yaml"),
@@ -125,32 +65,6 @@ def test_clip_higher_testbed_clips_bind(monkeypatch):
     assert p16["clipfrac_high"] > 2e-3, p16  # the Table 1 demo averages 2e-4 per step
     assert p16["updates_clipping"] >= 3 and p16["up_clipped_tokens"] >= 5, p16  # not one update's accident
     assert p2["clipfrac_high"] < p16["clipfrac_high"] / 10, (p2, p16)
-
-@pytest.mark.slow
-def test_quick_study_writes_and_reuses(tmp_path):
-    "dapo-ablate --study on the --quick base: study.md/json and figures; a rerun reuses every run, also from study.json alone."
-    out = tmp_path / "clip"
-    argv = ["--quick", "--study", "clip-higher", "--seeds", "0", "--out", str(out)]
-    r = subprocess.run([PY, "-m", "dapo_ref.ablation", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    s = json.loads((out / "study.json").read_text())
-    assert s["meta"]["runs"] == 2 and s["meta"]["cached_runs"] == 0 and s["meta"]["date"] and "--study clip-higher" in s["meta"]["command"]
-    assert [a[0] for a in s["arms"]] == ["eps-high-0.20", "eps-high-0.28"]
-    for arm, eps in (("eps-high-0.20", 0.2), ("eps-high-0.28", 0.28)):
-        cfg = s["runs"][arm]["0"]["key"]["config"]
-        assert cfg["eps_high"] == eps and cfg["mini_batch_size"] == 1 and cfg["seed"] == 0
-        steps = [m for m in s["runs"][arm]["0"]["metrics"] if m.get("step", 0) > 0]
-        assert [m["grad_updates"] for m in steps] == [16, 32]  # 16 responses, 16 updates per step
-    assert "entropy, mean over the run" in (out / "study.md").read_text()
-    for f in ("fig2b_entropy.png", "fig3_clipping.png", "fig2a_accuracy.png"):
-        assert (out / f).stat().st_size > 1000
-    shutil.rmtree(out / "runs")  # the committed cache keeps study.json only: its runs are reused from there
-    assert main([*argv, "--no-figures"]) == 0
-    s2 = json.loads((out / "study.json").read_text())
-    assert s2["meta"]["cached_runs"] == 2 and s2["summaries"] == s["summaries"]
-    assert main([*argv, "--no-figures", "lr=1e-4"]) == 0  # another base config: trained again
-    assert json.loads((out / "study.json").read_text())["meta"]["cached_runs"] == 0
-
 
 def test_study_cli_errors(capsys):
     for argv, msg in [(["--study", "clip-hihger"], "--study clip-hihger is not a study; studies are: clip-higher"),
@@ -218,22 +132,102 @@ def test_testbed_has_what_the_length_studies_act_on():
 
 
 @pytest.mark.slow
-def test_all_quick(tmp_path):
-    "dapo-ablate --all --quick: every part of the study, one seed each, on the --quick base (10-step testbeds), then mechanisms.md."
-    from dapo_ref.ablation import ALL, MECHANISMS
-    r = subprocess.run([PY, "-m", "dapo_ref.ablation", "--all", "--quick", "--out", str(tmp_path)], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=600)  # hang guard: 16 runs in 47 s (benchmarks/)
+def test_all_quick_interrupted_resumed_and_cached(tmp_path):
+    """dapo-ablate --all --quick (every part of the study, one seed each, on the --quick base and 10-step testbeds),
+    interrupted after its first two runs, then (1) the same command resumes it: finished runs reused, the rest trained,
+    every table, study, figure and mechanisms.md written; (2) a third invocation of a part reuses every run, for the
+    table from its run folders and for a study from study.json alone; (3) another base config is trained again.
+    One --all launch and its resume answer what three launches did (a Table 1 ablation, a study, --all)."""
+    from dapo_ref.ablation import ALL, MECHANISMS, STUDY_FIGURES, FIGURES, TESTBED_TARGET
+    out = tmp_path / "abl"
+    cmd = [PY, "-m", "dapo_ref.ablation", "--all", "--quick", "--out", str(out)]
+    table_dir = out / next(folder for kind, _, _, folder in ALL if kind == "table")  # the first part: the testbed's Table 1
+    # 1. interrupted after its first two runs finished
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    try:
+        while len(list(table_dir.glob("runs/*/seed-0/result.json"))) < 2:
+            assert p.poll() is None, "the ablation ended before it could be interrupted"
+            # a hang guard, not a speed claim: a --quick run takes ~3 s; 600 s only catches one that never finishes
+            assert time.time() - t0 < 600, "no run finished within 600 s"
+            time.sleep(0.2)
+    finally:
+        p.kill(); p.wait()
+    finished = len(list(table_dir.glob("runs/*/seed-0/result.json")))
+    assert 2 <= finished < 6
+
+    # 2. the same command again resumes: the finished runs are reused, the rest are trained, every part is written
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)  # hang guard
     assert r.returncode == 0, r.stderr[-2000:]
     for kind, name, seeds, folder in ALL:
-        j = json.loads((tmp_path / folder / ("table.json" if kind == "table" else "study.json")).read_text())
+        j = json.loads((out / folder / ("table.json" if kind == "table" else "study.json")).read_text())
         assert j["meta"]["quick"] and j["meta"]["seeds"] == list(seeds[:1]), folder  # --quick: one seed per part
         if kind == "study":  # the testbed parts ran on the 10-step testbed folder, not the full build
             cfg = next(iter(next(iter(j["runs"].values())).values()))["key"]["config"]
             assert (cfg["model"] == "tiny") == (name == "dynamic-sampling"), cfg["model"]
             assert name == "dynamic-sampling" or "testbed-v1-" in cfg["model"]
-    md = (tmp_path / "mechanisms.md").read_text()
+            for f, *_ in STUDY_FIGURES[name]: assert (out / folder / f).stat().st_size > 1000, (folder, f)
+    md = (out / "mechanisms.md").read_text()
     for tech, *_ in MECHANISMS: assert tech in md
     assert "reproduced" in md and "dapo-ablate --all --quick" in md
-    r2 = subprocess.run([PY, "-m", "dapo_ref.ablation", "--all", "--study", "overlong"], cwd=ROOT, env=ENV,
-                        capture_output=True, text=True, timeout=120)
-    assert r2.returncode == 2 and "--all runs every part" in r2.stderr
+    # the table part: resumed, whole, its figures
+    m = _meta(table_dir)
+    assert m["runs"] == 6 and m["cached_runs"] == finished and m["quick"] and m["seeds"] == [0]
+    table = json.loads((table_dir / "table.json").read_text())["table"]
+    assert [t["row"] for t in table] == [r[0] for r in ROWS]
+    assert all(t["n_seeds"] == 1 for t in table)
+    for t in table:
+        assert 0.0 <= t["acc_end"] <= 1.0 and t["gen_rounds"] >= 1.0 and t["resp_len"] > 0
+    assert table[-1]["gen_rounds"] >= 1.0 and all(t["gen_rounds"] == 1.0 for t in table[:-1])  # only row 6 resamples
+    md = (table_dir / "table.md").read_text().splitlines()
+    assert md[0].count("|") == len(COLUMNS) + 1 and len(md) == 2 + 6
+    for c in ("held-out avg@k end", "updates to", "entropy", "resp len", "truncated", "gen rounds/step"):
+        assert c in md[0]
+    for f in FIGURES: assert (table_dir / f).stat().st_size > 1000, f
+    for row, _, _ in ROWS:  # every run keeps its metrics and config, and no weights or checkpoints
+        d = table_dir / "runs" / row / "seed-0"
+        assert (d / "metrics.jsonl").exists() and (d / "config.yaml").exists()
+        assert not (d / "checkpoints").exists() and not (d / "final").exists()
+        cfg = json.loads((d / "result.json").read_text())["key"]["config"]
+        assert {k: cfg[k] for k in row_switches(row)} == row_switches(row)
+    # a study part: its arms, the --quick overrides, its updates
+    s = json.loads((out / "clip-higher-testbed" / "study.json").read_text())
+    assert s["meta"]["runs"] == 2 and s["meta"]["cached_runs"] == 0 and s["meta"]["date"] and "--all" in s["meta"]["command"]
+    assert [a[0] for a in s["arms"]] == ["eps-high-0.20", "eps-high-0.28"]
+    for arm, eps in (("eps-high-0.20", 0.2), ("eps-high-0.28", 0.28)):
+        cfg = s["runs"][arm]["0"]["key"]["config"]
+        assert cfg["eps_high"] == eps and cfg["mini_batch_size"] == 1 and cfg["seed"] == 0
+        steps = [m for m in s["runs"][arm]["0"]["metrics"] if m.get("step", 0) > 0]
+        assert [m["grad_updates"] for m in steps] == [16, 32]  # 16 responses, 16 updates per step
+    assert "entropy, mean over the run" in (out / "clip-higher-testbed" / "study.md").read_text()
+
+    # 3. a third invocation of the table part reuses every run: none is trained again. A trained run rewrites its folder
+    # (key.json, lock, metrics.jsonl, result.json with new timings), so every file under runs/ unchanged, bytes and
+    # mtime, proves reuse without timing anything
+    table_argv = ["--quick", "--seeds", "0", "--out", str(table_dir), "--base", "recipes/ablation-testbed.yaml",
+                  "--target", str(TESTBED_TARGET), "--no-figures"]
+    before = _snapshot(table_dir / "runs")
+    assert main(table_argv) == 0
+    m3 = _meta(table_dir)
+    assert m3["cached_runs"] == 6 and m3["runs"] == 6
+    after = _snapshot(table_dir / "runs")
+    assert after.keys() == before.keys() and all(after[k] == before[k] for k in before), \
+        sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    # the study reuses its runs from study.json alone (the committed cache keeps only that file)
+    study_argv = ["--quick", "--study", "clip-higher-testbed", "--seeds", "0", "--out", str(out / "clip-higher-testbed"),
+                  "--no-figures"]
+    shutil.rmtree(out / "clip-higher-testbed" / "runs")
+    assert main(study_argv) == 0
+    s2 = json.loads((out / "clip-higher-testbed" / "study.json").read_text())
+    assert s2["meta"]["cached_runs"] == 2 and s2["summaries"] == s["summaries"]
+
+    # 4. a different base config is not served from the cache (table and study)
+    assert main(["--rows", "1-grpo", *table_argv, "lr=1e-4"]) == 0
+    assert _meta(table_dir)["cached_runs"] == 0
+    assert main([*study_argv, "lr=1e-4"]) == 0
+    assert json.loads((out / "clip-higher-testbed" / "study.json").read_text())["meta"]["cached_runs"] == 0
+
+
+def test_all_refuses_a_part(capsys):
+    with pytest.raises(SystemExit) as e: main(["--all", "--study", "overlong"])
+    assert e.value.code == 2 and "--all runs every part" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Bad input through the real command line.
 
-Every case runs one command in a subprocess, in a folder that holds files a user already had (an earlier
+Every case runs one command, in a folder that holds files a user already had (an earlier
 evaluation's results, a run with metrics and a checkpoint), and asserts:
 
 - exit status 2;
@@ -8,11 +8,16 @@ evaluation's results, a run with metrics and a checkpoint), and asserts:
 - no Python traceback anywhere in stderr;
 - every file that existed before is intact byte for byte, and no new file appeared (folders may).
 
+Each case runs in a forked child of `tests/cli_server.py`, which imported the four commands once and then does what
+their console scripts do (`sys.exit(main())` with the case's argv, environment and working directory): 48 fresh
+processes spent about 170 CPU-seconds importing torch. `test_console_scripts` starts one case of each command as its
+real console script in a fresh process, and asserts the same outcome as the server gave.
+
 Adding a case is one `Case(...)` in `CASES`: an id, the command, a function that builds the bad input in the
 case's folder and returns the arguments, and the fragments the error line must contain. Cases that need the
 trainer (a run folder, resume, checkpoints) belong here too, with `prog="dapo-train"`.
 """
-import hashlib, json, os, subprocess, sys
+import hashlib, json, os, select, subprocess, sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -213,14 +218,50 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_bad_input(case: Case, shared, tmp_path):
-    w = World(tmp_path, shared / "model", shared / "eval.jsonl")
+class CLIServer:
+    "tests/cli_server.py in a subprocess: `run` a command's case in a forked child, get (returncode, stdout, stderr)."
+    def __init__(self, tmp: Path):
+        self.tmp, self.n = tmp, 0
+        self.p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_server.py")], cwd=tmp, env=ENV, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(tmp / "server.err").open("w"))
+        assert "ready" in self._reply(300), (tmp / "server.err").read_text()[-3000:]  # hang guard: the imports
+
+    def _reply(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.p.stdout], [], [], timeout)
+        if not ready:
+            self.p.kill()
+            raise TimeoutError(f"cli_server: no reply within {timeout} s (hang guard); its stderr: "
+                               + (self.tmp / "server.err").read_text()[-2000:])
+        line = self.p.stdout.readline()
+        assert line, "cli_server exited: " + (self.tmp / "server.err").read_text()[-3000:]
+        return json.loads(line)
+
+    def run(self, prog: str, argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+        self.n += 1
+        out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
+        self.p.stdin.write(json.dumps(dict(prog=prog, argv=argv, cwd=str(cwd), env=env, stdout=str(out), stderr=str(err))) + "\n")
+        self.p.stdin.flush()
+        rc = self._reply(120)["rc"]  # hang guard
+        return subprocess.CompletedProcess([prog, *argv], rc, out.read_text(), err.read_text())
+
+    def close(self):
+        self.p.stdin.close(); self.p.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    s = CLIServer(tmp_path_factory.mktemp("cli"))
+    yield s
+    s.close()
+
+
+def run_case(case: Case, w: World, runner) -> subprocess.CompletedProcess:
+    "Build the case's input in `w.dir` among the user's files, run it with `runner`, check the outcome; returns the result."
+    w.dir.mkdir(parents=True, exist_ok=True)
     user_files(w.dir)
     argv = [str(a) for a in case.argv(w)]
-    before = snapshot(w.dir, shared)
-    r = subprocess.run(command(case.prog) + argv, cwd=w.dir, env={**ENV, **case.env}, capture_output=True, text=True,
-                       timeout=120)
+    before = snapshot(w.dir, w.model.parent)
+    r = runner(case.prog, argv, w.dir, {**ENV, **case.env})
     err = r.stderr
     assert "Traceback" not in err, err[-3000:]
     assert r.returncode == 2, (r.returncode, err[-2000:], r.stdout[-1000:])
@@ -229,7 +270,30 @@ def test_bad_input(case: Case, shared, tmp_path):
     line = lines[0].replace(str(w.dir) + "/", "")
     for frag in case.expect:
         assert frag in line, (frag, line)
-    assert snapshot(w.dir, shared) == before, "a file the user had changed, or a new file appeared"
+    assert snapshot(w.dir, w.model.parent) == before, "a file the user had changed, or a new file appeared"
+    return r
+
+
+def fresh_process(prog: str, argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    "The installed console script (else `python -m`) in a new process."
+    return subprocess.run(command(prog) + argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)  # hang guard
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bad_input(case: Case, shared, cli, tmp_path):
+    run_case(case, World(tmp_path, shared / "model", shared / "eval.jsonl"), cli.run)
+
+
+ENTRY = ["dapo-train-empty-recipe", "eval-out-exists", "dapo-plan-yaml-syntax", "dapo-ablate-threads"]
+
+@pytest.mark.parametrize("id", ENTRY)
+def test_console_scripts(id, shared, cli, tmp_path):
+    "One case of each command as its console script in a fresh process: the same status, error line and untouched files."
+    case = next(c for c in CASES if c.id == id)
+    a = run_case(case, World(tmp_path / "fresh", shared / "model", shared / "eval.jsonl"), fresh_process)
+    b = run_case(case, World(tmp_path / "served", shared / "model", shared / "eval.jsonl"), cli.run)
+    strip = lambda r, d: r.stderr.replace(str(tmp_path / d) + "/", "")
+    assert a.returncode == b.returncode == 2 and strip(a, "fresh") == strip(b, "served"), (a.stderr, b.stderr)
 
 
 def test_cases_have_unique_ids():

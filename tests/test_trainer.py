@@ -392,11 +392,11 @@ from dapo_ref import dist
 from dapo_ref.core import load_config
 from dapo_ref.trainer import load_policy, RolloutBatch
 from dapo_ref.scale import DeepSpeedLearner
-recipe, stage, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+recipe, stages, out = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
 rank, world = dist.init_distributed()
 torch.set_num_threads(1)
 res = []
-for lr in (1e10, 1e-3):
+for stage, lr in [(stage, lr) for stage in stages for lr in (1e10, 1e-3)]:
     model, tok = load_policy("tiny")
     cfg = load_config(recipe, dict(zero_stage=stage, lr=lr, warmup_steps=0, gpus_per_node=world))
     learner = DeepSpeedLearner(model, cfg, tok.pad_token_id)
@@ -407,7 +407,7 @@ for lr in (1e10, 1e-3):
     old, _ = learner.compute_logprobs(batch)
     m = learner.update(batch, old)
     same = all(torch.equal(before[n], t) for n, t in learner.named_weights())
-    res.append(dict(lr=lr, skipped=m["skipped"], same=same, reason=learner.guard.reason))
+    res.append(dict(stage=stage, lr=lr, skipped=m["skipped"], same=same, reason=learner.guard.reason))
 with open(f"{out}/rank{rank}.json", "w") as f: json.dump(res, f)
 dist.barrier()
 torch.distributed.destroy_process_group()  # as the other workers do: no gloo threads left running at exit
@@ -415,19 +415,20 @@ torch.distributed.destroy_process_group()  # as the other workers do: no gloo th
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path, stage):
-    """Two ranks, ZeRO-2/3: each previews the update of its own partition, the verdict is all-reduced, so both skip
-    lr = 1e10 (weights unchanged on both) and both apply lr = 1e-3."""
+def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path):
+    """Two ranks, ZeRO-2 then ZeRO-3 (one launch): each previews the update of its own partition, the verdict is
+    all-reduced, so both skip lr = 1e10 (weights unchanged on both) and both apply lr = 1e-3."""
     import socket
     with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
     (tmp_path / "worker.py").write_text(GUARD_WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
     p = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-                        str(tmp_path / "worker.py"), str(RECIPE), str(stage), str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                        str(tmp_path / "worker.py"), str(RECIPE), "2,3", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # hang guard
     assert p.returncode == 0, p.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1, (r0, r1)  # the same verdict and reason on both ranks
-    assert r0[0]["skipped"] == 1.0 and r0[0]["same"] and "would grow from" in r0[0]["reason"]
-    assert r0[1]["skipped"] == 0.0 and not r0[1]["same"] and r0[1]["reason"] is None
+    assert [(r["stage"], r["lr"]) for r in r0] == [(2, 1e10), (2, 1e-3), (3, 1e10), (3, 1e-3)]
+    for blown, sane in (r0[0:2], r0[2:4]):
+        assert blown["skipped"] == 1.0 and blown["same"] and "would grow from" in blown["reason"], blown
+        assert sane["skipped"] == 0.0 and not sane["same"] and sane["reason"] is None, sane
