@@ -81,6 +81,8 @@ class DAPOConfig:
     vllm_gpu_memory_utilization: float = 0.7  # GPU memory fraction vLLM may take (reference 0.7-0.8)
     vllm_enable_chunked_prefill: bool = True  # vLLM chunked prefill (reference script: on)
     vllm_enforce_eager: bool = False  # vLLM without CUDA graphs / torch.compile: starts in seconds, decodes slower (CPU tests)
+    dist_timeout: float = 1800.0    # seconds a rank may wait in one collective (the process group's timeout); the longest
+                                    # designed wait: ranks whose engine finished, for the slowest engine's round (32B: 3 h)
 
 # %% ../nbs/00_core.ipynb #e3863112
 class InputError(ValueError):
@@ -126,6 +128,7 @@ _RANGES = {  # field: (check, allowed range in words)
     "zero_stage": (lambda v: v in (0, 2, 3), "0 (plain PyTorch learner), 2 or 3 (DeepSpeed ZeRO)"),
     "vllm_tensor_parallel": (lambda v: v >= 1, "vllm_tensor_parallel >= 1"),
     "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "0 < vllm_gpu_memory_utilization < 1"),
+    "dist_timeout": (lambda v: v > 0, "dist_timeout > 0 (seconds)"),
 }
 
 # %% ../nbs/00_core.ipynb #93fd21f0

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_dist.ipynb #0210a2c6
 from __future__ import annotations
-import os, socket
+import datetime, os, socket
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,8 @@ def _free_port() -> int:
 
 def init_distributed(backend: str | None = None,  # None: nccl with CUDA, else gloo
                      single: bool = False,        # also build a one-rank group when no launcher started us
+                     timeout: float | None = None, # seconds a collective may wait before it fails (None: torch's default,
+                                                   # 10 min for NCCL); the trainer passes `DAPOConfig.dist_timeout`
                     ) -> tuple[int, int]:
     "Join the process group a launcher described (or a one-rank group when `single`); returns `(rank, world_size)`."
     if dist.is_available() and not dist.is_initialized() and (int(os.environ.get("WORLD_SIZE", 1)) > 1 or single):
@@ -51,7 +53,8 @@ def init_distributed(backend: str | None = None,  # None: nccl with CUDA, else g
                               MASTER_PORT=str(_free_port()))
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl": torch.cuda.set_device(local_rank())
-        dist.init_process_group(backend)
+        kw = {} if timeout is None else dict(timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, **kw)
     return rank(), world_size()
 
 # %% ../nbs/00a_dist.ipynb #5863666e

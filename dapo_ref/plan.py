@@ -14,7 +14,7 @@ from .core import DAPOConfig, InputError, cli_errors, load_config, parse_overrid
 __all__ = ['QWEN25', 'BYTES', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'ModelArch', 'n_params', 'layer_params',
            'largest_layer_params', 'resolve_arch', 'valid_tensor_parallel', 'check_tensor_parallel',
            'model_state_bytes', 'load_bytes', 'activation_bytes', 'engine_bytes', 'sync_bytes', 'advise',
-           'check_hardware', 'plan_memory', 'format_plan', 'main']
+           'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'format_plan', 'main']
 
 # %% ../nbs/12_plan.ipynb #182c7b6c
 @dataclass(frozen=True)
@@ -316,6 +316,25 @@ def check_hardware(gpu_memory_gb: float,        # memory of one GPU, GiB
         raise InputError(f"{r} = {reserve_gb}: the GiB kept free per GPU must be >= 0 and below the GPU memory ({gpu_memory_gb:g}), e.g. 2")
 
 # %% ../nbs/12_plan.ipynb #b3b82058
+def engine_layout(world: int,          # ranks in the job (nnodes * gpus_per_node)
+                  tp: int,             # vllm_tensor_parallel
+                  gpus_per_node: int,  # ranks per node
+                 ) -> list[tuple[int, int, int, int]]:
+    "One `(engine, first rank, last rank, node)` per vLLM engine: `tp` consecutive ranks each, independent of the others."
+    return [(e, e * tp, e * tp + tp - 1, e * tp // gpus_per_node) for e in range(world // tp)]
+
+def save_sizes(n: int,           # parameters
+               dtype: str,       # the learner's dtype (bfloat16 | float32)
+               zero_stage: int,  # 0: the plain learner (torch AdamW), 2/3: DeepSpeed
+              ) -> dict:
+    """GiB on disk of one HF export (the weights in `dtype`, written by rank 0) and of one checkpoint as `save_every`
+    writes it today: that export plus the learner's state. DeepSpeed's ZeRO files hold the weights in `dtype` and, per
+    parameter, Adam's m and v in fp32 plus an fp32 master copy when `dtype` is bf16: 2 + 12 = 14 bytes (fp32: 4 + 8 = 12).
+    The plain learner's AdamW state (m, v) in `dtype` beside the export."""
+    w = 2 if dtype == "bfloat16" else 4
+    state = (w + (12 if w == 2 else 8)) if zero_stage else 2 * w
+    return dict(export_gb=_gib(n * w), checkpoint_gb=_gib(n * (w + state)))
+
 def plan_memory(cfg: DAPOConfig,                    # the recipe (load_config(...))
                 model_arch: ModelArch | str | dict | None = None,  # default: resolved from cfg.model
                 gpu_memory_gb: float = 80,          # memory of one GPU, GiB (80: the paper's H100/A100 80GB)
@@ -353,6 +372,7 @@ def plan_memory(cfg: DAPOConfig,                    # the recipe (load_config(..
         binding="KV cache" if kv_short else "CPU memory" if cpu_short else p["binding"],
         cpu_per_node_gb=_gib(p["cpu_per_node"]), cpu_load_gb=_gib(p["cpu"]["load"]), cpu_zero_gb=_gib(s["cpu_per_node"]),
         kv_cache_tokens=e["kv_tokens"], engine_weights_gb=_gib(e["weights"]), fits=fits,
+        engine_layout=engine_layout(p["world"], tp, cfg.gpus_per_node), **save_sizes(p["n"], cfg.dtype, cfg.zero_stage),
         advice=[] if fits else advise(cfg, arch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb), notes=notes)
 
 # %% ../nbs/12_plan.ipynb #a2751b93
@@ -379,6 +399,14 @@ def format_plan(plan: dict) -> str:
               f"binding: {plan['binding']}  ->  " + ("fits" if plan["fits"] else "does NOT fit"),
               f"CPU per node: {plan['cpu_per_node_gb']:.2f} GiB" + (f" of {plan['cpu_memory_gb']:g}" if plan["cpu_memory_gb"] is not None else "")
               + f" (load {plan['cpu_load_gb']:.2f}, ZeRO offload {plan['cpu_zero_gb']:.2f})"]
+    lay = plan["engine_layout"]
+    show = lambda x: f"e{x[0]} = ranks {x[1]}-{x[2]} (node {x[3]})" if x[1] != x[2] else f"e{x[0]} = rank {x[1]} (node {x[3]})"
+    shown = [show(x) for x in lay] if len(lay) <= 3 else [show(lay[0]), show(lay[1]), "...", show(lay[-1])]
+    lines.append(f"engines: {len(lay)} independent (no vLLM data-parallel group), {sum(x[3] == 0 for x in lay)} per "
+                 f"node: {', '.join(shown)}; ranks whose engine finishes early wait for the slowest in the round's all_gather (dist_timeout)")
+    lines.append(f"one export (HF folder, rank 0 writes): {plan['export_gb']:.1f} GiB; one checkpoint (save_every: export + "
+                 f"learner state, every rank writes its part to output_dir on a filesystem all nodes share): "
+                 f"{plan['checkpoint_gb']:.1f} GiB")
     if plan["partitioned_init"]:
         lines.append(f"without partitioned init the load would need {plan['load_no_init_gb']:.2f} GiB per GPU and "
                      f"up to {plan['cpu_load_no_init_gb']:.2f} GiB CPU per node (the whole model on every rank)")

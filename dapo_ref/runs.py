@@ -80,7 +80,8 @@ FROZEN = (  # change the experiment: a resumed run must keep them
 FREE = (  # may change on resume: applied from the next step on, written to config.yaml, one log line
     "total_steps", "eval_every", "save_every", "eval_k", "output_dir",                     # length, cadence, output
     "micro_token_budget", "gradient_checkpointing",                                        # memory, not the maths
-    "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager")
+    "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager",
+    "dist_timeout")                                                                        # how long ranks wait
 
 # %% ../nbs/09c_runs.ipynb #50e160a6
 def _show(v): return "null" if v is None else repr(v) if isinstance(v, str) else str(v)

@@ -43,6 +43,9 @@ def deepspeed_config(cfg: DAPOConfig,      # zero_stage, dtype, offload_*, grad_
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
         "gradient_clipping": cfg.grad_clip,
         "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        # gradients reduced across ranks in fp32, not in the bf16 DeepSpeed would otherwise use under bf16: a sum over
+        # 128 ranks rounded to bf16's 8 bits loses what an lr of 1e-6 moves (verl reduces in fp32 as well)
+        "communication_data_type": "fp32",
         "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": adamw},
         "steps_per_print": 10**9, "wall_clock_breakdown": False,

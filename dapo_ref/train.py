@@ -60,14 +60,16 @@ def main(argv: list[str] | None = None  # command-line arguments; None = sys.arg
     args = _parser().parse_intermixed_args(argv)  # key=value items may come before and after flags
     if not torch.cuda.is_available():  # deepspeed (imported by accelerate) otherwise logs its CPU fallback on stdout
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    rank, world = dist.init_distributed()  # under a launcher: join its group; alone: (0, 1)
+    rank, world = dist.rank(), dist.world_size()  # the launcher's RANK and WORLD_SIZE; alone: (0, 1)
     quiet = args.quiet or rank != 0
     try:
-        with _errors(rank):  # bad input: one line, exit 2, before the model loads
+        with _errors(rank):  # bad input: one line, exit 2, before the model loads (every rank reads the same files)
             _check_flags(args.threads, args.keep_checkpoints, args.sampling_timeout)
             ov = parse_overrides(args.overrides)
             resume = bool(ov.pop("resume", False)) or args.resume  # `resume=true` is a run option, not a config field
             cfg = check_run(load_config(args.config, ov), world)  # fields this launch cannot honour
+            # join the launcher's group only now: its timeout is the config's (how long a rank may wait in a collective)
+            dist.init_distributed(timeout=cfg.dist_timeout)
             prepare_output_dir(cfg, resume, args.overwrite)  # an earlier run is never replaced silently
             # the tiny model's matrices are too small to split across threads: on 2 shared cores one thread generates
             # ~4x faster than two (measured, benchmarks/README.md); a hub model keeps torch's default
@@ -77,7 +79,9 @@ def main(argv: list[str] | None = None  # command-line arguments; None = sys.arg
             # (use_deterministic_algorithms imports torch._inductor, ~1.5 s) nor transformers' logging
             from transformers.utils import logging as hf_logging
             hf_logging.disable_progress_bar()  # no "Loading weights" bars between ours
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            # deterministic kernels where they buy bit-exact resume (the CPU); on GPUs they would fill every torch.empty
+            # with NaN, warn on cuBLAS calls, and flash-attention's backward stays non-deterministic anyway
+            if not torch.cuda.is_available(): torch.use_deterministic_algorithms(True, warn_only=True)
             trainer = Trainer(cfg, progress=False if quiet else None, log=None if quiet else print)
             trainer.sampling_timeout = args.sampling_timeout
     except SystemExit as e: return e.code

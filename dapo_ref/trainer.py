@@ -27,11 +27,11 @@ from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params
 from .zero import gather_batch, balanced_share
 
 # %% auto #0
-__all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'METRIC_KEYS', 'TIMING_KEYS', 'check_run', 'model_path', 'load_model', 'load_tokenizer',
-           'load_policy', 'load_splits', 'PromptSampler', 'seed_of', 'round_seed', 'Group', 'score_groups',
-           'generate_groups', 'RolloutBatch', 'make_batch', 'pack_micro_batches', 'collate', 'forward_logprobs',
-           'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators', 'Learner',
-           'TorchLearner', 'learner_class', 'strip_timing', 'read_metrics', 'rng_state', 'set_rng_state',
+__all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'METRIC_KEYS', 'TIMING_KEYS', 'check_run', 'model_path', 'stage_model', 'load_model',
+           'load_tokenizer', 'load_policy', 'load_splits', 'PromptSampler', 'seed_of', 'round_seed', 'Group',
+           'score_groups', 'generate_groups', 'RolloutBatch', 'make_batch', 'pack_micro_batches', 'collate',
+           'forward_logprobs', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators',
+           'Learner', 'TorchLearner', 'learner_class', 'strip_timing', 'read_metrics', 'rng_state', 'set_rng_state',
            'latest_checkpoint', 'plot_curves', 'Remote', 'global_round', 'make_engine', 'Trainer', 'step_metrics',
            'summary_line', 'train']
 
@@ -55,6 +55,10 @@ def check_run(cfg: DAPOConfig,  # a validated config
     if world > 1 and world % cfg.vllm_tensor_parallel:
         raise ValueError(f"vllm_tensor_parallel = {cfg.vllm_tensor_parallel} with {world} ranks: one vLLM engine spans "
                          f"vllm_tensor_parallel consecutive ranks, so it must divide {world}; choose a divisor of {world}")
+    if cfg.rollout_backend == "vllm" and world > 1 and cfg.gpus_per_node % cfg.vllm_tensor_parallel:
+        raise ValueError(f"vllm_tensor_parallel = {cfg.vllm_tensor_parallel} does not divide gpus_per_node = "
+                         f"{cfg.gpus_per_node}: an engine's ranks would span two nodes (its all-reduce over the network "
+                         f"every layer); choose a divisor of {cfg.gpus_per_node}")
     if cfg.rollout_backend == "vllm" and not have("vllm"):
         raise ValueError("rollout_backend = vllm: vllm is not installed here; install it (pip install -e '.[scale]') "
                          "or set rollout_backend: hf")
@@ -75,14 +79,31 @@ def check_run(cfg: DAPOConfig,  # a validated config
 # %% ../nbs/09_trainer.ipynb #d66889fa
 TINY_N_TRAIN, TINY_N_EVAL = 4000, 64  # sizes of the tiny task's training set and held-out split
 
+_STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model`)
+
 def model_path(name: str) -> str:
     "The folder or hub name that transformers (and vLLM) load for `name`; `tiny` builds (once, cached) the tiny model."
+    if name in _STAGED: return _STAGED[name]
     if name.startswith("tiny-"):  # the ablation study's testbed policies (nbs/14_ablation), built once, cached
         from dapo_ref.ablation import TESTBEDS, testbed_model
         if name in TESTBEDS: return str(testbed_model(**TESTBEDS[name]))
     if name != "tiny": return name
     from dapo_ref.tiny import ensure_tiny_model
     return str(ensure_tiny_model())
+
+def stage_model(name: str,  # cfg.model: a hub name, a local folder, or a tiny model
+               ) -> str:
+    """A hub model's files on this node's disk, read from the hub once per node: local rank 0 downloads them (config,
+    tokenizer, safetensors), the node's other ranks wait at a barrier, then resolve the same snapshot from the cache.
+    Afterwards `model_path(name)` is that folder for the learner and the vLLM engine alike. A local folder (pre-staged
+    on each node's disk, the fastest start) or a tiny model is returned as it is. Call it on every rank (a barrier)."""
+    if name in _STAGED or name == "tiny" or name.startswith("tiny-") or Path(name).is_dir(): return model_path(name)
+    from huggingface_hub import snapshot_download
+    files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # what transformers and vLLM read
+    if dist.local_rank() == 0: _STAGED[name] = snapshot_download(name, allow_patterns=files)
+    dist.barrier()
+    if dist.local_rank() != 0: _STAGED[name] = snapshot_download(name, allow_patterns=files, local_files_only=True)
+    return _STAGED[name]
 
 def load_model(name: str, dtype: str = "float32"):
     "The causal LM `name` (see `model_path`) in `dtype`."
@@ -602,8 +623,9 @@ class Trainer:
                  progress: bool | None = None,    # tqdm bars; None = only on a terminal
                  log: Callable[[str], None] | None = print):
         self.cfg = cfg = validate(cfg)
-        self.rank, self.world = dist.init_distributed()  # joins the launcher's group; (0, 1) alone
+        self.rank, self.world = dist.init_distributed(timeout=cfg.dist_timeout)  # joins the launcher's group; (0, 1) alone
         check_run(cfg, self.world)
+        if self.world > 1 and model is None: stage_model(cfg.model)  # a hub model read once per node, not once per rank
         B = cfg.prompts_per_step * cfg.group_size
         if B % cfg.mini_batch_size:
             raise ValueError(f"mini_batch_size = {cfg.mini_batch_size} is out of range: it must divide prompts_per_step * "
@@ -877,10 +899,11 @@ def summary_line(s: dict) -> str:
 
 def train(cfg: DAPOConfig,             # the run's config
           resume: bool = False,        # continue from output_dir/checkpoints/step-N (the newest)
-          deterministic: bool = True,  # torch.use_deterministic_algorithms, so a resumed run repeats exactly
+          deterministic: bool | None = None,  # torch.use_deterministic_algorithms (a resumed run repeats exactly); None: on the CPU only
           keep_checkpoints: int = 2,   # checkpoints kept on disk; 0 keeps all
           overwrite: bool = False,     # replace a run already in output_dir
           **kwargs) -> dict:
     "Run DAPO training for `cfg` on this process's rank (all ranks under a launcher); returns the summary."
+    if deterministic is None: deterministic = not torch.cuda.is_available()  # on GPUs it NaN-fills torch.empty, warns on cuBLAS
     if deterministic: torch.use_deterministic_algorithms(True, warn_only=True)
     return Trainer(cfg, **kwargs).fit(resume=resume, keep_checkpoints=keep_checkpoints, overwrite=overwrite)

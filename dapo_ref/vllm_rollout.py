@@ -149,15 +149,15 @@ def _reload_log():
 # %% ../nbs/11_vllm.ipynb #47341603
 def vllm_engine_kwargs(cfg,            # a `DAPOConfig`
                        world: int = 1, # ranks in the job: with vllm_tensor_parallel > 1 one engine spans each group of consecutive ranks
+                       dummy_weights: bool = True,  # start with random weights (load_format="dummy"): the first sync fills them
                       ) -> dict:
-    "`VLLMRolloutEngine` keyword arguments from a `DAPOConfig`: its vllm_* fields, dtype, seed, max_model_len, and the launcher of a multi-rank job."
+    "`VLLMRolloutEngine` keyword arguments from a `DAPOConfig`: its vllm_* fields, dtype, seed, max_model_len, the weights' start, and the launcher of a multi-rank job."
     kw = dict(tensor_parallel_size=cfg.vllm_tensor_parallel, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
               enable_chunked_prefill=cfg.vllm_enable_chunked_prefill, enforce_eager=cfg.vllm_enforce_eager,
-              dtype=cfg.dtype, seed=cfg.seed,
+              dtype=cfg.dtype, seed=cfg.seed, load_format="dummy" if dummy_weights else "auto",
               max_model_len=cfg.max_prompt_length + cfg.l_max)
-    if world > 1 and cfg.vllm_tensor_parallel > 1:  # the job's ranks are the engine's workers (torchrun started them)
-        kw["distributed_executor_backend"] = "external_launcher"
-        if world > cfg.vllm_tensor_parallel: kw["data_parallel_size"] = world // cfg.vllm_tensor_parallel
+    if world > 1 and cfg.vllm_tensor_parallel > 1:  # the job's ranks are the engines' workers (torchrun started them)
+        kw["distributed_executor_backend"] = "external_launcher"  # and no data_parallel_size: the engines stay independent
     return kw
 
 # %% ../nbs/11_vllm.ipynb #a1b72cfc
@@ -232,6 +232,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.eos_ids == []: raise ValueError("eos_token_id: got an empty list; give at least one token id, or None for the model's own EOS")
         self.sleep_mode, self.weight_bucket_bytes, self.seeded_requests = enable_sleep_mode, weight_bucket_bytes, seeded_requests
         self._asleep = self._weights_awake = False
+        # load_format="dummy": random weights until the first load_weights (which must then cover every parameter)
+        self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
         self._shapes = checkpoint_shapes(model)
         self.llm = LLM(model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, enable_chunked_prefill=enable_chunked_prefill,
@@ -260,6 +262,8 @@ class VLLMRolloutEngine(RolloutEngine):
         for i, p in enumerate(prompts):
             if len(p) == 0: raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         if self._asleep: raise RuntimeError("generate() on a sleeping engine: call wake() first (after load_weights)")
+        if not self.loaded: raise RuntimeError("generate() before any load_weights: the engine started with "
+                                               "load_format='dummy' (random weights); load the policy's weights first")
         from vllm import SamplingParams as VLLMSamplingParams
         n = params.n
         if params.temperature == 0: params = dataclasses.replace(params, n=1)  # vLLM refuses greedy n > 1: one sample, repeated
@@ -277,13 +281,14 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])  # the KV cache stays asleep until wake()
             self._weights_awake = True
-        self._stream(named_tensors)
+        self._stream(named_tensors, discarded=not self.loaded)  # dummy weights: a tensor left out would stay random
+        self.loaded = True
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
 
     def _stream(self, named_tensors: Iterable[tuple[str, Tensor]],
                 discarded: bool = False,  # the weights were dropped (sleep level 2): a parameter left out holds no values
                ) -> None:
-        "The load itself: checked buckets of about `weight_bucket_bytes`, one `reload_weights` call each; warn about parameters no call updated (raise after level 2)."
+        "The load itself: checked buckets of about `weight_bucket_bytes`, one `reload_weights` call each; warn about parameters no call updated (raise after level 2 or over dummy weights)."
         calls = 0
         with _reload_log() as log:
             for bucket in weight_buckets(named_tensors, self.weight_bucket_bytes):
@@ -291,8 +296,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=bucket, is_checkpoint_format=True))
                 calls += 1
         if (missing := log.never_loaded(calls)) and discarded:
-            raise RuntimeError(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor after sleep(level=2) "
-                               f"discarded them: {sorted(missing)[:4]}; send every tensor the engine's model has")
+            raise RuntimeError(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor while holding no "
+                               f"policy values (discarded by sleep(level=2), or random from load_format='dummy'): "
+                               f"{sorted(missing)[:4]}; send every tensor the engine's model has")
         if missing:
             warnings.warn(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor and keep their old values: "
                           f"{sorted(missing)[:4]}{' ...' if len(missing) > 4 else ''}")
@@ -315,10 +321,11 @@ class VLLMRolloutEngine(RolloutEngine):
             elif step == "wake(weights)": self.llm.wake_up(tags=["weights"])
             elif step == "wake(kv_cache)": self.llm.wake_up(tags=["kv_cache"])
             elif step == "wake": self.llm.wake_up()
-            elif step == "load": self._stream(weights(), discarded="sleep(2)" in self.update_order)
+            elif step == "load": self._stream(weights(), discarded="sleep(2)" in self.update_order or not self.loaded)
             elif step == "reset_prefix_cache": self.llm.reset_prefix_cache()
             else: raise AssertionError(step)
         self._asleep = self._weights_awake = False
+        self.loaded = True
         return out
 
     def sleep(self, level: int = 1) -> None:

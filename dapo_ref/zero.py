@@ -317,20 +317,28 @@ def save_pretrained_streamed(module: torch.nn.Module,     # a transformers model
     if dist.is_available() and dist.is_initialized():  # every rank stops on the same error, before any gather
         err = [err]; dist.broadcast_object_list(err, src=0); err = err[0]
     if err: raise FileExistsError(err)
-    writer = None
+    writer, failed = None, None
     for _, items in plan:
-        with gathered([t for _, t in items if isinstance(t, torch.nn.Parameter)]):
-            if rank != 0: continue
-            for k, t in items:
-                s, _ = where[k]
-                if writer is None or writer[0] != s:
-                    if writer: writer[1].close()
-                    writer = (s, SafetensorsWriter(out / names[s], shards[s]))
-                writer[1].write(k, t.data)
+        with gathered([t for _, t in items if isinstance(t, torch.nn.Parameter)]):  # a collective: every rank, every module
+            if rank != 0 or failed: continue  # after a failed write rank 0 keeps gathering with the others, writing nothing
+            try:
+                for k, t in items:
+                    s, _ = where[k]
+                    if writer is None or writer[0] != s:
+                        if writer: writer[1].close()
+                        writer = (s, SafetensorsWriter(out / names[s], shards[s]))
+                    writer[1].write(k, t.data)
+            except OSError as e: failed = e  # a full disk: leaving the loop here would hang the ranks still gathering
     if rank == 0:
-        if writer: writer[1].close()
-        _write_configs(module, out, shards, names)
-    if dist.is_available() and dist.is_initialized(): dist.barrier()
+        try:
+            if writer: (writer[1].f.close() if failed else writer[1].close())
+            if not failed: _write_configs(module, out, shards, names)
+        except OSError as e: failed = failed or e
+    msg = f"{type(failed).__name__}: {failed}" if failed else None
+    if dist.is_available() and dist.is_initialized():  # rank 0's outcome, to every rank (this is also the barrier)
+        msg = [msg]; dist.broadcast_object_list(msg, src=0); msg = msg[0]
+    if failed: raise failed
+    if msg: raise OSError(f"rank 0 could not write the export to {out}: {msg}")
     return out if rank == 0 else None
 
 def _write_configs(module, out: Path, shards, names):

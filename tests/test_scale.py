@@ -540,6 +540,48 @@ def test_unfillable_batch_stops_every_rank_with_the_same_error(tmp_path):
     assert "max_num_gen_batches = 1" in p.stderr
 
 
+EXPORT_FAILS = """
+import json, os, sys, time
+from pathlib import Path
+import dapo_ref.zero as Z
+from dapo_ref import train
+out = Path(sys.argv[1]); rank = int(os.environ["RANK"])
+write, calls, failed_at = Z.SafetensorsWriter.write, [0], [None]
+def full_disk(self, name, t):  # rank 0's disk fills up midway through the export (its second tensor)
+    calls[0] += 1
+    if rank == 0 and calls[0] == 2:
+        failed_at[0] = time.time()
+        raise OSError(28, "No space left on device", self.f.name)
+    return write(self, name, t)
+Z.SafetensorsWriter.write = full_disk
+rc = train.main(sys.argv[2:])
+(out / f"rank{rank}.json").write_text(json.dumps(dict(rc=rc, failed_at=failed_at[0], exited_at=time.time())))
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow
+def test_export_that_fails_midway_on_rank_0_stops_both_ranks(tmp_path):
+    """ZeRO-3 on two ranks: rank 0's streamed export fails at its second tensor (a full disk). Rank 0 keeps taking part in
+    the remaining gathers (writing nothing) and tells the other rank, so both leave with the checkpoint error instead of
+    rank 1 waiting in a gather rank 0 never joins (a hang until the process-group timeout). The held-out set is one problem."""
+    from dapo_ref.data import save_math_dataset
+    from dapo_ref.tiny import tiny_splits
+    (tmp_path / "worker.py").write_text(EXPORT_FAILS)
+    one = save_math_dataset(tiny_splits(64, 1, seed=0)[1][:1], tmp_path / "one.jsonl")
+    p, _ = _torchrun([str(tmp_path / "worker.py"), str(tmp_path), "--config", "recipes/tiny-cpu.yaml", "--threads", "1",
+                      "--quiet", "gpus_per_node=2", ZERO3, "total_steps=1", "save_every=1", "eval_k=1", f"eval_data={one}",
+                      "dist_timeout=300", f"output_dir={tmp_path / 'run'}"], timeout=600)  # hang guard
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert p.returncode != 0 and r0["rc"] == r1["rc"] == 1, (r0, r1, p.stderr[-3000:])  # each rank returned on its own
+    assert r0["failed_at"] is not None and r1["failed_at"] is None
+    # both within 60 s of the failure (a hang guard; the designed path takes one broadcast): far below dist_timeout
+    assert max(r0["exited_at"], r1["exited_at"]) - r0["failed_at"] < 60, (r0, r1)
+    err = [l for l in p.stderr.splitlines() if l.startswith("dapo-train: error: ")]
+    assert len(err) == 1 and "writing checkpoint step-1" in err[0] and "the disk is full" in err[0], p.stderr[-3000:]
+    assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))  # the half-written checkpoint was removed
+
+
 @pytest.mark.slow
 def test_two_process_config_error_names_the_field(tmp_path):
     "A field this launch cannot honour stops both ranks before any model loads; rank 0 alone prints it."

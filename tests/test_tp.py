@@ -141,3 +141,31 @@ def test_two_ranks_tp1_disjoint_prompts(tmp_path):
         groups = _groups(r0["trained"][s] + r1["trained"][s])
         assert len(groups) == 4 and all(len(v) == tp_worker.G for v in groups.values())  # each kept group once
     assert [r["groups_seen"] for r in r0["rows"]] == [tp_worker.GEN * r["gen_rounds"] for r in r0["rows"]]
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_stops_the_other_three(tmp_path):
+    """Four ranks started as a cluster scheduler starts them (one process each, RANK / WORLD_SIZE / MASTER_ADDR set; no
+    torchrun agent to tear the job down), two engines at TP 2 (the recording stand-in), dist_timeout 60 s. Rank 3 is
+    killed with SIGKILL as the first step starts: ranks 0-2 must not wait for it forever. Each leaves its collective with
+    an error and exits non-zero within the process-group timeout (gloo reports a vanished peer at once; a peer that
+    hangs instead would take dist_timeout)."""
+    import socket, time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+            "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "KILL_RANK": "3", "DIST_TIMEOUT": "60"}
+    procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path), "2"], cwd=ROOT,
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / f"err{r}.txt").open("w")) for r in range(4)]
+    try:
+        assert procs[3].wait(timeout=300) == -9  # hang guard: the model loads first
+        t_kill = time.time()
+        rcs = [p.wait(timeout=60 + 30) for p in procs[:3]]  # hang guard = the process-group timeout + 30 s
+        waited = time.time() - t_kill
+    finally:
+        for p in procs:
+            if p.poll() is None: p.kill()
+    assert all(rc != 0 for rc in rcs), (rcs, [(tmp_path / f"err{r}.txt").read_text()[-1500:] for r in range(3)])
+    assert waited < 60 + 30, waited
+    assert not any((tmp_path / f"rank{r}.json").exists() for r in range(4))  # nobody finished as if nothing happened

@@ -281,6 +281,20 @@ def test_load_weights_errors(setup):
                                                                      pad_token_id=PAD).generate(PROMPTS, GREEDY))
 
 
+def test_dummy_weights_wait_for_a_whole_load(setup):
+    "An engine started with load_format='dummy' refuses to generate before a load, and its first load must cover every parameter."
+    eng, policy = setup["engine"], setup["policy"]
+    eng.loaded = False  # as load_format="dummy" leaves it
+    try:
+        with pytest.raises(RuntimeError, match="before any load_weights"): eng.generate(PROMPTS, GREEDY)
+        part = {k: v for k, v in policy.state_dict().items() if not k.startswith("model.layers.1.")}
+        with pytest.raises(RuntimeError, match="random from load_format='dummy'"): eng.load_weights(part.items())
+        assert eng.loaded is False
+    finally:
+        eng.load_weights(policy.state_dict().items())
+    assert eng.loaded is True
+
+
 def test_sleep_wake_noop_on_cpu(setup):
     eng = setup["engine"]
     if CUDA: pytest.skip("CPU behaviour")
@@ -295,7 +309,7 @@ def test_from_config_maps_fields(setup):
                      dtype="float32", seed=3, max_prompt_length=16, l_max=32)
     kw = vllm_engine_kwargs(cfg)
     assert kw == dict(tensor_parallel_size=1, gpu_memory_utilization=0.5, enable_chunked_prefill=False,
-                      enforce_eager=False, dtype="float32", seed=3, max_model_len=48)
+                      enforce_eager=False, dtype="float32", seed=3, load_format="dummy", max_model_len=48)
     assert vllm_engine_kwargs(DAPOConfig(vllm_enforce_eager=True))["enforce_eager"] is True
     mc = setup["engine"].llm.llm_engine.model_config
     assert str(mc.dtype) == "torch.float32" and mc.max_model_len == 256 and mc.seed == 0
@@ -410,39 +424,69 @@ def test_dapo_train_uses_the_vllm_engine(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "model.safetensors").exists()
 
 
-# ---------------------------------------------------------------- tensor parallel 2 inside a two-rank training job
-@pytest.mark.skipif(CUDA, reason="the CPU miniature of the colocated layout (two CPU processes)")
-def test_tp2_engine_inside_two_rank_job(tmp_path):
-    """torchrun --nproc_per_node 2: one vLLM engine with tensor_parallel_size 2 over both ranks (external_launcher),
-    the learner at zero_stage 3 on the same ranks, 2 DAPO steps of the Trainer dapo-train builds (tests/tp_worker.py).
-    Both ranks pass the same prompts and seeds and get the same completions; the rounds are whole (one engine: one
-    share of the prompts, each group counted once); before the first step and after each sync the engine's greedy
-    completions equal the learner's weights decoded greedily by transformers; the held-out evaluation runs on the
-    engine. On CPU vLLM has no sleep mode: the engine says so and follows the degraded order. ~45-70 s here."""
+# ---------------------------------------------------------------- the real run's shape in miniature: 4 ranks, 2 engines
+@pytest.mark.skipif(CUDA, reason="the CPU miniature of the colocated layout (four CPU processes)")
+def test_four_ranks_two_independent_tp2_engines(tmp_path):
+    """torchrun --nproc_per_node 4 running `dapo-train` (tests/tp_worker.py): two independent vLLM engines at
+    tensor_parallel_size 2 (ranks 0-1 and 2-3, external_launcher, no vLLM data-parallel group), the learner at
+    zero_stage 3 on the same ranks, 2 DAPO steps. The 32B recipe's layout shrunk: rounds of 9 prompts split 5 + 4
+    between the engines (uneven shares), several dynamic-sampling rounds a step (engines finish at different times),
+    and a held-out set of one problem for two engines: engine 1 has nothing to evaluate and goes straight to
+    the gather. With the engines joined in one vLLM data-parallel group (the old `data_parallel_size = world // tp`)
+    this job hung at its first evaluation: engine 0 waits inside vLLM for engine 1, which never calls generate; here
+    `dist_timeout` (120 s) turns such a wait into an error, and the subprocess timeout bounds the test.
+    Checked: the job finishes; the two ranks of an engine pass the same prompts and seeds and get the same completions;
+    the engines' shares of a round are disjoint, 5 and 4; each group is counted once (groups_seen = 9 x rounds); the
+    responses the four learners train in a step are the step's batch, each once (8 groups x 2); before the first step
+    and after each sync every engine's greedy completions equal the learner's weights decoded greedily by transformers
+    (the engine started from dummy weights: the first sync replaced all of them); the evaluation agrees on every rank."""
     import json, socket, subprocess, sys
     from pathlib import Path
+    from dapo_ref.data import save_math_dataset
+    from dapo_ref.tiny import tiny_splits
     root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    import tp_worker
+    held = tiny_splits(64, 1, seed=0)[1][:1]  # one held-out problem, two engines
+    eval_data = save_math_dataset(held, tmp_path / "one_problem.jsonl")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-                        str(root / "tests" / "tp_worker.py"), str(tmp_path), "vllm", "3"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", port,
+                        str(root / "tests" / "tp_worker.py"), str(tmp_path), "vllm", "3", str(eval_data)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=900)  # hang guard
     assert p.returncode == 0, p.stderr[-4000:]
-    r0, r1 = [json.loads((tmp_path / f"vllm{r}.json").read_text()) for r in (0, 1)]
-    assert r0["generated"] == r1["generated"]  # identical prompts, seeds and completions on the engine's two ranks
-    rounds = [g for g in r0["generated"] if g["seed"] is not None and len(g["prompts"]) == 16]  # training rounds
-    assert len(rounds) == sum(r["gen_rounds"] for r in r0["rows"]) >= 2
-    assert all(len({tuple(q) for q in g["prompts"]}) == 16 for g in rounds)  # the whole round on the one engine
-    assert [r["groups_seen"] for r in r0["rows"]] == [16 * r["gen_rounds"] for r in r0["rows"]]  # each group once
-    assert r0["learner"] == "DeepSpeedLearner" and r0["rows"][-1]["grad_updates"] == 4  # 8 groups x 4 / 16, 2 steps
-    assert len(r0["pairs"]) == 3
-    for a in (r0, r1):
-        for pair in a["pairs"]:
-            assert pair["engine"] == pair["learner"]  # the weights the engine serves are the learner's
-    assert r0["pairs"][0]["engine"] != r0["pairs"][-1]["engine"]  # the updates moved the greedy path: not a blind check
-    untimed = lambda ev: {k: v for k, v in ev.items() if not k.startswith("time")}
-    assert untimed(r0["eval"]) == untimed(r1["eval"]) and 0 <= r0["eval"]["eval_acc"] <= 1  # held-out set on the engine
-    assert r0["update_order"] == ["update", "release", "load", "release", "reset_prefix_cache"]
-    assert "no sleep mode" in r0["missing_steps"][0]
+    r = [json.loads((tmp_path / f"vllm{k}.json").read_text()) for k in range(4)]
+    assert all(x["rc"] == 0 and x["world"] == 4 for x in r)
+    assert r[0]["engine_kwargs"]["distributed_executor_backend"] == "external_launcher"
+    assert all(x["vllm_dp"] == 1 for x in r)  # independent engines: vLLM itself runs no data-parallel group
+    assert r[0]["engine_kwargs"]["load_format"] == "dummy"
+    assert r[0]["generated"] == r[1]["generated"] and r[2]["generated"] == r[3]["generated"]  # one engine, one stream
+    G = tp_worker.VLLM_G
+    train0 = [g for g in r[0]["generated"] if g["seed"] is not None and g["n"] == G]  # the training rounds
+    train1 = [g for g in r[2]["generated"] if g["seed"] is not None and g["n"] == G]
+    rows = r[0]["rows"]
+    assert len(train0) == len(train1) == sum(x["gen_rounds"] for x in rows)  # every round on both engines
+    assert sum(x["gen_rounds"] for x in rows) > len(rows)  # dynamic sampling dropped groups: rounds were resampled
+    for a, b in zip(train0, train1):
+        pa, pb = {tuple(q) for q in a["prompts"]}, {tuple(q) for q in b["prompts"]}
+        assert (len(pa), len(pb)) == (5, 4) and not pa & pb  # uneven, disjoint shares of the round's 9 prompts
+    assert [x["groups_seen"] for x in rows] == [tp_worker.VLLM_GEN * x["gen_rounds"] for x in rows]  # each group once
+    untimed = lambda rows: [{k: v for k, v in x.items() if not k.endswith("per_s")} for x in rows]  # rates: each rank's clock
+    assert all(untimed(x["rows"]) == untimed(rows) for x in r)  # every rank's step rows agree
+    for s in range(len(rows)):
+        union = [tuple(map(tuple, pr)) for x in r for pr in x["trained"][s]]
+        per_prompt = {}
+        for q, resp in union: per_prompt.setdefault(q, []).append(resp)
+        assert len(union) == 8 * G and len(per_prompt) == 8 and all(len(v) == G for v in per_prompt.values())
+    assert rows[-1]["grad_updates"] == 4  # 8 groups x 2 / 8 per update, 2 steps
+    for x in r:
+        assert len(x["pairs"]) == 3 and all(pair["engine"] == pair["learner"] for pair in x["pairs"])  # the learner's weights
+    assert r[0]["pairs"][0]["engine"] != r[0]["pairs"][-1]["engine"]  # the updates moved the greedy path: not a blind check
+    assert r[0]["n_eval"] == 1 and len(r[0]["eval"]) == 2  # held-out at the start and the end, on every rank alike
+    assert all(x["eval"] == r[0]["eval"] for x in r) and 0 <= r[0]["eval"][-1]["eval_acc"] <= 1
+    evals = lambda x: [g for g in x["generated"] if g["n"] == 1 and g["seed"] is not None]
+    assert len(evals(r[0])) == 2 and evals(r[2]) == []  # engine 1 had nothing to evaluate: it never called generate
+    assert r[0]["update_order"] == ["update", "release", "load", "release", "reset_prefix_cache"]
+    assert "no sleep mode" in r[0]["missing_steps"][0]

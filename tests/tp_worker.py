@@ -1,8 +1,9 @@
 """One rank of the rollout-group checks in tests/test_tp.py (run it with torchrun, or alone for the one-process reference).
 
     torchrun --nproc_per_node 2 tests/tp_worker.py OUT_DIR TP     # TP = vllm_tensor_parallel (1 or 2)
+    KILL_RANK=3 DIST_TIMEOUT=60 (4 ranks) ... OUT_DIR 2             # rank 3 kills itself (SIGKILL) before the first step
     python tests/tp_worker.py OUT_DIR 1                            # one process
-    torchrun --nproc_per_node 2 tests/tp_worker.py OUT_DIR vllm ZERO   # real vLLM, TP 2 over both ranks (.venv-vllm)
+    torchrun --nproc_per_node 4 tests/tp_worker.py OUT_DIR vllm ZERO EVAL   # real vLLM: 2 engines at TP 2 (.venv-vllm)
 
 Two DAPO steps of the real `Trainer` (tiny policy, plain learner, dynamic sampling) with a recording stand-in for
 the vLLM engine: `RecordingEngine` is a `VLLMRolloutEngine` whose `vllm.LLM` is replaced by a recorder, so
@@ -14,12 +15,12 @@ and seed therefore return the same completions, as vLLM's external_launcher engi
 Each rank writes OUT_DIR/rank{r}.json: its generate calls (prompts, seed, completions), the recorder's memory calls,
 the responses its learner trained in each step, and the step rows.
 
-`vllm ZERO`: the Trainer as `dapo-train` builds it from recipes/tiny-cpu.yaml (smaller steps), rollout_backend vllm with
-vllm_tensor_parallel 2 (one vLLM engine over both ranks, external_launcher) and the learner at zero_stage ZERO on the same
-ranks. Before the first step and after each of two steps (each ending with the engine's update order and weight sync)
-both ranks compare the engine's greedy completions of four training prompts with the learner's own weights decoded
-greedily by transformers. Each rank writes OUT_DIR/vllm{r}.json: every generate call (prompts, seed, completions),
-the greedy pairs, the held-out evaluation, the engine's update order and the step rows."""
+`vllm ZERO EVAL`: `dapo-train` itself (recipes/tiny-cpu.yaml, smaller steps) with rollout_backend vllm and
+vllm_tensor_parallel 2: world / 2 independent vLLM engines, each over two consecutive ranks (external_launcher), the
+learner at zero_stage ZERO on the same ranks, the held-out set EVAL (a file). Recorders around the engine's generate,
+the learner's update, the trainer's step and evaluation; before the first step and after each step every rank compares
+the engine's greedy completions of four training prompts with the learner's own weights decoded greedily by
+transformers. Each rank writes OUT_DIR/vllm{r}.json."""
 import hashlib, json, os, sys
 from pathlib import Path
 
@@ -65,6 +66,7 @@ def recording_engine(tokenizer, truths: dict):
     eng = RecordingEngine.__new__(RecordingEngine)
     eng.llm, eng.sleep_mode, eng.weight_bucket_bytes, eng._shapes, eng._tied = _LLMRecorder(), True, 0, None, False
     eng._asleep = eng._weights_awake = False
+    eng.loaded = True  # the recorder answers from the start (a real engine with load_format="dummy" waits for a load)
     eng.update_order, eng.missing_steps = update_order(sleep_mode=True)  # the GPU order
     eng._release = lambda: eng.llm.calls.append("release")
     eng.generated, eng.eos_ids, eng.seeded_requests = [], None, True
@@ -83,7 +85,8 @@ def main(out: Path, tp: int):
     cfg = config_from_dict(dict(model="tiny", group_size=G, prompts_per_step=P, gen_batch_size=GEN, mini_batch_size=MINI,
                                 max_num_gen_batches=10, lr=1e-4, warmup_steps=0, l_max=32, l_cache=8, dtype="float32",
                                 gpus_per_node=world, rollout_backend="vllm", vllm_tensor_parallel=tp,
-                                vllm_enable_chunked_prefill=False, output_dir=str(out / f"run{world}-{tp}")))
+                                vllm_enable_chunked_prefill=False, output_dir=str(out / f"run{world}-{tp}"),
+                                dist_timeout=float(os.environ.get("DIST_TIMEOUT", 1800))))
     check = T.check_run
     if T.importlib.util.find_spec("vllm") is None:  # the recorder stands in for vLLM, which this environment lacks:
         T.check_run = lambda c, w: (check(dataclasses.replace(c, rollout_backend="hf", vllm_tensor_parallel=1,  # every other check
@@ -96,6 +99,8 @@ def main(out: Path, tp: int):
         trained[-1] += [[list(p), list(r)] for p, r in zip(mini.prompt_ids, mini.response_ids)]
         return update(mini, old)
     tr.learner.update = recording_update
+    if os.environ.get("KILL_RANK") == str(rank):  # kill -9 of this rank as the job starts its first step
+        import signal; os.kill(os.getpid(), signal.SIGKILL)
     rows, weights = [], []
     for _ in range(STEPS):
         trained.append([])
@@ -108,46 +113,77 @@ def main(out: Path, tp: int):
     dist.barrier()
 
 
-def main_vllm(out: Path, zero: int):
+def main_vllm(out: Path, zero: int, eval_data: str):
+    """`dapo-train` itself (`dapo_ref.train.main`) on this rank of a torchrun job: real vLLM engines at TP 2 (world / 2
+    of them, independent), the learner at zero_stage ZERO on the same ranks, 2 steps; with recorders wrapped around the
+    engine's generate, the learner's update, the trainer's step and evaluation, and an engine-vs-learner greedy check
+    before the first step and after each (the weights the engine serves are the learner's, on every rank)."""
     import time
-    from dapo_ref import dist
+    from dapo_ref import dist, train
     from dapo_ref import trainer as T
-    from dapo_ref.core import load_config
     from dapo_ref.rollout import HFRolloutEngine, SamplingParams
-    t0 = time.perf_counter()
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"), dict(
-        rollout_backend="vllm", vllm_tensor_parallel=2, vllm_enable_chunked_prefill=False, vllm_gpu_memory_utilization=0.3,
-        vllm_enforce_eager=True,  # no torch.compile of the model on the CPU: the engine starts in seconds
-        zero_stage=zero, gpus_per_node=int(os.environ["WORLD_SIZE"]), group_size=4, prompts_per_step=8, gen_batch_size=16,
-        mini_batch_size=16, total_steps=2, eval_every=0, eval_k=1, output_dir=str(out / "run")))
-    # ZeRO-3 partitioned construction (`DeepSpeedLearner.build_model`) needs accelerate, which .venv-vllm lacks: there the
-    # learner wraps a whole model that deepspeed.initialize partitions (the same optimizer, update and weight stream)
-    model = None if T.importlib.util.find_spec("accelerate") else T.load_model(cfg.model, cfg.dtype)
-    tr = T.Trainer(cfg, model=model, progress=False, log=None)
-    eng, rank = tr.engine, dist.rank()
-    t_built = time.perf_counter() - t0
-    generated, gen = [], eng.generate
-    def recording_generate(prompts, params, use_tqdm=False):
-        comps = gen(prompts, params, use_tqdm)
-        generated.append(dict(prompts=[list(p) for p in prompts], seed=params.seed, completions=[c.token_ids for c in comps]))
+    from dapo_ref.vllm_rollout import VLLMRolloutEngine, vllm_engine_kwargs
+    t0, world = time.perf_counter(), int(os.environ["WORLD_SIZE"])
+    rec = dict(generated=[], trained=[], pairs=[], rows=[], eval=[])
+    greedy = SamplingParams(n=1, temperature=0, max_tokens=24)
+
+    gen = VLLMRolloutEngine.generate
+    def generate(self, prompts, params, use_tqdm=False):
+        comps = gen(self, prompts, params, use_tqdm)
+        rec["generated"].append(dict(prompts=[list(p) for p in prompts], seed=params.seed, n=params.n,
+                                     completions=[c.token_ids for c in comps]))
         return comps
-    eng.generate = recording_generate
-    greedy, probe, pairs = SamplingParams(n=1, temperature=0, max_tokens=24), tr.prompt_ids[:4], []
-    def compare():  # every rank: the engine's greedy vs the learner's weights in transformers (a collective under ZeRO-3)
-        got = [c.token_ids for c in eng.generate(probe, greedy)]
-        hf = HFRolloutEngine(tr.learner.policy_copy(), eos_token_id=eng.eos_ids, pad_token_id=tr.pad_id)
-        pairs.append(dict(engine=got, learner=[c.token_ids for c in hf.generate(probe, greedy)]))
-    compare()
-    rows = []
-    for _ in range(2):
-        rows.append(tr.step()); compare()
-    ev = tr.evaluate()  # the held-out set on the engine: both ranks pass the same prompts, rank 0's result counts
-    json.dump(dict(rank=rank, generated=generated, pairs=pairs, eval=ev, n_eval=len(tr.eval_examples), update_order=list(eng.update_order),
-                   missing_steps=eng.missing_steps, learner=type(tr.learner).__name__, build_s=t_built,
-                   total_s=time.perf_counter() - t0, vllm=eng.vllm_version,
-                   rows=[{k: v for k, v in r.items() if isinstance(v, (int, float, str))} for r in rows]),
-              open(out / f"vllm{rank}.json", "w"))
-    dist.barrier()
+    VLLMRolloutEngine.generate = generate
+
+    upd = T.Learner.update
+    def update(self, mini, old):  # the responses this rank's learner trains on
+        rec["trained"][-1] += [[list(p), list(r)] for p, r in zip(mini.prompt_ids, mini.response_ids)]
+        return upd(self, mini, old)
+    T.Learner.update = update
+
+    def compare(tr):  # every rank: the engine's greedy vs the learner's weights in transformers (a collective under ZeRO-3)
+        probe = tr.prompt_ids[:4]
+        got = [c.token_ids for c in gen(tr.engine, probe, greedy)]  # unrecorded
+        hf = HFRolloutEngine(tr.learner.policy_copy(), eos_token_id=tr.engine.eos_ids, pad_token_id=tr.pad_id)
+        rec["pairs"].append(dict(engine=got, learner=[c.token_ids for c in hf.generate(probe, greedy)]))
+
+    fit, step, evaluate = T.Trainer.fit, T.Trainer.step, T.Trainer.evaluate
+    def fit_(self, *a, **k):
+        rec.update(learner=type(self.learner).__name__, update_order=list(self.engine.update_order),
+                   missing_steps=self.engine.missing_steps, vllm=self.engine.vllm_version, n_eval=len(self.eval_examples),
+                   engine_kwargs=vllm_engine_kwargs(self.cfg, self.world),
+                   vllm_dp=self.engine.llm.llm_engine.vllm_config.parallel_config.data_parallel_size)
+        compare(self)
+        return fit(self, *a, **k)
+    def step_(self):
+        rec["trained"].append([])
+        row = step(self)
+        rec["rows"].append({k: v for k, v in row.items() if isinstance(v, (int, float, str)) and not k.startswith("time")})
+        compare(self)
+        return row
+    def evaluate_(self):
+        ev = evaluate(self)
+        rec["eval"].append({k: v for k, v in ev.items() if not k.startswith("time")})
+        return ev
+    T.Trainer.fit, T.Trainer.step, T.Trainer.evaluate = fit_, step_, evaluate_
+
+    rc = train.main(["--config", str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"), "--threads", "1",
+                     "--quiet", "rollout_backend=vllm", "vllm_tensor_parallel=2", "vllm_enable_chunked_prefill=false",
+                     "vllm_gpu_memory_utilization=0.3",
+                     "vllm_enforce_eager=true",  # no torch.compile of the model on the CPU: the engine starts in seconds
+                     f"zero_stage={zero}", f"gpus_per_node={world}", f"group_size={VLLM_G}", "prompts_per_step=8",
+                     f"gen_batch_size={VLLM_GEN}", "max_num_gen_batches=10", "mini_batch_size=8", "total_steps=2",
+                     "eval_every=0", "eval_k=1", f"eval_data={eval_data}", "save_every=0",
+                     f"dist_timeout={VLLM_DIST_TIMEOUT}", f"output_dir={out / 'run'}"])
+    rec.update(rank=dist.rank(), world=world, rc=rc, total_s=time.perf_counter() - t0)
+    json.dump(rec, open(out / f"vllm{dist.rank()}.json", "w"))
+    return rc
+
+
+VLLM_G = 2    # responses per prompt: about half the groups are all-equal (dropped) at the warm start's ~45% accuracy
+VLLM_GEN = 9  # prompts per generation round: 5 on engine 0, 4 on engine 1 (uneven); 8 of 9 must be kept to finish a step
+              # in one round (P ~ 10/512 at a drop rate of 1/2): steps take several rounds
+VLLM_DIST_TIMEOUT = 120  # seconds a rank may wait in a collective in the test: a hung engine fails the job, not the suite
 
 
 if __name__ == "__main__":
@@ -155,7 +191,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-    if sys.argv[2] == "vllm": main_vllm(out, int(sys.argv[3]))  # vLLM tears down its groups at exit (needs the job's group)
+    if sys.argv[2] == "vllm": sys.exit(main_vllm(out, int(sys.argv[3]), sys.argv[4]))  # vLLM tears down its groups at exit
     else:
         main(out, int(sys.argv[2]))
         import torch.distributed
