@@ -18,8 +18,8 @@ from .sampling import DynamicSamplingError
 # %% auto #0
 __all__ = ['FROZEN', 'FREE', 'STATE_KEYS', 'WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT', 'run_contents',
            'check_writable', 'prepare_output_dir', 'resume_changes', 'safetensors_problem', 'checkpoint_problem',
-           'newest_loadable_checkpoint', 'CheckpointError', 'checkpoint_error', 'adamw_preview', 'UpdateGuard',
-           'DivergenceError', 'divergence_error', 'SamplingWatch']
+           'newest_loadable_checkpoint', 'CheckpointError', 'checkpoint_error', 'max_abs_weight', 'UpdateGuard',
+           'DivergenceError', 'divergence_error', 'blown_error', 'SamplingWatch']
 
 # %% ../nbs/09c_runs.ipynb #6b6f1360
 def run_contents(out: str | Path) -> list[str]:
@@ -187,68 +187,75 @@ def checkpoint_error(e: BaseException,  # what the write raised
 
 # %% ../nbs/09c_runs.ipynb #ef143ce6
 WEIGHT_GROWTH = 10.0   # an update may make the largest |weight| at most this many times larger
-MAX_BAD_UPDATES = 3    # rejected updates in a row that stop the run
+MAX_BAD_UPDATES = 3    # skipped updates in a row that stop the run
 
 @torch.no_grad()
-def adamw_preview(opt: torch.optim.Optimizer,  # AdamW (torch, DeepSpeed's FusedAdam / CPUAdam) with gradients in place
-                  chunk: int = 1 << 22,         # elements per temporary, so the preview needs little memory
-                 ) -> tuple[int, int, float, float]:
-    "The AdamW step `opt` would take now, computed aside: (non-finite gradients, non-finite new weights, max |w| before, max |w| after)."
-    bad_g = bad_w = 0
-    before = after = 0.0
+def max_abs_weight(opt: torch.optim.Optimizer,  # its parameters: this rank's (its ZeRO partition inside DeepSpeed)
+                  ) -> float:
+    "The largest |w| over the parameters `opt` updates, on all ranks; inf when one is not finite. One pass, one all-reduce."
+    m = 0.0
     for group in opt.param_groups:
-        (b1, b2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
         for p in group["params"]:
-            if p.grad is None: continue  # AdamW leaves such a parameter alone
-            st = opt.state.get(p, {})
-            t = float(st.get("step", group.get("step", 0))) + 1
-            bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-            w_, g_ = p.detach().view(-1), p.grad.detach().view(-1)
-            m_, v_ = st.get("exp_avg"), st.get("exp_avg_sq")
-            for s in range(0, w_.numel(), chunk):
-                w, g = w_[s:s + chunk].float(), g_[s:s + chunk].float()
-                m = g * (1 - b1) + (m_.view(-1)[s:s + chunk].float() * b1 if m_ is not None else 0)
-                v = g * g * (1 - b2) + (v_.view(-1)[s:s + chunk].float() * b2 if v_ is not None else 0)
-                new = w * (1 - lr * wd) - lr / bc1 * m / (v.sqrt() / math.sqrt(bc2) + eps)
-                bad_g += int((~torch.isfinite(g)).sum()); bad_w += int((~torch.isfinite(new)).sum())
-                before = max(before, float(w.abs().max()))
-                after = max(after, float(new.abs().nan_to_num(math.inf, math.inf, math.inf).max()))
-    return bad_g, bad_w, before, after
+            if p.numel() == 0: continue  # an empty ZeRO partition
+            v = float(p.detach().abs().max())
+            m = max(m, v if math.isfinite(v) else math.inf)  # max(0.0, nan) would be 0.0
+    return dist.all_reduce([m], "max")[0]
 
 # %% ../nbs/09c_runs.ipynb #1fa3b317
 class UpdateGuard:
-    "Installed on a torch optimizer: its step runs only when the loss, the gradient and the updated weights are finite and the largest weight grows at most `growth` times; all ranks decide together."
+    """Installed on a torch optimizer: a step whose loss or global gradient norm is not finite is skipped (`reason`);
+    after a step, the largest |weight| must stay finite and grow at most `growth` times, else `blown` says so (the
+    trainer then stops). All ranks decide together."""
     def __init__(self, opt: torch.optim.Optimizer,  # the torch optimizer (inside DeepSpeed's wrapper: its `.optimizer`)
-                 growth: float = WEIGHT_GROWTH):
-        self.opt, self.growth, self.loss, self.reason = opt, growth, 0.0, None
+                 growth: float = WEIGHT_GROWTH,
+                 grad_norm: Callable[[], float | None] = lambda: None,  # the global norm the step was clipped with
+                ):
+        self.opt, self.growth, self.grad_norm = opt, growth, grad_norm
+        self.loss, self.reason, self.blown, self.wmax = 0.0, None, None, None
         inner = opt.step
         def step(*args, **kwargs):
-            if self.check(): return inner(*args, **kwargs)
+            if not self.check(): return None
+            if self.wmax is None: self.wmax = max_abs_weight(self.opt)  # the first step: the starting weights'
+            out = inner(*args, **kwargs)
+            self.after_step()
+            return out
         step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", False)  # torch's scheduler must not re-wrap it
         opt.step = step
 
     def check(self) -> bool:
-        "Decide whether the pending step may run; sets `reason` (None, or why not). A collective on N ranks."
-        bad_g, bad_w, before, after = adamw_preview(self.opt)
-        bad_g, bad_w, bad_loss = dist.all_reduce([bad_g, bad_w, float(not math.isfinite(self.loss))])
-        before, after = dist.all_reduce([before, after], "max")
-        self.reason = (f"the loss is {self.loss}" if bad_loss else
-                       f"{int(bad_g)} gradient entries are not finite" if bad_g else
-                       f"{int(bad_w)} updated weights would not be finite" if bad_w else
-                       f"the largest |weight| would grow from {before:.3g} to {after:.3g}, more than {self.growth:g}x"
-                       if after > self.growth * before else None)
+        "Before the step: may it run? Sets `reason` (None, or why not). Reads numbers computed anyway; one all-reduce."
+        gn = self.grad_norm()
+        gn = None if gn is None else float(gn)
+        bad_loss, bad_g = dist.all_reduce([float(not math.isfinite(self.loss)),
+                                           float(gn is not None and not math.isfinite(gn))], "max")
+        self.reason = ("the loss is not finite" if bad_loss else
+                       f"the gradient norm is not finite ({gn})" if bad_g else None)
         return self.reason is None
+
+    def after_step(self):
+        "After the step: `blown` when the largest |weight| is not finite or grew more than `growth` times."
+        after = max_abs_weight(self.opt)
+        if not after <= self.growth * self.wmax:  # also true for inf and nan
+            self.blown = (f"the largest |weight| grew from {self.wmax:.3g} to {after:.3g} in one update, "
+                          f"more than {self.growth:g}x")
+        self.wmax = after
 
 # %% ../nbs/09c_runs.ipynb #fb836dfd
 class DivergenceError(RuntimeError):
-    "Training stopped: `MAX_BAD_UPDATES` updates in a row were rejected by the `UpdateGuard`."
+    "Training stopped: an update blew the weights up, or `MAX_BAD_UPDATES` updates in a row could not be applied."
 
 def divergence_error(n: int, reason: str, lr: float) -> DivergenceError:
-    "The one-line message that stops a run whose updates keep being rejected: what happened, and a smaller lr."
-    return DivergenceError(f"stopped after {n} gradient updates in a row were rejected (last one: {reason}); no "
-                           f"rejected update reached the weights or a checkpoint. lr = {lr:g} is probably too large: "
+    "The one-line message that stops a run whose updates keep being skipped: what happened, and a smaller lr."
+    return DivergenceError(f"stopped after {n} gradient updates in a row were skipped (last one: {reason}); no "
+                           f"skipped update reached the weights or a checkpoint. lr = {lr:g} may be too large: "
                            f"train again with a smaller lr (e.g. lr={lr / 100:g}; the paper uses 1e-6) in a new "
                            "output_dir or with --overwrite")
+
+def blown_error(update: int, reason: str, lr: float) -> DivergenceError:
+    "The one-line message that stops a run at the update that blew its weights up."
+    return DivergenceError(f"stopped at gradient update {update}: {reason}; the run stopped before any checkpoint or "
+                           f"export held those weights. lr = {lr:g} is probably too large: train again with a smaller "
+                           f"lr (e.g. lr={lr / 100:g}; the paper uses 1e-6) in a new output_dir or with --overwrite")
 
 # %% ../nbs/09c_runs.ipynb #430f79af
 SAMPLING_TIMEOUT = 3600.0  # seconds one rollout step's unbounded dynamic sampling may run (dapo-train --sampling-timeout)

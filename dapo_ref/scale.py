@@ -90,6 +90,10 @@ class DeepSpeedLearner(Learner):
         self.engine.set_gradient_accumulation_boundary(last)  # reduce (ZeRO-2) / reduce-scatter (ZeRO-3) after the last
         self.engine.backward(loss * self.world)  # DeepSpeed averages over ranks; the loss is a global mean: undo it here
 
+    def clip_norm(self) -> float | None:  # DeepSpeed's global norm over all partitions, set before its torch optimizer steps
+        gn = getattr(self.opt, "_global_grad_norm", None)
+        return None if gn is None else float(gn)
+
     def optimizer_step(self) -> float:
         self.engine.step()  # clip the global norm, AdamW on this rank's partition
         gn = self.engine.get_global_grad_norm()

@@ -21,7 +21,7 @@ from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
 from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
 from .sampling import DynamicSamplingBuffer, DynamicSamplingError
-from .runs import (MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, UpdateGuard, checkpoint_error, divergence_error,
+from .runs import (MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, UpdateGuard, blown_error, checkpoint_error, divergence_error,
                            newest_loadable_checkpoint, prepare_output_dir)
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
 from .zero import gather_batch, balanced_share
@@ -341,7 +341,7 @@ class Learner:
         self.net = model if net is None else net
         for g in optimizer.param_groups: g.setdefault("initial_lr", g["lr"])
         self.sched = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(cfg.warmup_steps))
-        self.guard = UpdateGuard(optimizer)  # runs: a step runs only if loss, gradient and new weights are sane
+        self.guard = UpdateGuard(optimizer, grad_norm=self.clip_norm)  # runs: skips non-finite steps, flags blow-ups
 
     @classmethod
     def build(cls, cfg: DAPOConfig, pad_token_id: int, model=None) -> "Learner":
@@ -357,6 +357,7 @@ class Learner:
     def zero_grad(self): pass
     def backward(self, loss: Tensor, last: bool): raise NotImplementedError  # `last`: the mini-batch's last pass
     def optimizer_step(self) -> float: raise NotImplementedError  # clip, step (or skip); returns the grad norm
+    def clip_norm(self) -> float | None: return None  # the global grad norm the pending step was clipped with (the guard reads it)
     def end_step(self): self.sched.step()  # one rollout step of the warm-up schedule
 
 # %% ../nbs/09_trainer.ipynb #77ee1df8
@@ -442,8 +443,10 @@ def update(self: Learner, batch: RolloutBatch,  # this rank's share of one mini-
         total += float(loss.detach()); weight += w
         if w: rmin, rmax = min(rmin, m["ratio_min"]), max(rmax, m["ratio_max"])
         for key in METRIC_KEYS: sums[key] += m.get(key, 0.0) * w  # token-weighted means over micro-batches
-    self.guard.loss, self.guard.reason = total, None  # the guard inside optimizer_step reads the loss, sets a reason
+    self.guard.loss, self.guard.reason, self.guard.blown = total, None, None  # the guard inside optimizer_step reads the loss
     grad_norm = self.optimizer_step()
+    if self.guard.reason is None and not math.isfinite(grad_norm):  # DeepSpeed skipped it itself (its overflow check)
+        self.guard.reason = f"the gradient norm is not finite ({grad_norm})"
     tot = dist.all_reduce([sums[k] for k in METRIC_KEYS] + [weight, total])
     lo, hi = dist.all_reduce([rmin], "min")[0], dist.all_reduce([rmax], "max")[0]
     W = tot[len(METRIC_KEYS)]
@@ -501,12 +504,14 @@ class TorchLearner(Learner):
     def backward(self, loss: Tensor, last: bool): loss.backward()
 
     def optimizer_step(self) -> float:
-        "Sum the gradients over ranks, clip the global norm, AdamW step (which `self.guard` skips unless it is sane)."
+        "Sum the gradients over ranks, clip the global norm, AdamW step (which `self.guard` skips when not finite)."
         params = [p for p in self.model.parameters() if p.requires_grad]
         dist.all_reduce_tensors([p.grad for p in params if p.grad is not None])  # Spinning Up's mpi_avg_grads, as a sum
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        self.opt.step()  # the UpdateGuard installed on it runs AdamW only if loss, gradient and new weights are sane
+        self._gn = grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        self.opt.step()  # the UpdateGuard installed on it skips a non-finite step and checks the weights after it
         return grad_norm
+
+    def clip_norm(self) -> float | None: return getattr(self, "_gn", None)
 
     def save(self, path: str | Path):
         "Weights (safetensors) and AdamW + schedule state (`learner_state.pt`); rank 0 writes, every rank calls."
@@ -642,7 +647,7 @@ class Trainer:
         self.engine = engine or make_engine(cfg, self.learner, tokenizer, self.pad_id)
         self.sampler = PromptSampler(len(train_examples), cfg.seed)
         self.step_idx, self.grad_updates, self.rows = 0, 0, []
-        self.bad_updates, self.max_bad_updates = 0, MAX_BAD_UPDATES  # rejected updates in a row; that many stop the run
+        self.bad_updates, self.max_bad_updates = 0, MAX_BAD_UPDATES  # skipped updates in a row; that many stop the run
         self.sampling_timeout = SAMPLING_TIMEOUT  # seconds a step's unbounded dynamic sampling may run
         self.out = Path(cfg.output_dir)
         main = self.rank == 0
@@ -701,6 +706,8 @@ def train_on(self: Trainer, batch: RolloutBatch,  # this rank's responses of the
     for mini, (old_logp, _) in zip(tqdm(minis, desc="update", leave=False, disable=not self._bars), olds):
         updates.append(self.learner.update(mini, old_logp))  # line 11
         self.grad_updates += 1
+        if self.learner.guard.blown:  # applied, and the weights blew up: stop before anything saves them
+            raise blown_error(self.grad_updates, self.learner.guard.blown, self.cfg.lr)
         why = self.learner.guard.reason  # None: applied; else why the update was not
         self.bad_updates = self.bad_updates + 1 if why else 0
         if why: self.log(f"step {self.step_idx}: gradient update {self.grad_updates} not applied: {why}")

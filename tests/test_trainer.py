@@ -284,25 +284,38 @@ SMALL = ["prompts_per_step=2", "gen_batch_size=4", "group_size=4", "mini_batch_s
 
 
 def test_lr_1e10_never_reaches_a_checkpoint_and_stops_with_the_lr_message(tmp_path):
-    """lr = 1e10 with grad clipping: AdamW's first step would make every weight ~1e10 (finite). The guard rejects
-    each update, the checkpoints of steps 1-2 hold the starting weights, and after 3 rejections the run stops."""
-    from safetensors.torch import load_file
-    from dapo_ref.runs import MAX_BAD_UPDATES
-    from dapo_ref.trainer import load_model
+    """lr = 1e10 with grad clipping: AdamW's first step makes every weight ~1e10 (finite). The guard sees the largest
+    |weight| grow ~1e10 times in that update and the run stops there: no checkpoint, no export, no metrics row of the
+    step; the message names lr."""
     run = tmp_path / "run"
     p = _run_cli([*SMALL, "lr=1e10", "total_steps=5", "save_every=1", "--keep-checkpoints", "0", f"output_dir={run}"])
-    out, err = p.communicate(timeout=300)
+    out, err = p.communicate(timeout=300)  # hang guard
     assert p.returncode == 1 and "Traceback" not in err, err
+    assert "stopped at gradient update 1: the largest |weight| grew from" in err, err
     assert "lr = 1e+10 is probably too large" in err and "smaller lr" in err, err
-    w0 = load_model("tiny").state_dict()  # the starting weights
-    cks = sorted((run / "checkpoints").glob("step-*"))
-    assert [c.name for c in cks] == ["step-1", "step-2"] and MAX_BAD_UPDATES == 3  # step 3's rejection stops it
-    for ck in cks:  # every update was rejected before AdamW ran: the weights are the starting ones, bit for bit
-        saved = load_file(ck / "model.safetensors")
-        assert saved and all(torch.equal(t, w0[name]) for name, t in saved.items()), ck.name
+    assert not list(run.glob("checkpoints/step-*")) and not (run / "final").exists()  # nothing holds the blown weights
     rows = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(r["skipped_updates"] == 1 for r in rows[1:])
+    assert [r["step"] for r in rows] == [0]  # the start's held-out evaluation only
     assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+
+
+def test_a_nan_loss_is_skipped_and_three_in_a_row_stop_the_run(tmp_path, policy, monkeypatch):
+    """A loss that is not finite (here: every advantage NaN) skips its update, weights and AdamW state untouched;
+    MAX_BAD_UPDATES skips in a row stop the run with the skip message, before a checkpoint holds anything new."""
+    from dapo_ref import trainer as T
+    from dapo_ref.runs import DivergenceError, MAX_BAD_UPDATES
+    model, tok = fresh(policy)
+    w0 = {n: t.clone() for n, t in model.state_dict().items()}
+    make = T.make_batch
+    monkeypatch.setattr(T, "make_batch", lambda *a, **k: (lambda b: (b.advantages.fill_(float("nan")), b)[1])(make(*a, **k)))
+    cfg = tiny_cfg(tmp_path, total_steps=5, eval_every=0, eval_k=1, save_every=0, prompts_per_step=2, gen_batch_size=4,
+                   group_size=4, mini_batch_size=8, dynamic_sampling=False, warmup_steps=0)
+    tr = Trainer(cfg, model=model, tokenizer=tok, eval_examples=[], progress=False, log=None)
+    with pytest.raises(DivergenceError, match=r"3 gradient updates in a row were skipped \(last one: the loss is not finite\)"):
+        tr.fit()
+    assert MAX_BAD_UPDATES == 3 and tr.step_idx == 3 and tr.learner.guard.blown is None
+    assert all(torch.equal(t, w0[n]) for n, t in tr.learner.model.state_dict().items())  # no skipped update applied
+    assert not list((tmp_path / "run").glob("checkpoints/step-*"))
 
 
 def test_resume_skips_a_truncated_checkpoint_keeps_it_and_applies_total_steps(tmp_path, capsys):
@@ -364,26 +377,29 @@ def test_unbounded_dynamic_sampling_prints_progress_and_stops_at_the_timeout(tmp
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_learner_rejects_a_blow_up_on_its_partition(tmp_path, policy, stage):
-    """ZeRO-2/3 on one rank: the guard sits on the torch optimizer inside DeepSpeed's (its fp32 partition), so
-    lr = 1e10 leaves every weight as it was, and a sane lr goes through."""
+def test_deepspeed_learner_guards_its_partition(tmp_path, policy, stage):
+    """ZeRO-2/3 on one rank: the guard sits on the torch optimizer inside DeepSpeed's (its fp32 partition). One learner,
+    three updates: lr = 1e-3 goes through unflagged; a NaN advantage (a loss that is not finite) is skipped, every weight
+    as it was; then lr = 1e10 (set on the optimizer's groups) is applied and flagged as a blow-up (the trainer stops)."""
     pytest.importorskip("deepspeed")
     from dapo_ref.scale import DeepSpeedLearner
     from dapo_ref.trainer import RolloutBatch
     tok = policy[1]
     ids = tok.encode("1+1=", add_special_tokens=False)
-    batch = RolloutBatch([ids] * 4, [ids[:3], ids[:2], ids[:3], ids[:1]], torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                         torch.zeros(4, dtype=torch.bool), torch.tensor([1.0, -1.0, 1.0, -1.0]))
-    for lr, applied in ((1e10, False), (1e-3, True)):
-        cfg = tiny_cfg(tmp_path, zero_stage=stage, lr=lr, warmup_steps=0)
-        learner = DeepSpeedLearner(fresh(policy)[0], cfg, tok.pad_token_id)
+    learner = DeepSpeedLearner(fresh(policy)[0], tiny_cfg(tmp_path, zero_stage=stage, lr=1e-3, warmup_steps=0), tok.pad_token_id)
+    for lr, adv, verdict in ((1e-3, 1.0, "applied"), (1e-3, float("nan"), "skipped"), (1e10, 1.0, "blown")):
+        for group in learner.guard.opt.param_groups: group["lr"] = lr
+        batch = RolloutBatch([ids] * 4, [ids[:3], ids[:2], ids[:3], ids[:1]], torch.tensor([adv, -1.0, 0.5, -0.5]),
+                             torch.zeros(4, dtype=torch.bool), torch.tensor([1.0, -1.0, 1.0, -1.0]))
         before = {n: t.clone() for n, t in learner.named_weights()}
         old, _ = learner.compute_logprobs(batch)
         m = learner.update(batch, old)
-        after = dict(learner.named_weights())
-        same = all(torch.equal(before[n], after[n]) for n in before)
-        assert m["skipped"] == float(not applied) and same != applied, (lr, m, learner.guard.reason)
-        if not applied: assert "would grow from" in learner.guard.reason
+        same = all(torch.equal(before[n], t) for n, t in learner.named_weights())
+        g = learner.guard
+        got = "skipped" if g.reason else "blown" if g.blown else "applied"
+        assert got == verdict and same == (verdict == "skipped") and m["skipped"] == float(verdict == "skipped"), (lr, adv, g.reason, g.blown)
+        if verdict == "blown": assert "grew from" in g.blown and g.wmax > 1e9
+        if verdict == "skipped": assert "not finite" in g.reason
 
 
 GUARD_WORKER = '''
@@ -396,7 +412,7 @@ recipe, stages, out = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys
 rank, world = dist.init_distributed()
 torch.set_num_threads(1)
 res = []
-for stage, lr in [(stage, lr) for stage in stages for lr in (1e10, 1e-3)]:
+for stage, lr in [(stage, lr) for stage in stages for lr in (1e10, 1e-3)]:  # a blow-up on both ranks, then a sane step
     model, tok = load_policy("tiny")
     cfg = load_config(recipe, dict(zero_stage=stage, lr=lr, warmup_steps=0, gpus_per_node=world))
     learner = DeepSpeedLearner(model, cfg, tok.pad_token_id)
@@ -407,7 +423,7 @@ for stage, lr in [(stage, lr) for stage in stages for lr in (1e10, 1e-3)]:
     old, _ = learner.compute_logprobs(batch)
     m = learner.update(batch, old)
     same = all(torch.equal(before[n], t) for n, t in learner.named_weights())
-    res.append(dict(stage=stage, lr=lr, skipped=m["skipped"], same=same, reason=learner.guard.reason))
+    res.append(dict(stage=stage, lr=lr, skipped=m["skipped"], same=same, reason=learner.guard.reason, blown=learner.guard.blown))
 with open(f"{out}/rank{rank}.json", "w") as f: json.dump(res, f)
 dist.barrier()
 torch.distributed.destroy_process_group()  # as the other workers do: no gloo threads left running at exit
@@ -416,8 +432,8 @@ torch.distributed.destroy_process_group()  # as the other workers do: no gloo th
 
 @pytest.mark.slow
 def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path):
-    """Two ranks, ZeRO-2 then ZeRO-3 (one launch): each previews the update of its own partition, the verdict is
-    all-reduced, so both skip lr = 1e10 (weights unchanged on both) and both apply lr = 1e-3."""
+    """Two ranks, ZeRO-2 then ZeRO-3 (one launch): each takes the largest |weight| of its own partition after the step,
+    the maximum is all-reduced, so both flag lr = 1e10 as a blow-up (the same words) and both apply lr = 1e-3 unflagged."""
     import socket
     with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
     (tmp_path / "worker.py").write_text(GUARD_WORKER)
@@ -430,5 +446,5 @@ def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path):
     assert r0 == r1, (r0, r1)  # the same verdict and reason on both ranks
     assert [(r["stage"], r["lr"]) for r in r0] == [(2, 1e10), (2, 1e-3), (3, 1e10), (3, 1e-3)]
     for blown, sane in (r0[0:2], r0[2:4]):
-        assert blown["skipped"] == 1.0 and blown["same"] and "would grow from" in blown["reason"], blown
-        assert sane["skipped"] == 0.0 and not sane["same"] and sane["reason"] is None, sane
+        assert blown["skipped"] == 0.0 and not blown["same"] and "grew from" in blown["blown"], blown
+        assert sane["skipped"] == 0.0 and not sane["same"] and sane["reason"] is None and sane["blown"] is None, sane
