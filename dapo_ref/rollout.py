@@ -5,7 +5,7 @@
 # %% ../nbs/07_rollout.ipynb #20839d4d
 from __future__ import annotations
 import abc, difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypeVar
 
 import torch
@@ -40,6 +40,8 @@ class Completion:
     prompt_index: int           # index into the `prompts` list given to `generate`
     token_ids: list[int]        # response tokens only (no prompt); ends with EOS when finish_reason == "stop"
     finish_reason: str          # "stop": emitted EOS; "length": reached max_tokens without EOS
+    # (len(token_ids),) the sampling engine's log-prob of each sampled token; None where the engine does not report them
+    logprobs: list[float] | None = field(default=None, repr=False)
 
     @property
     def truncated(self) -> bool:

@@ -32,8 +32,8 @@ __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'METRIC_KEYS', 'TIMING_KEYS', 'check_r
            'score_groups', 'generate_groups', 'RolloutBatch', 'make_batch', 'pack_micro_batches', 'collate',
            'forward_logprobs', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators',
            'Learner', 'TorchLearner', 'learner_class', 'strip_timing', 'read_metrics', 'rng_state', 'set_rng_state',
-           'latest_checkpoint', 'plot_curves', 'Remote', 'global_round', 'make_engine', 'Trainer', 'step_metrics',
-           'summary_line', 'train']
+           'latest_checkpoint', 'plot_curves', 'Remote', 'global_round', 'make_engine', 'Trainer', 'rollout_gap',
+           'step_metrics', 'summary_line', 'train']
 
 # %% ../nbs/09_trainer.ipynb #12029f8b
 _VLLM_FIELDS = ("vllm_tensor_parallel", "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager")
@@ -175,6 +175,7 @@ class Group:
     acc: list[bool]                # (G,) correct
     rewards: list[float]           # (G,) score + overlong_penalty_factor * Eq. 13 (when soft_overlong_punishment)
     preds: list[str]               # (G,) extracted answers
+    logps: list | None = None      # (G,) the sampling engine's log-probs of each response's tokens; None if not reported
 
 def score_groups(comps: list[Completion],   # P*G completions, the G of a prompt contiguous
                  tokenizer,                 # decodes responses for the reward
@@ -198,7 +199,8 @@ def score_groups(comps: list[Completion],   # P*G completions, the G of a prompt
         rewards = rewards + cfg.overlong_penalty_factor * overlong_penalty(lengths, cfg.l_max, cfg.l_cache)  # (P*G,)
     return [Group(i, prompt_ids[i], [c.token_ids for c in comps[p * G:(p + 1) * G]],
                   [c.truncated for c in comps[p * G:(p + 1) * G]], scores[p * G:(p + 1) * G].tolist(),
-                  accs[p * G:(p + 1) * G].tolist(), rewards[p * G:(p + 1) * G].tolist(), preds[p * G:(p + 1) * G])
+                  accs[p * G:(p + 1) * G].tolist(), rewards[p * G:(p + 1) * G].tolist(), preds[p * G:(p + 1) * G],
+                  None if any(c.logprobs is None for c in comps) else [c.logprobs for c in comps[p * G:(p + 1) * G]])
             for p, i in enumerate(indices)]
 
 def generate_groups(engine: RolloutEngine,  # sampler holding the old policy
@@ -231,6 +233,7 @@ class RolloutBatch:
     advantages: Tensor             # (B,) group-normalised advantage of each response
     truncated: Tensor              # (B,) bool, response hit l_max
     rewards: Tensor                # (B,)
+    rollout_logp: list | None = None  # B lists: the sampling engine's log-probs of each response's tokens (vLLM); or None
 
     def __len__(self): return len(self.response_ids)
 
@@ -238,16 +241,18 @@ class RolloutBatch:
         "The sub-batch of responses `idx`."
         t = torch.tensor(idx, dtype=torch.long)
         return RolloutBatch([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
-                            self.advantages[t], self.truncated[t], self.rewards[t])
+                            self.advantages[t], self.truncated[t], self.rewards[t],
+                            None if self.rollout_logp is None else [self.rollout_logp[i] for i in idx])
 
 def make_batch(groups: list[Group],  # P groups
                group_size: int,      # G
               ) -> RolloutBatch:
     "Algorithm 1 line 9: flatten P groups into B = P*G responses with their group-normalised advantages (Eq. 4)."
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)  # (B,)
+    logp = None if any(g.logps is None for g in groups) else [lp for g in groups for lp in g.logps]
     return RolloutBatch([g.prompt_ids for g in groups for _ in g.responses], [r for g in groups for r in g.responses],
                         group_advantages(rewards, group_size), torch.tensor([t for g in groups for t in g.truncated],
-                        dtype=torch.bool), rewards)
+                        dtype=torch.bool), rewards, logp)
 
 # %% ../nbs/09_trainer.ipynb #c9dbfa1e
 def pack_micro_batches(lengths: list[tuple[int, int]],  # (prompt length, response length) per sequence, in order
@@ -688,6 +693,19 @@ def collect(self: Trainer, step: int, timer: dict) -> tuple[list, list[Group], d
     return buf.take(), seen, stats
 
 # %% ../nbs/09_trainer.ipynb #cffa49e6
+def rollout_gap(minis: list[RolloutBatch],  # this rank's share of each mini-batch, with the engine's log-probs (or None)
+                olds: list[tuple[list[Tensor], list[Tensor]]],  # the learner's old log-probs of the same responses
+               ) -> dict:
+    """How far the sampler's policy is from the one the learner thinks sampled: per response token, d = learner's old
+    log-prob - engine's log-prob of the sampled token; the mean and max |d| and the k3 estimate of KL(engine || learner),
+    mean of e^d - 1 - d (>= 0, Schulman's estimator from samples of the engine), over all ranks. {} without engine log-probs."""
+    if any(m.rollout_logp is None for m in minis): return {}
+    d = [old.double() - torch.tensor(eng, dtype=torch.float64) for m, (lp, _) in zip(minis, olds) for old, eng in zip(lp, m.rollout_logp)]
+    d = torch.cat(d) if d else torch.zeros(0, dtype=torch.float64)  # (tokens,)
+    s = dist.all_reduce([float(d.abs().sum()), float((torch.expm1(d) - d).sum()), d.numel()])  # each term >= 0, exactly
+    mx = dist.all_reduce([float(d.abs().max()) if d.numel() else 0.0], "max")[0]
+    return dict(rollout_logp_diff_mean=s[0] / max(s[2], 1), rollout_logp_diff_max=mx, rollout_kl_k3=s[1] / max(s[2], 1))
+
 @patch
 def train_on(self: Trainer, batch: RolloutBatch,  # this rank's responses of the step's batch, global order
              owned: list[bool],                    # (P*G,) whether this rank holds each response of the global batch
@@ -701,7 +719,7 @@ def train_on(self: Trainer, batch: RolloutBatch,  # this rank's responses of the
     t1 = time.perf_counter()
     lp, en = [t for l, _ in olds for t in l], [t for _, e in olds for t in e]
     s = dist.all_reduce([sum(float(t.exp().sum()) for t in lp), sum(float(t.sum()) for t in en), sum(t.numel() for t in lp)])
-    stats = dict(entropy=s[1] / max(s[2], 1), prob_mean=s[0] / max(s[2], 1))
+    stats = dict(entropy=s[1] / max(s[2], 1), prob_mean=s[0] / max(s[2], 1), **rollout_gap(minis, olds))
     updates = []
     for mini, (old_logp, _) in zip(tqdm(minis, desc="update", leave=False, disable=not self._bars), olds):
         updates.append(self.learner.update(mini, old_logp))  # line 11

@@ -24,10 +24,10 @@ def vllm_sampling_kwargs(params: SamplingParams,          # dapo_ref's sampling 
                          eos_ids: list[int] | None = None, # stop on exactly these ids; None = the model's own EOS
                          seed: int | None = None,          # this request's seed (vLLM seeds sample j with seed + j); None = engine stream
                         ) -> dict:
-    "Keyword arguments for `vllm.SamplingParams`, mapped one to one from `params` (`top_k=-1` -> 0 = off); no log-probs, no text."
+    "Keyword arguments for `vllm.SamplingParams`, mapped one to one from `params` (`top_k=-1` -> 0 = off); the sampled tokens' log-probs, no text."
     kw = dict(n=params.n, temperature=params.temperature, top_p=params.top_p,
               top_k=0 if params.top_k == -1 else params.top_k, max_tokens=params.max_tokens, seed=seed,
-              logprobs=None, detokenize=False)
+              logprobs=0, detokenize=False)
     if eos_ids is not None:
         if len(eos_ids) == 0: raise ValueError("eos_ids: got an empty list; give at least one token id that ends a response, or None for the model's own EOS")
         kw.update(ignore_eos=True, stop_token_ids=list(eos_ids))
@@ -56,7 +56,9 @@ def completions_from_outputs(outputs,  # vLLM `RequestOutput`s, one per prompt, 
                 raise RuntimeError(f"vLLM ended sample {o.index} of prompt {i} with finish_reason={o.finish_reason!r} "
                                    f"(stop_reason={getattr(o, 'stop_reason', None)!r}); a rollout response must end with "
                                    f"'stop' (EOS) or 'length' (max_tokens)")
-            comps.append(Completion(i, list(o.token_ids), o.finish_reason))
+            lp = getattr(o, "logprobs", None)  # per position {token id: Logprob}, when requested
+            lp = None if lp is None else [float(lp[k][t].logprob) for k, t in enumerate(o.token_ids)]
+            comps.append(Completion(i, list(o.token_ids), o.finish_reason, lp))
     return comps
 
 # %% ../nbs/11_vllm.ipynb #8fb22728
@@ -155,6 +157,7 @@ def vllm_engine_kwargs(cfg,            # a `DAPOConfig`
     kw = dict(tensor_parallel_size=cfg.vllm_tensor_parallel, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
               enable_chunked_prefill=cfg.vllm_enable_chunked_prefill, enforce_eager=cfg.vllm_enforce_eager,
               dtype=cfg.dtype, seed=cfg.seed, load_format="dummy" if dummy_weights else "auto",
+              logprobs_mode="processed_logprobs",  # the sampled tokens' log-probs after temperature / top-p: what was sampled
               max_model_len=cfg.max_prompt_length + cfg.l_max)
     if world > 1 and cfg.vllm_tensor_parallel > 1:  # the job's ranks are the engines' workers (torchrun started them)
         kw["distributed_executor_backend"] = "external_launcher"  # and no data_parallel_size: the engines stay independent

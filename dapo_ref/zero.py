@@ -261,15 +261,16 @@ def gather_batch(batch,              # this rank's responses of the step (a `tra
     if len(pos) != len(batch):
         raise ValueError(f"{len(batch)} local responses but {len(pos)} owned positions; `owned` marks this rank's responses")
     if not is_distributed(): return batch  # one rank: nothing to move (the decision must be the same on every rank)
-    cols = (batch.prompt_ids, batch.response_ids, batch.advantages.tolist(), batch.truncated.tolist(), batch.rewards.tolist())
+    lp = batch.rollout_logp if batch.rollout_logp is not None else [None] * len(batch)  # the engine's log-probs travel along
+    cols = (batch.prompt_ids, batch.response_ids, batch.advantages.tolist(), batch.truncated.tolist(), batch.rewards.tolist(), lp)
     rows = [None] * len(owned)
     for where, *theirs in all_gather((pos, *cols)):  # pickle sends a group's shared prompt list once
         for j, i in enumerate(where): rows[i] = [c[j] for c in theirs]
     if any(r is None for r in rows):
         raise ValueError(f"no rank holds responses {[i for i, r in enumerate(rows) if r is None][:5]}...; every response needs one owner")
-    p, r, a, t, w = (list(c) for c in zip(*rows))
+    p, r, a, t, w, lp = (list(c) for c in zip(*rows))
     return type(batch)(p, r, torch.tensor(a, dtype=batch.advantages.dtype), torch.tensor(t, dtype=torch.bool),
-                       torch.tensor(w, dtype=batch.rewards.dtype))
+                       torch.tensor(w, dtype=batch.rewards.dtype), None if any(x is None for x in lp) else lp)
 
 def balanced_share(lengths: list[int],  # (B,) response tokens of the step's batch, global order
                    size: int,           # mini_batch_size: responses per optimizer step, all ranks together

@@ -448,3 +448,18 @@ def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path):
     for blown, sane in (r0[0:2], r0[2:4]):
         assert blown["skipped"] == 0.0 and not blown["same"] and "grew from" in blown["blown"], blown
         assert sane["skipped"] == 0.0 and not sane["same"] and sane["reason"] is None and sane["blown"] is None, sane
+
+
+def test_rollout_gap_by_hand():
+    """The rollout-learner gap over two mini-batches, by hand: learner old log-probs [-1, -2] and [-0.5], engine
+    [-1.1, -2] and [-0.5]: d = [0.1, 0, 0]: mean |d| = 0.1 / 3, max 0.1, k3 = (e^0.1 - 1.1) / 3; without engine log-probs, nothing."""
+    from dapo_ref.trainer import RolloutBatch, rollout_gap
+    mk = lambda lps: RolloutBatch([[1]] * len(lps), [[2] * len(l) if l else [2] for l in lps], torch.zeros(len(lps)),
+                                  torch.zeros(len(lps), dtype=torch.bool), torch.zeros(len(lps)), lps)
+    minis = [mk([[-1.1, -2.0]]), mk([[-0.5]])]
+    olds = [([torch.tensor([-1.0, -2.0])], []), ([torch.tensor([-0.5])], [])]
+    g = rollout_gap(minis, olds)
+    # float32 operands: d = -1.0 - (-1.1) carries the float32 rounding of -1.1 (<= 2^-24 * 1.1 relative ~ 6.6e-8 absolute)
+    assert abs(g["rollout_logp_diff_mean"] - 0.1 / 3) < 1e-7 and abs(g["rollout_logp_diff_max"] - 0.1) < 1e-7, g
+    assert abs(g["rollout_kl_k3"] - (math.exp(0.1) - 1.1) / 3) < 1e-7, g  # e^d - 1 - d is Lipschitz 0.11 near 0.1
+    assert rollout_gap([mk([[-1.0]]), RolloutBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1))], olds) == {}

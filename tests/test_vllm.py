@@ -309,7 +309,8 @@ def test_from_config_maps_fields(setup):
                      dtype="float32", seed=3, max_prompt_length=16, l_max=32)
     kw = vllm_engine_kwargs(cfg)
     assert kw == dict(tensor_parallel_size=1, gpu_memory_utilization=0.5, enable_chunked_prefill=False,
-                      enforce_eager=False, dtype="float32", seed=3, load_format="dummy", max_model_len=48)
+                      enforce_eager=False, dtype="float32", seed=3, load_format="dummy", logprobs_mode="processed_logprobs",
+                      max_model_len=48)
     assert vllm_engine_kwargs(DAPOConfig(vllm_enforce_eager=True))["enforce_eager"] is True
     mc = setup["engine"].llm.llm_engine.model_config
     assert str(mc.dtype) == "torch.float32" and mc.max_model_len == 256 and mc.seed == 0
@@ -481,6 +482,13 @@ def test_four_ranks_two_independent_tp2_engines(tmp_path):
         for q, resp in union: per_prompt.setdefault(q, []).append(resp)
         assert len(union) == 8 * G and len(per_prompt) == 8 and all(len(v) == G for v in per_prompt.values())
     assert rows[-1]["grad_updates"] == 4  # 8 groups x 2 / 8 per update, 2 steps
+    # the rollout-learner gap: the engines sampled from the learner's old policy. Both sides are float32 with the same
+    # weights: d is kernel rounding, a few hundred ulps of log-probs of size ~1-10 at most (u = 6e-8: ~1e-5). An engine one
+    # update behind would sit at the update's own size, which these rows show: ratio_min/max 0.92-1.13 (|log r| up to
+    # 0.12) and approx_kl ~1e-4, i.e. an rms |log r| ~ sqrt(2e-4) = 1.4e-2. The bounds sit 100x below that and ~10x above
+    # rounding (measured here: mean 4e-7, max 1e-5).
+    for x in rows:
+        assert x["rollout_logp_diff_mean"] < 1e-4 and x["rollout_logp_diff_max"] < 1e-3 and 0 <= x["rollout_kl_k3"] < 1e-6, x
     for x in r:
         assert len(x["pairs"]) == 3 and all(pair["engine"] == pair["learner"] for pair in x["pairs"])  # the learner's weights
     assert r[0]["pairs"][0]["engine"] != r[0]["pairs"][-1]["engine"]  # the updates moved the greedy path: not a blind check
