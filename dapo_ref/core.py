@@ -66,7 +66,8 @@ class DAPOConfig:
     seed: int = 0                   # one seed for data order, sampling and init
     micro_token_budget: int = 22528 # tokens (prompt + response) per micro-batch on one device (reference script 22528)
     eval_every: int = 10            # rollout steps between held-out evaluations; 0 = only at start and end
-    save_every: int = 10            # rollout steps between checkpoints; 0 = only at the end
+    save_every: int = 10            # rollout steps between checkpoints (what --resume needs); 0 = only at the end
+    export_every: int = 0           # rollout steps between HF exports (exports/step-N, for evaluation); 0 = only final/
     output_dir: str = "runs/dapo"   # metrics.jsonl, curves.png and checkpoints go here
     dtype: str = "float32"          # learner dtype: float32 | bfloat16
     # --- scale-out (dapo_ref.trainer, dapo_ref.scale; the paper's run: 16 nodes x 8 GPUs) ---
@@ -121,6 +122,7 @@ _RANGES = {  # field: (check, allowed range in words)
     "micro_token_budget": (lambda v: v >= 1, "micro_token_budget >= 1"),
     "eval_every": (lambda v: v >= 0, "eval_every >= 0"),
     "save_every": (lambda v: v >= 0, "save_every >= 0"),
+    "export_every": (lambda v: v >= 0, "export_every >= 0"),
     "dtype": (lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
     "rollout_backend": (lambda v: v in ("hf", "vllm"), "hf or vllm"),
     "nnodes": (lambda v: v >= 1, "nnodes >= 1"),

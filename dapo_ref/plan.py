@@ -327,13 +327,13 @@ def save_sizes(n: int,           # parameters
                dtype: str,       # the learner's dtype (bfloat16 | float32)
                zero_stage: int,  # 0: the plain learner (torch AdamW), 2/3: DeepSpeed
               ) -> dict:
-    """GiB on disk of one HF export (the weights in `dtype`, written by rank 0) and of one checkpoint as `save_every`
-    writes it today: that export plus the learner's state. DeepSpeed's ZeRO files hold the weights in `dtype` and, per
-    parameter, Adam's m and v in fp32 plus an fp32 master copy when `dtype` is bf16: 2 + 12 = 14 bytes (fp32: 4 + 8 = 12).
-    The plain learner's AdamW state (m, v) in `dtype` beside the export."""
+    """GiB on disk of one HF export (the weights in `dtype`, written by rank 0: `final/`, `exports/step-N`) and of one
+    checkpoint (`save_every`: what resume needs). DeepSpeed's ZeRO files hold the weights in `dtype` and, per parameter,
+    Adam's m and v in fp32 plus an fp32 master copy when `dtype` is bf16: 2 + 12 = 14 bytes (fp32: 4 + 8 = 12), and no
+    export. The plain learner's checkpoint is an export plus AdamW's m and v in `dtype`: 3 x the weights."""
     w = 2 if dtype == "bfloat16" else 4
-    state = (w + (12 if w == 2 else 8)) if zero_stage else 2 * w
-    return dict(export_gb=_gib(n * w), checkpoint_gb=_gib(n * (w + state)))
+    ckpt = (w + (12 if w == 2 else 8)) if zero_stage else 3 * w
+    return dict(export_gb=_gib(n * w), checkpoint_gb=_gib(n * ckpt))
 
 def plan_memory(cfg: DAPOConfig,                    # the recipe (load_config(...))
                 model_arch: ModelArch | str | dict | None = None,  # default: resolved from cfg.model
@@ -404,9 +404,9 @@ def format_plan(plan: dict) -> str:
     shown = [show(x) for x in lay] if len(lay) <= 3 else [show(lay[0]), show(lay[1]), "...", show(lay[-1])]
     lines.append(f"engines: {len(lay)} independent (no vLLM data-parallel group), {sum(x[3] == 0 for x in lay)} per "
                  f"node: {', '.join(shown)}; ranks whose engine finishes early wait for the slowest in the round's all_gather (dist_timeout)")
-    lines.append(f"one export (HF folder, rank 0 writes): {plan['export_gb']:.1f} GiB; one checkpoint (save_every: export + "
-                 f"learner state, every rank writes its part to output_dir on a filesystem all nodes share): "
-                 f"{plan['checkpoint_gb']:.1f} GiB")
+    lines.append(f"one export (final/, exports/step-N every export_every; rank 0 writes): {plan['export_gb']:.1f} GiB; one "
+                 f"checkpoint (save_every: what --resume needs, each rank its part, in output_dir on a filesystem all "
+                 f"nodes share): {plan['checkpoint_gb']:.1f} GiB")
     if plan["partitioned_init"]:
         lines.append(f"without partitioned init the load would need {plan['load_no_init_gb']:.2f} GiB per GPU and "
                      f"up to {plan['cpu_load_no_init_gb']:.2f} GiB CPU per node (the whole model on every rank)")

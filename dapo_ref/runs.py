@@ -18,8 +18,9 @@ from .sampling import DynamicSamplingError
 # %% auto #0
 __all__ = ['FROZEN', 'FREE', 'STATE_KEYS', 'WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT', 'run_contents',
            'check_writable', 'prepare_output_dir', 'resume_changes', 'safetensors_problem', 'checkpoint_problem',
-           'newest_loadable_checkpoint', 'CheckpointError', 'checkpoint_error', 'max_abs_weight', 'UpdateGuard',
-           'DivergenceError', 'divergence_error', 'blown_error', 'SamplingWatch']
+           'newest_loadable_checkpoint', 'export_checkpoint', 'export_main', 'CheckpointError', 'checkpoint_error',
+           'export_error', 'max_abs_weight', 'UpdateGuard', 'DivergenceError', 'divergence_error', 'blown_error',
+           'SamplingWatch']
 
 # %% ../nbs/09c_runs.ipynb #6b6f1360
 def run_contents(out: str | Path) -> list[str]:
@@ -78,7 +79,7 @@ FROZEN = (  # change the experiment: a resumed run must keep them
     "rollout_backend", "nnodes", "gpus_per_node", "zero_stage",                            # world size, learner
     "offload_params", "offload_optimizer", "vllm_tensor_parallel")
 FREE = (  # may change on resume: applied from the next step on, written to config.yaml, one log line
-    "total_steps", "eval_every", "save_every", "eval_k", "output_dir",                     # length, cadence, output
+    "total_steps", "eval_every", "save_every", "export_every", "eval_k", "output_dir",     # length, cadence, output
     "micro_token_budget", "gradient_checkpointing",                                        # memory, not the maths
     "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager",
     "dist_timeout")                                                                        # how long ranks wait
@@ -135,6 +136,8 @@ def checkpoint_problem(path: str | Path) -> str | None:
     if miss: return f"state.json lacks {', '.join(miss)}"
     index = path / "model.safetensors.index.json"
     shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    if (path / "deepspeed").is_dir() and not index.is_file() and not (path / "model.safetensors").exists():
+        shards = []  # a DeepSpeed learner's checkpoint: its weights are in its partitions (deepspeed/)
     for name in shards:
         if not (path / name).is_file(): return f"{name} is missing"
         if (why := safetensors_problem(path / name)): return why
@@ -166,6 +169,64 @@ def newest_loadable_checkpoint(output_dir: str | Path,  # the run folder
     dist.barrier()
     return found
 
+# %% ../nbs/09c_runs.ipynb #4f6330f3
+def export_checkpoint(ckpt: str | Path,           # a run's checkpoints/step-N (either learner)
+                      out: str | Path,            # the new transformers folder
+                      dtype: str | None = None,   # "float32" | "bfloat16"; None = the run's (its config)
+                      overwrite: bool = False,    # replace the files of a non-empty `out`
+                      check_only: bool = False,   # only the input checks (InputError), nothing read or written
+                     ) -> Path:
+    "Write checkpoint `ckpt` as a transformers folder (safetensors weights, config, tokenizer) at `out`."
+    ckpt, out = Path(ckpt), Path(out)
+    if not ckpt.is_dir():
+        raise InputError(f"{ckpt}: no such checkpoint folder; give a run's checkpoints/step-N")
+    if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
+        raise InputError(f"--out {out} is inside the checkpoint {ckpt}; choose a folder outside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise InputError(f"--out {out} already exists; choose a new folder, or pass --overwrite to replace its files")
+    check_writable(out, "--out")
+    if (why := checkpoint_problem(ckpt)):
+        raise InputError(f"{ckpt} is not a checkpoint that loads ({why}); give a run's checkpoints/step-N")
+    if check_only: return out
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    config = AutoConfig.from_pretrained(ckpt)
+    dt = getattr(torch, dtype or str(getattr(config, "dtype", None) or "float32").replace("torch.", ""))
+    if (ckpt / "deepspeed").is_dir():  # ZeRO-2/3 partitions, merged into full fp32 tensors by DeepSpeed's own tool
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="zero")
+        model = AutoModelForCausalLM.from_config(config, dtype=dt)
+        missing, unexpected = model.load_state_dict({k: v.to(dt) for k, v in sd.items()}, strict=False)
+        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"{ckpt}: the partitions do not match the model's config (missing {sorted(missing)[:3]}, "
+                               f"unexpected {sorted(unexpected)[:3]})")
+    else:  # the plain learner's checkpoint is a transformers folder already
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt)
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.glob("model*.safetensors*"): p.unlink()  # overwrite: no shard of an earlier export left behind
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)
+    return out
+
+def export_main(argv: list[str] | None = None) -> int:
+    "`dapo-export CHECKPOINT --out DIR`: a run's checkpoint as a transformers folder (for dapo-eval, vLLM or the hub)."
+    import argparse
+    from .core import cli_errors
+    ap = argparse.ArgumentParser(prog="dapo-export", description="Write a dapo-train checkpoint (checkpoints/step-N, "
+                                 "either learner) as a transformers folder.")
+    ap.add_argument("checkpoint", help="a run's checkpoints/step-N folder")
+    ap.add_argument("--out", required=True, help="the new folder (refused if it exists and is not empty, unless --overwrite)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the weights' dtype; default: the run's")
+    ap.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty --out")
+    args = ap.parse_args(argv)
+    try:
+        with cli_errors("dapo-export"):  # bad input: one line, exit 2, before any weight is read
+            export_checkpoint(args.checkpoint, args.out, args.dtype, args.overwrite, check_only=True)
+    except SystemExit as e: return e.code
+    out = export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=True)
+    print(f"dapo-export: wrote {out}")
+    return 0
+
 # %% ../nbs/09c_runs.ipynb #d796d603
 class CheckpointError(RuntimeError):
     "A checkpoint could not be written; the message names the disk space and the checkpoint that is still intact."
@@ -184,6 +245,21 @@ def checkpoint_error(e: BaseException,  # what the write raised
     return CheckpointError(f"writing checkpoint {tmp.name[:-4]} under {tmp.parent} failed ({cause}); {free:.2f} GiB of "
                            f"disk space is free there, the half-written folder was removed and {kept}: free disk space "
                            "(or move output_dir to a larger disk) and continue with --resume")
+
+def export_error(e: BaseException,       # what the write raised
+                 path: Path,             # the export folder (final/, exports/step-N)
+                 checkpoint: Path | None,  # the newest checkpoint, which dapo-export can turn into the export
+                ) -> CheckpointError:
+    "The one-line error for a failed export: the cause, the free disk space, and how to write it again from a checkpoint."
+    base = Path(path)
+    while not base.exists() and base != base.parent: base = base.parent
+    free = shutil.disk_usage(base).free / 2**30
+    full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e)
+    cause = "the disk is full" if full else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    again = (f"the checkpoint {checkpoint} is intact: free disk space and write it with dapo-export {checkpoint} --out "
+             f"{path} --overwrite" if checkpoint else "no checkpoint exists: free disk space and train again")
+    return CheckpointError(f"writing the export {path} failed ({cause}); {free:.2f} GiB of disk space is free there and "
+                           f"{again}")
 
 # %% ../nbs/09c_runs.ipynb #ef143ce6
 WEIGHT_GROWTH = 10.0   # an update may make the largest |weight| at most this many times larger

@@ -104,10 +104,14 @@ class DeepSpeedLearner(Learner):
         return gathered_named_weights(self.model)
 
     def save(self, path: str | Path):
-        "Full model (rank 0), DeepSpeed's partitions of weights and optimizer (every rank), and the schedule."
-        self.save_model(path)
+        """What a resume needs: DeepSpeed's partitions of weights and optimizer (every rank writes its own), the schedule,
+        and the model's config (rank 0). No HF export: at 32B it would add 61 GiB through rank 0 to every checkpoint;
+        `Trainer.export` writes those (`export_every`, `final/`), and `dapo-export` makes one from any checkpoint."""
         self.engine.save_checkpoint(str(Path(path) / "deepspeed"), tag="zero", save_latest=False)
-        if dist.is_main(): torch.save({"scheduler": self.sched.state_dict()}, Path(path) / "learner_state.pt")
+        if dist.is_main():
+            torch.save({"scheduler": self.sched.state_dict()}, Path(path) / "learner_state.pt")
+            self.model.config.save_pretrained(path)
+            if getattr(self.model, "generation_config", None) is not None: self.model.generation_config.save_pretrained(path)
 
     def load(self, path: str | Path):
         "Restore this rank's partitions and the schedule from `save`'s files."

@@ -21,7 +21,7 @@ from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
 from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
 from .sampling import DynamicSamplingBuffer, DynamicSamplingError
-from .runs import (MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, UpdateGuard, blown_error, checkpoint_error, divergence_error,
+from .runs import (MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, UpdateGuard, blown_error, checkpoint_error, export_error, divergence_error,
                            newest_loadable_checkpoint, prepare_output_dir)
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
 from .zero import gather_batch, balanced_share
@@ -478,12 +478,15 @@ def named_weights(self: Learner) -> Iterable[tuple[str, Tensor]]:
 
 @patch
 def save_model(self: Learner, path: str | Path):
-    "The full model as safetensors (`save_pretrained`), written by rank 0; every rank calls it."
-    main, sd = dist.is_main(), {}
+    "The full model as safetensors (`save_pretrained`), written by rank 0; every rank calls it, and every rank raises if rank 0's write failed."
+    main, sd, failed = dist.is_main(), {}, None
     for n, t in self.named_weights():  # every rank iterates: a collective for partitioned learners
         if main: sd[n] = t.detach().cpu()
-    if main: self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
-    dist.barrier()
+    if main:
+        try: self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
+        except (OSError, RuntimeError) as e: failed = e  # a full disk: the other ranks must not wait in a barrier for it
+    if dist.all_reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
+        raise failed or OSError(f"rank 0 could not write the model to {path}")
 
 @patch
 def policy_copy(self: Learner):
@@ -826,6 +829,18 @@ def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
     return final
 
 @patch
+def export(self: Trainer, path: str | Path) -> Path:
+    "The policy as a transformers folder (weights in `cfg.dtype`, config, tokenizer) at `path`: rank 0 writes; call it on every rank."
+    path, failed = Path(path), None
+    try:
+        self.learner.save_model(path)  # a collective for partitioned learners (gathered one module at a time)
+        if dist.is_main(): self.tokenizer.save_pretrained(path)
+    except (OSError, RuntimeError) as e: failed = e  # a full disk
+    if dist.all_reduce([float(failed is not None)])[0]:  # every rank stops with the same error (this replaces a barrier)
+        raise export_error(failed or OSError("rank 0 could not write its part"), path, latest_checkpoint(self.out))
+    return path
+
+@patch
 def load_checkpoint(self: Trainer, path: str | Path):
     "Restore weights, optimizer, schedule, RNG, data position, step and metrics from `path`; then line 3."
     path = Path(path)
@@ -900,15 +915,16 @@ def fit(self: Trainer, resume: bool = False, keep_checkpoints: int = 2,
                      f"entropy {row['entropy']:.3f}  len {row['resp_len_mean']:.1f}"
                      + (f"  held-out {row['eval_acc']:.3f}" if "eval_acc" in row else ""))
         if last or (cfg.save_every and self.step_idx % cfg.save_every == 0): self.save_checkpoint(keep_checkpoints)
+        if not last and cfg.export_every and self.step_idx % cfg.export_every == 0:
+            self.export(self.out / "exports" / f"step-{self.step_idx}")
     bar.close()
     if self.step_idx == 0: self._write(dict(step=0, grad_updates=0))
-    self.learner.save_model(self.out / "final")  # every rank: a collective for partitioned learners
+    self.export(self.out / "final")  # every rank: a collective for partitioned learners
     evals = [r["eval_acc"] for r in self.rows if "eval_acc" in r]
     summary = dict(eval_start=evals[0] if evals else None, eval_end=evals[-1] if evals else None,
                    steps=self.step_idx, grad_updates=self.grad_updates, wall=time.perf_counter() - t_start,
                    output_dir=str(self.out), world_size=self.world)
     if main:
-        self.tokenizer.save_pretrained(self.out / "final")
         plot_curves(self.rows, self.out / "curves.png")
         if self._tb is not None: self._tb.close()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))

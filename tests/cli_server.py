@@ -2,7 +2,7 @@
 
 A console script (`dapo-train`, ...) is `sys.exit(main())` after importing its module; starting one costs 2-6 s of
 imports (torch, transformers, DeepSpeed for dapo-ablate) before the command reads its first argument. This server
-imports the four commands' modules once, then for each request forks a child that does what the console script does:
+imports the commands' modules once, then for each request forks a child that does what the console script does:
 sets the environment, the working directory and `sys.argv`, calls `main()`, prints an uncaught exception's traceback
 to stderr as the interpreter would, and exits with `main()`'s status. The child's stdout and stderr go to files the
 request names. What differs from a fresh process is only that the imports happened earlier (with the same
@@ -14,10 +14,10 @@ line on stdout, {"rc"} (a signal: -signum). EOF on stdin ends the server.
 import importlib, json, os, signal, sys, traceback
 
 MODULES = {"dapo-train": "dapo_ref.train", "dapo-eval": "dapo_ref.eval", "dapo-plan": "dapo_ref.plan",
-           "dapo-ablate": "dapo_ref.ablation"}
+           "dapo-ablate": "dapo_ref.ablation", "dapo-export": "dapo_ref.runs:export_main"}  # module[:function], else main
 
 
-def child(mod, req: dict) -> int:
+def child(main, req: dict) -> int:
     "In the forked child: the console script's `sys.exit(main())`, its output in the request's files."
     for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -26,7 +26,7 @@ def child(mod, req: dict) -> int:
     os.chdir(req["cwd"])
     sys.argv = [req["prog"], *req["argv"]]
     try:
-        code = mod.main()
+        code = main()
     except SystemExit as e:
         code = e.code
     except BaseException:  # what the interpreter prints for an uncaught exception, and its status
@@ -40,7 +40,10 @@ def child(mod, req: dict) -> int:
 def serve():
     reply = os.fdopen(os.dup(1), "w")  # the replies; fd 1 itself: stderr (an import that prints cannot garble them)
     os.dup2(2, 1)
-    mods = {prog: importlib.import_module(m) for prog, m in MODULES.items()}
+    mods = {}
+    for prog, spec in MODULES.items():
+        mod, _, fn = spec.partition(":")
+        mods[prog] = getattr(importlib.import_module(mod), fn or "main")
     reply.write(json.dumps({"ready": sorted(mods)}) + "\n"); reply.flush()
     for line in sys.stdin:
         req = json.loads(line)

@@ -8,7 +8,7 @@ evaluation's results, a run with metrics and a checkpoint), and asserts:
 - no Python traceback anywhere in stderr;
 - every file that existed before is intact byte for byte, and no new file appeared (folders may).
 
-Each case runs in a forked child of `tests/cli_server.py`, which imported the four commands once and then does what
+Each case runs in a forked child of `tests/cli_server.py`, which imported the commands once and then does what
 their console scripts do (`sys.exit(main())` with the case's argv, environment and working directory): 48 fresh
 processes spent about 170 CPU-seconds importing torch. `test_console_scripts` starts one case of each command as its
 real console script in a fresh process, and asserts the same outcome as the server gave.
@@ -28,7 +28,7 @@ from test_eval import byte_tokenizer  # 256 byte tokens + <|endoftext|>, built i
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"dapo-train": "dapo_ref.train", "dapo-eval": "dapo_ref.eval", "dapo-plan": "dapo_ref.plan",
-           "dapo-ablate": "dapo_ref.ablation"}
+           "dapo-ablate": "dapo_ref.ablation", "dapo-export": "dapo_ref.runs:export_main"}
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
        "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -36,7 +36,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS
 def command(prog: str) -> list[str]:
     "The installed console script next to this Python, else `python -m` of its module."
     exe = Path(sys.executable).parent / prog
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", MODULES[prog]]
+    if exe.exists(): return [str(exe)]
+    mod, _, fn = MODULES[prog].partition(":")
+    return [sys.executable, "-c", f"import sys; from {mod} import {fn or 'main'} as m; sys.exit(m())", prog]
 
 
 @dataclass
@@ -215,6 +217,13 @@ CASES = [
          ("bare: no tokenizer files in this folder", "tokenizer.save_pretrained")),
     Case("eval-model-is-file", "dapo-eval", lambda w: eval_args(w, model=w.dir / "results.json"),
          ("results.json is a file; give the model's folder",)),
+    # dapo-export: the checkpoint and the folder it writes
+    Case("export-no-checkpoint", "dapo-export", lambda w: ["runs/old/checkpoints/step-9", "--out", "exp"],
+         ("runs/old/checkpoints/step-9: no such checkpoint folder", "give a run's checkpoints/step-N")),
+    Case("export-broken-checkpoint", "dapo-export", lambda w: ["runs/old/checkpoints/step-000002", "--out", "exp"],
+         ("is not a checkpoint that loads (state.json is missing)",)),
+    Case("export-out-exists", "dapo-export", lambda w: ["runs/old/checkpoints/step-000002", "--out", "runs/old"],
+         ("--out runs/old already exists", "pass --overwrite")),
 ]
 
 
@@ -284,7 +293,7 @@ def test_bad_input(case: Case, shared, cli, tmp_path):
     run_case(case, World(tmp_path, shared / "model", shared / "eval.jsonl"), cli.run)
 
 
-ENTRY = ["dapo-train-empty-recipe", "eval-out-exists", "dapo-plan-yaml-syntax", "dapo-ablate-threads"]
+ENTRY = ["dapo-train-empty-recipe", "eval-out-exists", "dapo-plan-yaml-syntax", "dapo-ablate-threads", "export-no-checkpoint"]
 
 @pytest.mark.parametrize("id", ENTRY)
 def test_console_scripts(id, shared, cli, tmp_path):

@@ -468,7 +468,7 @@ def test_two_process_run_learns_and_kill_9_resume_repeats_it(tmp_path):
     2. the same run killed with SIGKILL (torchrun and both ranks) as soon as its first checkpoint is on disk, then
        `--resume` (ZeRO-3 partitions, schedule, RNG of each rank and data position restored), repeats it exactly:
        identical metrics apart from timings, the held-out evaluation at the end included."""
-    common = [*TRAIN, ZERO3, *E2E_OVERRIDES, "save_every=1"]
+    common = [*TRAIN, ZERO3, *E2E_OVERRIDES, "save_every=1", "export_every=4"]
     t0 = time.perf_counter()
     out = tmp_path / "ref"
     p, dt = _torchrun([*common, f"output_dir={out}"], timeout=900)
@@ -484,9 +484,17 @@ def test_two_process_run_learns_and_kill_9_resume_repeats_it(tmp_path):
     # the held-out accuracy rises as the one-device run's does (tests/test_trainer.py::test_short_run_raises_held_out_accuracy)
     assert s["eval_end"] - s["eval_start"] >= E2E_MARGIN, (s["eval_start"], s["eval_end"])
     from transformers import AutoModelForCausalLM
-    AutoModelForCausalLM.from_pretrained(out / "final")  # full weights gathered from the ZeRO-3 shards
+    final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()  # full weights gathered from the ZeRO-3 shards
     ck = out / "checkpoints" / f"step-{s['steps']}"
-    assert (ck / "model.safetensors").exists() and (ck / "deepspeed").is_dir()
+    assert (ck / "deepspeed").is_dir() and not list(ck.glob("model*.safetensors"))  # resume state only, no export in it
+    assert sorted(p.name for p in (out / "exports").iterdir()) == ["step-4"]  # export_every=4 (step 8 is final/)
+    AutoModelForCausalLM.from_pretrained(out / "exports" / "step-4")
+    # dapo-export merges the last checkpoint's partitions (DeepSpeed's zero_to_fp32) into the weights final/ holds:
+    # the same float32 values (the run's dtype), bit for bit
+    from dapo_ref.runs import export_main
+    assert export_main([str(ck), "--out", str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
     # 2. killed as soon as its first checkpoint is on disk, then resumed
     run = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -562,9 +570,10 @@ sys.exit(rc)
 
 @pytest.mark.slow
 def test_export_that_fails_midway_on_rank_0_stops_both_ranks(tmp_path):
-    """ZeRO-3 on two ranks: rank 0's streamed export fails at its second tensor (a full disk). Rank 0 keeps taking part in
-    the remaining gathers (writing nothing) and tells the other rank, so both leave with the checkpoint error instead of
-    rank 1 waiting in a gather rank 0 never joins (a hang until the process-group timeout). The held-out set is one problem."""
+    """ZeRO-3 on two ranks: rank 0's streamed export of final/ fails at its second tensor (a full disk). Rank 0 keeps taking
+    part in the remaining gathers (writing nothing) and tells the other rank, so both leave with the export error instead
+    of rank 1 waiting in a gather rank 0 never joins (a hang until the process-group timeout). The checkpoint of step 1
+    (the ZeRO partitions, no export) is intact, and the message says how to export it. The held-out set is one problem."""
     from dapo_ref.data import save_math_dataset
     from dapo_ref.tiny import tiny_splits
     (tmp_path / "worker.py").write_text(EXPORT_FAILS)
@@ -578,8 +587,10 @@ def test_export_that_fails_midway_on_rank_0_stops_both_ranks(tmp_path):
     # both within 60 s of the failure (a hang guard; the designed path takes one broadcast): far below dist_timeout
     assert max(r0["exited_at"], r1["exited_at"]) - r0["failed_at"] < 60, (r0, r1)
     err = [l for l in p.stderr.splitlines() if l.startswith("dapo-train: error: ")]
-    assert len(err) == 1 and "writing checkpoint step-1" in err[0] and "the disk is full" in err[0], p.stderr[-3000:]
-    assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))  # the half-written checkpoint was removed
+    assert len(err) == 1 and "writing the export" in err[0] and "final" in err[0] and "the disk is full" in err[0], p.stderr[-3000:]
+    from dapo_ref.runs import checkpoint_problem
+    ck = tmp_path / "run" / "checkpoints" / "step-1"
+    assert checkpoint_problem(ck) is None and f"dapo-export {ck}" in err[0]  # intact, and the way to its export
 
 
 @pytest.mark.slow

@@ -463,3 +463,21 @@ def test_rollout_gap_by_hand():
     assert abs(g["rollout_logp_diff_mean"] - 0.1 / 3) < 1e-7 and abs(g["rollout_logp_diff_max"] - 0.1) < 1e-7, g
     assert abs(g["rollout_kl_k3"] - (math.exp(0.1) - 1.1) / 3) < 1e-7, g  # e^d - 1 - d is Lipschitz 0.11 near 0.1
     assert rollout_gap([mk([[-1.0]]), RolloutBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1))], olds) == {}
+
+
+def test_dapo_export_of_a_plain_checkpoint_is_the_final_model(tmp_path):
+    "The plain learner's last checkpoint through dapo-export: the weights of final/ (the same step), bit for bit; --out kept safe."
+    from transformers import AutoModelForCausalLM
+    from dapo_ref.runs import export_main
+    run = tmp_path / "run"
+    assert main(["--config", str(RECIPE), "--threads", "1", "--quiet", *SMALL, "total_steps=1", "save_every=1",
+                 f"output_dir={run}"]) == 0
+    ck = run / "checkpoints" / "step-1"
+    assert export_main([str(ck), "--out", str(tmp_path / "exp")]) == 0
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "exp").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(run / "final").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "exp" / "tokenizer_config.json").exists()
+    before = (tmp_path / "exp" / "model.safetensors").read_bytes()
+    assert export_main([str(ck), "--out", str(tmp_path / "exp")]) == 2  # exists: refused, untouched
+    assert (tmp_path / "exp" / "model.safetensors").read_bytes() == before
