@@ -481,3 +481,12 @@ def test_dapo_export_of_a_plain_checkpoint_is_the_final_model(tmp_path):
     before = (tmp_path / "exp" / "model.safetensors").read_bytes()
     assert export_main([str(ck), "--out", str(tmp_path / "exp")]) == 2  # exists: refused, untouched
     assert (tmp_path / "exp" / "model.safetensors").read_bytes() == before
+
+
+def test_tensor_parallel_groups_stay_inside_a_node():
+    "12 ranks on 2 nodes of 6 GPUs at vllm_tensor_parallel 4: 4 divides 12 but engine 1 would span ranks 4-7, two nodes."
+    from dapo_ref.core import DAPOConfig
+    from dapo_ref.trainer import check_run
+    cfg = DAPOConfig(rollout_backend="vllm", vllm_tensor_parallel=4, nnodes=2, gpus_per_node=6, vllm_enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel = 4 does not divide gpus_per_node = 6: an engine's ranks would span two nodes"):
+        check_run(cfg, 12)
