@@ -17,10 +17,10 @@ from .sampling import DynamicSamplingError
 
 # %% auto #0
 __all__ = ['FROZEN', 'FREE', 'STATE_KEYS', 'WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT', 'run_contents',
-           'check_writable', 'prepare_output_dir', 'resume_changes', 'safetensors_problem', 'checkpoint_problem',
-           'newest_loadable_checkpoint', 'export_checkpoint', 'export_main', 'CheckpointError', 'checkpoint_error',
-           'export_error', 'max_abs_weight', 'UpdateGuard', 'DivergenceError', 'divergence_error', 'blown_error',
-           'SamplingWatch']
+           'check_writable', 'prepare_output_dir', 'checkpoint_experiment', 'resume_changes', 'safetensors_problem',
+           'checkpoint_problem', 'newest_loadable_checkpoint', 'export_checkpoint', 'export_main', 'CheckpointError',
+           'checkpoint_error', 'export_error', 'max_abs_weight', 'UpdateGuard', 'DivergenceError', 'divergence_error',
+           'blown_error', 'SamplingWatch']
 
 # %% ../nbs/09c_runs.ipynb #6b6f1360
 def run_contents(out: str | Path) -> list[str]:
@@ -87,10 +87,34 @@ FREE = (  # may change on resume: applied from the next step on, written to conf
 # %% ../nbs/09c_runs.ipynb #50e160a6
 def _show(v): return "null" if v is None else repr(v) if isinstance(v, str) else str(v)
 
+def checkpoint_experiment(out: str | Path,  # a run folder
+                         ) -> tuple[Path, dict] | None:
+    "`(state.json, {field: value})`: the `FROZEN` fields stored in the newest checkpoint that has them, or None."
+    d = Path(out) / "checkpoints"
+    steps = sorted(((int(p.name[5:]), p) for p in d.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
+                   reverse=True) if d.is_dir() else []
+    for _, p in steps:
+        try: s = json.loads((p / "state.json").read_text())
+        except (OSError, ValueError): continue  # a broken checkpoint: the resume skips it too
+        if isinstance(s, dict) and isinstance(s.get("experiment"), dict): return p / "state.json", s["experiment"]
+    return None
+
+def _experiment_error(out, bad: list, where: Path) -> InputError:
+    shown = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in bad[:6])
+    more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+    return InputError(f"--resume: {out} was trained with a different experiment ({shown}{more}): these fields "
+                      f"change the experiment, so a resumed run must keep them; drop those overrides (the run's "
+                      f"values are in {where}), or train in a new output_dir")
+
 def resume_changes(out: str | Path,   # the run folder being resumed
                    cfg: DAPOConfig,   # the config the resumed run is asked to use
                   ) -> list[tuple[str, Any, Any]]:
-    "`(field, saved, new)` for the `FREE` fields that differ from the run's `config.yaml`; `InputError` with a diff when a `FROZEN` one does."
+    """`(field, saved, new)` for the `FREE` fields that differ from the run's `config.yaml`; `InputError` with a diff when
+    a `FROZEN` one differs from the newest checkpoint's record of the experiment (its state.json) or from config.yaml."""
+    ck = checkpoint_experiment(out)  # what the weights were trained with: checked whether or not config.yaml exists
+    if ck is not None:
+        bad = [(k, ck[1][k], getattr(cfg, k)) for k in FROZEN if k in ck[1] and ck[1][k] != getattr(cfg, k)]
+        if bad: raise _experiment_error(out, bad, ck[0])
     p = Path(out) / "config.yaml"
     if not p.is_file(): return []  # nothing saved to compare with
     saved = read_yaml(p, what="run config")
@@ -103,12 +127,7 @@ def resume_changes(out: str | Path,   # the run folder being resumed
         raise InputError(f"{p}: {e}; restore the run's config.yaml or choose a new output_dir") from None
     diff = [(k, getattr(old, k), getattr(cfg, k)) for k in names if getattr(old, k) != getattr(cfg, k)]
     bad = [d for d in diff if d[0] not in FREE]
-    if bad:
-        shown = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in bad[:6])
-        more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
-        raise InputError(f"--resume: {out} was trained with a different experiment ({shown}{more}): these fields "
-                         f"change the experiment, so a resumed run must keep them; drop those overrides (the run's "
-                         f"values are in {p}), or train in a new output_dir")
+    if bad: raise _experiment_error(out, bad, p)
     return diff
 
 # %% ../nbs/09c_runs.ipynb #46146b88

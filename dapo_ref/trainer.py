@@ -21,7 +21,7 @@ from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
 from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
 from .sampling import DynamicSamplingBuffer, DynamicSamplingError
-from .runs import (MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, UpdateGuard, blown_error, checkpoint_error, export_error, divergence_error,
+from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, UpdateGuard, blown_error, checkpoint_error, export_error, divergence_error,
                            newest_loadable_checkpoint, prepare_output_dir)
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
 from .zero import gather_batch, balanced_share
@@ -815,7 +815,8 @@ def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
         if main:
             self.tokenizer.save_pretrained(tmp)
             (tmp / "state.json").write_text(json.dumps(dict(step=self.step_idx, grad_updates=self.grad_updates,
-                                                            data_pos=self.sampler.pos, world_size=self.world, metrics=self.rows)))
+                                                            data_pos=self.sampler.pos, world_size=self.world, metrics=self.rows,
+                                                            experiment={k: getattr(self.cfg, k) for k in FROZEN})))
     except (OSError, RuntimeError) as e: failed = e  # a full disk: OSError, or torch's zip writer's RuntimeError
     if dist.all_reduce([float(failed is not None)])[0]:  # every rank learns that one failed (this replaces a barrier)
         if main: shutil.rmtree(tmp, ignore_errors=True)

@@ -490,3 +490,21 @@ def test_tensor_parallel_groups_stay_inside_a_node():
     cfg = DAPOConfig(rollout_backend="vllm", vllm_tensor_parallel=4, nnodes=2, gpus_per_node=6, vllm_enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="vllm_tensor_parallel = 4 does not divide gpus_per_node = 6: an engine's ranks would span two nodes"):
         check_run(cfg, 12)
+
+
+def test_resume_checks_the_experiment_stored_in_the_checkpoint(tmp_path, capsys):
+    """config.yaml gone (deleted, or never copied with the checkpoints): --resume with other FROZEN values is refused by
+    the checkpoint's own record (state.json), nothing is rewritten; the same experiment still resumes."""
+    run = tmp_path / "run"
+    common = ["--config", str(RECIPE), "--threads", "1", "--quiet", *SMALL, "save_every=1", f"output_dir={run}"]
+    assert main([*common, "total_steps=1"]) == 0
+    (run / "config.yaml").unlink()
+    before = (run / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main([*common, "total_steps=2", "--resume", "lr=0.5", "seed=7"]) == 2
+    err = capsys.readouterr().err
+    assert "was trained with a different experiment (lr 0.0003 -> 0.5, seed 0 -> 7)" in err, err
+    assert "checkpoints/step-1/state.json" in err and "Traceback" not in err, err
+    assert not (run / "config.yaml").exists() and (run / "metrics.jsonl").read_bytes() == before  # nothing written
+    assert main([*common, "total_steps=2", "--resume"]) == 0  # the same experiment resumes
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
