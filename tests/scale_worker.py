@@ -234,3 +234,7 @@ if __name__ == "__main__":
         for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc", "0"]): run_stage(s, out)
     import torch.distributed
     torch.distributed.destroy_process_group()
+    # several DeepSpeed engines were built in this process: leave without the interpreter's teardown, where a native
+    # thread of one can abort the process after the results are saved (seen once in test_trainer's guard worker)
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
