@@ -87,13 +87,16 @@ FREE = (  # may change on resume: applied from the next step on, written to conf
 # %% ../nbs/09c_runs.ipynb #50e160a6
 def _show(v): return "null" if v is None else repr(v) if isinstance(v, str) else str(v)
 
+def _step_folders(out: str | Path) -> list[Path]:
+    "The run's `checkpoints/step-N` folders, newest first (`step-N.tmp`, `step-N.broken-K` are not among them)."
+    d = Path(out) / "checkpoints"
+    return [p for _, p in sorted(((int(p.name[5:]), p) for p in d.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
+                                 reverse=True)] if d.is_dir() else []
+
 def checkpoint_experiment(out: str | Path,  # a run folder
                          ) -> tuple[Path, dict] | None:
     "`(state.json, {field: value})`: the `FROZEN` fields stored in the newest checkpoint that has them, or None."
-    d = Path(out) / "checkpoints"
-    steps = sorted(((int(p.name[5:]), p) for p in d.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
-                   reverse=True) if d.is_dir() else []
-    for _, p in steps:
+    for p in _step_folders(out):
         try: s = json.loads((p / "state.json").read_text())
         except (OSError, ValueError): continue  # a broken checkpoint: the resume skips it too
         if isinstance(s, dict) and isinstance(s.get("experiment"), dict): return p / "state.json", s["experiment"]
@@ -172,10 +175,7 @@ def newest_loadable_checkpoint(output_dir: str | Path,  # the run folder
                                log: Callable[[str], None] = print,  # says which checkpoint is skipped and why
                               ) -> Path | None:
     "The newest `checkpoints/step-N` that `checkpoint_problem` passes; a broken newer one is renamed `step-N.broken-K` (kept, never deleted) with a log line."
-    d = Path(output_dir) / "checkpoints"
-    steps = sorted(((int(p.name[5:]), p) for p in d.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
-                   reverse=True) if d.is_dir() else []
-    verdicts = [(p, checkpoint_problem(p)) for _, p in steps]
+    verdicts = [(p, checkpoint_problem(p)) for p in _step_folders(output_dir)]
     dist.barrier()  # every rank has read the folders before rank 0 renames any
     found = None
     for p, why in verdicts:
@@ -250,16 +250,20 @@ def export_main(argv: list[str] | None = None) -> int:
 class CheckpointError(RuntimeError):
     "A checkpoint could not be written; the message names the disk space and the checkpoint that is still intact."
 
+def _write_failure(e: BaseException, path: Path) -> tuple[float, str]:
+    "(GiB free on the disk that holds `path`, the failed write's cause in words) for the messages below."
+    base = Path(path)
+    while not base.exists() and base != base.parent: base = base.parent
+    full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e)
+    return (shutil.disk_usage(base).free / 2**30,
+            "the disk is full" if full else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+
 def checkpoint_error(e: BaseException,  # what the write raised
                      tmp: Path,          # the half-written folder (already removed)
                      previous: Path | None,  # the newest complete checkpoint, untouched
                     ) -> CheckpointError:
     "The one-line error for a failed checkpoint write: the cause, the free disk space, what is still intact, and the fix."
-    base = tmp
-    while not base.exists() and base != base.parent: base = base.parent
-    free = shutil.disk_usage(base).free / 2**30
-    full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e)
-    cause = "the disk is full" if full else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    free, cause = _write_failure(e, tmp)
     kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
     return CheckpointError(f"writing checkpoint {tmp.name[:-4]} under {tmp.parent} failed ({cause}); {free:.2f} GiB of "
                            f"disk space is free there, the half-written folder was removed and {kept}: free disk space "
@@ -270,11 +274,7 @@ def export_error(e: BaseException,       # what the write raised
                  checkpoint: Path | None,  # the newest checkpoint, which dapo-export can turn into the export
                 ) -> CheckpointError:
     "The one-line error for a failed export: the cause, the free disk space, and how to write it again from a checkpoint."
-    base = Path(path)
-    while not base.exists() and base != base.parent: base = base.parent
-    free = shutil.disk_usage(base).free / 2**30
-    full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e)
-    cause = "the disk is full" if full else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    free, cause = _write_failure(e, path)
     again = (f"the checkpoint {checkpoint} is intact: free disk space and write it with dapo-export {checkpoint} --out "
              f"{path} --overwrite" if checkpoint else "no checkpoint exists: free disk space and train again")
     return CheckpointError(f"writing the export {path} failed ({cause}); {free:.2f} GiB of disk space is free there and "

@@ -24,11 +24,10 @@ from typing import Callable
 
 import pytest
 
+from cli_server import MODULES  # command -> module[:function]
 from test_eval import byte_tokenizer  # 256 byte tokens + <|endoftext|>, built in code
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = {"dapo-train": "dapo_ref.train", "dapo-eval": "dapo_ref.eval", "dapo-plan": "dapo_ref.plan",
-           "dapo-ablate": "dapo_ref.ablation", "dapo-export": "dapo_ref.runs:export_main"}
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
        "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
