@@ -78,7 +78,7 @@ check-clean: install
 # versions, source hash), so neither `make demo` nor `make test` builds it. After a change to how nbs/06_tiny.ipynb
 # builds it (tests/test_tiny.py fails until then), rebuild it on purpose (about 7 minutes on 2 cores) and commit it:
 tiny-model: install
-	$(BIN)/dapo-tiny
+	$(BIN)/dapo-tiny --overwrite
 
 # The testbed policies of nbs/14_ablation.ipynb ship with the package too (dapo_ref/testbeds/, a folder per build hash).
 # After a change to how they are built (tests/test_testbeds.py fails until then), rebuild and commit them (~3 min):

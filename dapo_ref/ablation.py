@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .core import DAPOConfig, InputError, cli_errors, load_config, save_config, parse_overrides
+from .core import ArgParser, DAPOConfig, InputError, cli_errors, interrupts, load_config, save_config, parse_overrides
+from .runs import check_owned, read_marker, write_marker
 from .data import PROMPT_TEMPLATE
 from .tiny import MAX_OPS, RESPONSE_PREFIX, _problem_text, _sample_chain, _work, is_heldout
 
@@ -124,7 +125,7 @@ def run_one(cfg: DAPOConfig,          # one (row, seed) config from `run_config`
     kp = out / "key.json"
     if out.exists() and (not kp.exists() or json.loads(kp.read_text()) != json.loads(json.dumps(key))):
         shutil.rmtree(out)  # written by another config: start over
-    out.mkdir(parents=True, exist_ok=True)
+    if read_marker(out) is None: write_marker(out, "run")  # inside the dapo-ablate folder: a run of this study
     _lock(out)  # two processes training one run would interleave its metrics.jsonl
     kp.write_text(json.dumps(key))
     kw = {}
@@ -803,9 +804,9 @@ def run_ablation(base: DAPOConfig | str | Path = DEFAULT_BASE,  # shared base co
 # %% ../nbs/14_ablation.ipynb #d368a517
 def main(argv: list[str] | None = None) -> int:
     "`dapo-ablate [--quick] [--seeds 0 1 2] [--out DIR] [--rows ... | --study NAME] [--jobs N]`: Table 1 or a mechanism study on the tiny task."
-    ap = argparse.ArgumentParser(prog="dapo-ablate", description="Table 1 of the DAPO paper in miniature: six cumulative "
-                                 "rows x seeds on the tiny task, cached per run; writes table.md/json and figures. "
-                                 "--study NAME runs a mechanism study instead (two arms x seeds).")
+    ap = ArgParser(prog="dapo-ablate", description="Table 1 of the DAPO paper in miniature: six cumulative "
+                   "rows x seeds on the tiny task, cached per run; writes table.md/json and figures. "
+                   "--study NAME runs a mechanism study instead (two arms x seeds).")
     ap.add_argument("--base", default=None, help=f"shared base recipe of all rows (YAML; default {DEFAULT_BASE}, or the "
                     "study's recipe with --study; a relative path not found here is looked up in the dapo_ref checkout or package)")
     ap.add_argument("--study", default=None, help="run a mechanism study instead of Table 1: " + " ".join(STUDIES))
@@ -821,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     ap.add_argument("--no-figures", action="store_true")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the base config (all rows)")
-    a = ap.parse_args(argv)
+    a = ap.parse(argv)
     root = Path("runs/ablation-quick" if a.quick else "benchmarks/ablation")
     out = a.out or str(root / a.study if a.study else root)
     with cli_errors("dapo-ablate"):  # every input is checked before torch is imported or a run starts
@@ -838,9 +839,18 @@ def main(argv: list[str] | None = None) -> int:
                                   ("--threads", a.threads >= 1, ">= 1"), ("--target", 0 <= a.target <= 1, "0 <= target <= 1")]:
             if not ok: raise InputError(f"{flag} {getattr(a, flag[2:])} is out of range: allowed {allowed}")
         if Path(out).exists() and not Path(out).is_dir(): raise InputError(f"--out {out} is a file; give a folder for the runs, table and figures")
+        if (read_marker(Path(out).parent) or {}).get("kind") != "ablation":  # a study inside a dapo-ablate folder is its own
+            check_owned(out, "ablation", "--out")  # the user's folder: never written
+    if read_marker(out) is None and (read_marker(Path(out).parent) or {}).get("kind") != "ablation": write_marker(out, "ablation")
     if not __import__("torch").cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
+    with interrupts("dapo-ablate", "finished runs are kept, and an interrupted one resumes from its checkpoint: "
+                    "run the same command again to continue"):
+        return _run(a, out, root, base, argv)
+
+def _run(a, out, root, base, argv) -> int:
+    "The runs of `dapo-ablate` (its input already checked), then the table or study and its figures."
     t0, command = time.perf_counter(), " ".join(["dapo-ablate", *(sys.argv[1:] if argv is None else argv)])
     if a.all:
         r = run_all(a.out or root, quick=a.quick, jobs=a.jobs, threads=a.threads, figures=not a.no_figures, command=command)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #bb6d6cbb
 from __future__ import annotations
-import contextlib, dataclasses, difflib, math, sys
+import argparse, contextlib, dataclasses, difflib, math, os, sys
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Any
@@ -12,8 +12,9 @@ from typing import Any
 import yaml
 
 # %% auto #0
-__all__ = ['REWARD_MODES', 'LOSS_AGGS', 'USER_ERRORS', 'DAPOConfig', 'InputError', 'validate', 'find_recipe', 'read_yaml',
-           'config_from_dict', 'load_config', 'save_config', 'parse_overrides', 'one_line', 'cli_errors']
+__all__ = ['REWARD_MODES', 'LOSS_AGGS', 'PATH_FIELDS', 'USER_ERRORS', 'DAPOConfig', 'InputError', 'short', 'validate',
+           'find_recipe', 'read_yaml', 'config_from_dict', 'load_config', 'save_config', 'parse_overrides',
+           'strict_bool', 'one_line', 'cli_errors', 'interrupts', 'ArgParser']
 
 # %% ../nbs/00_core.ipynb #6a2a6c54
 REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
@@ -119,6 +120,7 @@ _RANGES = {  # field: (check, allowed range in words)
     "eval_top_p": (lambda v: 0 < v <= 1, "0 < eval_top_p <= 1"),
     "eval_k": (lambda v: v >= 1, "eval_k >= 1"),
     "total_steps": (lambda v: v >= 0, "total_steps >= 0"),
+    "seed": (lambda v: 0 <= v < 2**31, "0 <= seed < 2**31 (torch, numpy and Python seed from it, plus the rank)"),
     "micro_token_budget": (lambda v: v >= 1, "micro_token_budget >= 1"),
     "eval_every": (lambda v: v >= 0, "eval_every >= 0"),
     "save_every": (lambda v: v >= 0, "save_every >= 0"),
@@ -134,6 +136,15 @@ _RANGES = {  # field: (check, allowed range in words)
 }
 
 # %% ../nbs/00_core.ipynb #93fd21f0
+PATH_FIELDS = ("model", "train_data", "eval_data", "output_dir")  # paths (or hub names): `~` expanded, never empty
+
+def short(v: Any,          # a value to quote in a message
+          n: int = 80,     # characters at most
+         ) -> str:
+    "`repr(v)`, cut to `n` characters: a YAML alias or a pasted file can make one value megabytes long."
+    r = repr(v)
+    return r if len(r) <= n else f"{r[:n - 20]}... ({len(r)} characters)"
+
 def _check_type(name, value, tp):
     "Coerce `value` to the field's declared type `tp` (a string annotation), or raise naming the field."
     kinds = {"float": float, "int": int, "bool": bool, "str": str}
@@ -145,7 +156,7 @@ def _check_type(name, value, tp):
     want = kinds[base]
     if want is bool:
         if isinstance(value, bool): return value
-        raise InputError(f"{name}: got {value!r}, expected true or false")
+        raise InputError(f"{name}: got {short(value)}, expected true or false")
     if want is float:
         x = None
         if isinstance(value, (int, float)) and not isinstance(value, bool): x = float(value)
@@ -158,8 +169,13 @@ def _check_type(name, value, tp):
             raise InputError(f"{name} = {x} is not a finite number: allowed {allowed}")
     if want is int and isinstance(value, int) and not isinstance(value, bool): return value
     if want is int and isinstance(value, float) and value.is_integer(): return int(value)
-    if want is str and isinstance(value, str): return value
-    raise InputError(f"{name}: got {value!r} ({type(value).__name__}), expected {tp}")
+    if want is str and isinstance(value, str):
+        if name not in PATH_FIELDS: return value
+        if not value.strip():  # `train_data=$UNSET`: an empty path is never what was meant
+            none = ", or null for " + ("the built-in tiny task" if "data" in name else "none") if optional else ""
+            raise InputError(f"{name} is empty (an unset shell variable?): give a path{none}")
+        return os.path.expanduser(value)  # `~/models/x`: the shell expands ~ only at the start of a word
+    raise InputError(f"{name}: got {short(value)} ({type(value).__name__}), expected {tp}")
 
 def validate(cfg: DAPOConfig) -> DAPOConfig:
     "Check every field of `cfg` against its type and allowed range; return `cfg` or raise `InputError`."
@@ -168,7 +184,7 @@ def validate(cfg: DAPOConfig) -> DAPOConfig:
         setattr(cfg, f.name, v)
         if f.name in _RANGES and v is not None:
             ok, allowed = _RANGES[f.name]
-            if not ok(v): raise InputError(f"{f.name} = {v!r} is out of range: allowed {allowed}")
+            if not ok(v): raise InputError(f"{f.name} = {short(v)} is out of range: allowed {allowed}")
     if cfg.l_cache >= cfg.l_max:
         raise InputError(f"l_cache = {cfg.l_cache} is out of range: allowed 0 <= l_cache < l_max (= {cfg.l_max})")
     if cfg.eps_high < cfg.eps_low:
@@ -229,14 +245,19 @@ def read_yaml(path: str | Path,  # a YAML file
     finally: loader.dispose()
 
 # %% ../nbs/00_core.ipynb #45068e0a
+def _key_hint(k: str, names: list[str]) -> str:
+    "'; did you mean ...' for an unknown key: a dotted key (verl's `actor.optim.lr`) by its last part, else the closest name."
+    last = k.rsplit(".", 1)[-1].replace("-", "_")
+    if "." in k and last in names: return f"; did you mean '{last}'? (DAPOConfig is flat: no sections)"
+    close = difflib.get_close_matches(last, names, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+
 def config_from_dict(d: dict[str, Any]) -> DAPOConfig:
     "Build a validated `DAPOConfig` from a dict; an unknown key names itself and the closest valid key."
     names = [f.name for f in fields(DAPOConfig)]
     for k in d:
         if k not in names:
-            close = difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
-            raise InputError(f"unknown config key '{k}'{hint}")
+            raise InputError(f"unknown config key '{short(str(k), 60)[1:-1]}'{_key_hint(str(k), names)}")
     return validate(DAPOConfig(**d))
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DAPOConfig:
@@ -265,20 +286,33 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     "Parse command-line `key=value` items; values are read as YAML scalars (`1e-6`, `true`, `null`)."
     out = {}
     for it in items:
-        if "=" not in it: raise InputError(f"override '{it}' must look like key=value, e.g. lr=1e-6")
+        shown = short(it)[1:-1]
+        if "=" not in it: raise InputError(f"override '{shown}' must look like key=value, e.g. lr=1e-6")
         k, v = it.split("=", 1)
         k = k.strip()
-        if k in out: raise InputError(f"override {k}= is given twice ({k}={out[k]!r} and {it}); keep one")
+        if not k: raise InputError(f"override '{shown}' has no key before '='; write key=value, e.g. lr=1e-6")
+        if k in out: raise InputError(f"override {k}= is given twice ({k}={short(out[k])} and {shown}); keep one")
+        if not v.strip():  # `train_data=$UNSET` would read as null: the built-in task instead of the user's data
+            raise InputError(f"override '{shown}' has no value after '=' (an unset shell variable?); give the value, "
+                             f"or {k}=null where null means none")
         try: out[k] = yaml.safe_load(v)
-        except yaml.YAMLError: raise InputError(f"override {it}: the value is not a YAML scalar; quote it, e.g. {k}='{v}'") from None
+        except yaml.YAMLError: raise InputError(f"override {shown}: the value is not a YAML scalar; quote it, e.g. {k}='{v[:40]}'") from None
     return out
+
+def strict_bool(name: str, v: Any) -> bool:
+    "`v` if it is a YAML boolean (true/false, yes/no, on/off); `InputError` naming `name` otherwise (`resume=nope` is not true)."
+    if isinstance(v, bool): return v
+    raise InputError(f"{name}={short(v)}: expected true or false")
 
 # %% ../nbs/00_core.ipynb #28647e8c
 USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
-def one_line(e: BaseException) -> str:
+def one_line(e: BaseException,  # an exception whose message is shown to the user
+             n: int = 2000,       # characters at most: the start (what is wrong) and the end (the fix) are kept
+            ) -> str:
     "The message of `e` on one line (continuation lines joined with a space), or its type's name if it has none."
-    return " ".join(l.strip() for l in str(e).splitlines() if l.strip()) or type(e).__name__
+    s = " ".join(l.strip() for l in str(e).splitlines() if l.strip()) or type(e).__name__
+    return s if len(s) <= n else f"{s[:n // 2]} [... {len(s) - n} characters cut ...] {s[-n // 2:]}"
 
 @contextlib.contextmanager
 def cli_errors(prog: str,                  # the command's name, e.g. "dapo-eval"
@@ -289,3 +323,60 @@ def cli_errors(prog: str,                  # the command's name, e.g. "dapo-eval
     except catch as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+@contextlib.contextmanager
+def interrupts(prog: str,             # the command's name
+               then: Any = "",        # what to do next, in words (or a function returning them, called at the interrupt)
+               quiet: bool = False,   # say nothing (the other ranks of a launch: rank 0 says it)
+              ):
+    "Ctrl-C in the block: one line `prog: interrupted; <then>` on stderr and exit status 130 (128 + SIGINT), no traceback."
+    try: yield
+    except KeyboardInterrupt:
+        if not quiet:
+            what = then() if callable(then) else then
+            print(f"\n{prog}: interrupted" + (f"; {what}" if what else ""), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse as every dapo_ref command uses it: a usage error on one line with the fix, an option given twice refused
+    (argparse keeps the last silently), `key=value` overrides before and after flags, `--lr 1e-5` pointed to `lr=1e-5`."""
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+    def _option(self, tok: str):
+        "The action a `--flag` or `--flag=value` token names (exactly, or by argparse's unique prefix), or None."
+        name = tok.split("=", 1)[0]
+        if name in self._option_string_actions: return self._option_string_actions[name]
+        hits = {a for o, a in self._option_string_actions.items() if o.startswith(name)} if self.allow_abbrev else set()
+        return hits.pop() if len(hits) == 1 else None
+
+    def parse(self, argv: list[str] | None = None) -> argparse.Namespace:
+        "Parse `argv` (None: sys.argv[1:]); every usage error is one line and exit status 2."
+        argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+        seen = {}
+        for i, tok in enumerate(argv):
+            if tok == "--": break
+            a = self._option(tok) if tok.startswith("--") else None
+            if a is None or a.nargs == 0: continue  # a switch given twice changes nothing; an unknown one: below
+            val = tok.split("=", 1)[1] if "=" in tok else (argv[i + 1] if i + 1 < len(argv) else "")
+            if a.dest in seen:
+                self.error(f"{a.option_strings[-1]} is given twice ({short(seen[a.dest], 60)} and {short(val, 60)}); give it once")
+            seen[a.dest] = val
+        overrides = any(a.dest == "overrides" for a in self._actions)  # the commands that take key=value overrides
+        ns, extra = self.parse_known_intermixed_args(argv) if overrides else self.parse_known_args(argv)
+        if extra: self.error(self._unknown(argv, extra, overrides))
+        return ns
+
+    def _unknown(self, argv: list[str], extra: list[str], overrides: bool) -> str:
+        "'unrecognized arguments: ...' and the likely fix: `key=value` for a config field, or the closest flag."
+        msg = "unrecognized arguments: " + " ".join(short(t, 60)[1:-1] for t in extra[:4]) + (" ..." if len(extra) > 4 else "")
+        tok = next((t for t in extra if t.startswith("--")), None)
+        if tok is None: return msg
+        name, eq, val = tok[2:].partition("=")
+        if not eq and tok in argv and argv.index(tok) + 1 < len(argv) and not argv[argv.index(tok) + 1].startswith("-"):
+            val = argv[argv.index(tok) + 1]
+        key = name.replace("-", "_")
+        if overrides and key in {f.name for f in fields(DAPOConfig)}:
+            return f"{msg}; config fields are set as key=value, e.g. {key}={short(val, 40)[1:-1] if val else '...'}"
+        close = difflib.get_close_matches(tok.split("=")[0], [o for o in self._option_string_actions if o.startswith("--")], n=1, cutoff=0.6)
+        return f"{msg}; did you mean {close[0]}?" if close else msg

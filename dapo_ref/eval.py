@@ -11,15 +11,15 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .core import DAPOConfig, REWARD_MODES, InputError, cli_errors, one_line
+from .core import DAPOConfig, REWARD_MODES, ArgParser, InputError, cli_errors, interrupts, one_line
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .reward import normalize_answer, score_batch
 from .rollout import RolloutEngine, SamplingParams
 
 # %% auto #0
-__all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k', 'evaluate', 'check_output_file',
-           'resolve_model', 'load_model_config', 'generation_memory', 'available_memory', 'check_generation_memory',
-           'main']
+__all__ = ['INVALID', 'WRITTEN_BY', 'LOAD_ERRORS', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k',
+           'evaluate', 'check_output_file', 'check_device', 'resolve_model', 'load_model_config', 'check_model',
+           'weights_problem', 'generation_memory', 'available_memory', 'check_generation_memory', 'main']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
@@ -162,7 +162,7 @@ def evaluate(engine: RolloutEngine,        # generates k completions per prompt
 # %% ../nbs/08_eval.ipynb #37f2a250
 def _parser() -> argparse.ArgumentParser:
     d = DAPOConfig()
-    ap = argparse.ArgumentParser(prog="dapo-eval", description=(
+    ap = ArgParser(prog="dapo-eval", description=(
         "Sample k responses per problem and report avg@k, pass@k and maj@k. "
         "The defaults are the DAPO paper's evaluation (avg@32, temperature 1.0, top-p 0.7)."))
     ap.add_argument("--model", required=True, help="local folder (save_pretrained), hub name, or 'tiny' (the embedded tiny model)")
@@ -185,18 +185,35 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="(default: %(default)s)")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     ap.add_argument("--out", default="results.json", help="JSON file to write (default: %(default)s)")
-    ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: refuse)")
+    ap.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier dapo-eval result (default: refuse)")
     return ap
 
+WRITTEN_BY = "dapo-eval"  # the results file says who wrote it: --overwrite replaces only such a file
+
+def _is_eval_result(p: Path) -> bool:
+    "Whether the file `p` is a results file dapo-eval wrote (its `written_by`), read without trusting its size or bytes."
+    try:
+        with open(p, "rb") as f: head = f.read(1 << 16)
+        return f'"written_by": "{WRITTEN_BY}"'.encode() in head
+    except OSError: return False
+
 def check_output_file(out: str | Path,       # the file the results go to
-                      overwrite: bool = False, # allow replacing an existing file
+                      overwrite: bool = False, # allow replacing an earlier dapo-eval result
                       flag: str = "--out",     # names the input in errors
+                      inputs: dict | None = None,  # {flag: path} of the command's inputs, never written over
                      ) -> Path:
-    "Refuse, before any work, an output path that is a folder, exists (unless `overwrite`) or cannot be written."
+    "Refuse, before any work, an output path that is a folder, one of the inputs, exists (unless `overwrite` and it is an earlier result) or cannot be written."
     p = Path(out).expanduser()
     if p.is_dir(): raise InputError(f"{flag} {out} is a folder; give a file name, e.g. {flag} {p / 'results.json'}")
+    for name, src in (inputs or {}).items():
+        s = Path(src).expanduser()
+        if p.exists() and s.exists() and (p.resolve() == s.resolve() or s.resolve() in p.resolve().parents):
+            raise InputError(f"{flag} {out} is the {name} input; the results would replace it: choose another {flag}")
     if p.exists() and not overwrite:
         raise InputError(f"{flag} {out} already exists; pass --overwrite to replace it, or choose another {flag}")
+    if p.exists() and not _is_eval_result(p):
+        raise InputError(f"{flag} {out} exists and is not a {WRITTEN_BY} results file; --overwrite replaces only an "
+                         f"earlier result: choose another {flag}")
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".probe")  # can a file be created there?
@@ -206,6 +223,19 @@ def check_output_file(out: str | Path,       # the file the results go to
     return p
 
 # %% ../nbs/08_eval.ipynb #c02b73dd
+def check_device(device: str | None,   # `--device`: cpu, cuda, cuda:N; None = cuda when available
+                 flag: str = "--device") -> None:
+    "`InputError` for a device torch cannot name, or a CUDA device this machine does not have."
+    if device is None: return
+    try: d = torch.device(device)
+    except (RuntimeError, ValueError): raise InputError(f"{flag} {device} is not a device torch knows; give cpu, cuda or cuda:N") from None
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0: raise InputError(f"{flag} {device}: this machine has no CUDA GPU; pass --device cpu (or leave it out)")
+        if d.index is not None and d.index >= n:
+            raise InputError(f"{flag} {device}: this machine has {n} CUDA GPU(s), cuda:0 to cuda:{n - 1}")
+    elif d.type != "cpu": raise InputError(f"{flag} {device}: dapo-eval runs on cpu or cuda; give one of them")
+
 def _check_args(args) -> None:
     "Raise `InputError` naming the flag for a missing file or an out-of-range value."
     data = Path(args.data).expanduser()
@@ -213,9 +243,6 @@ def _check_args(args) -> None:
         raise InputError(f"--data {args.data}: expected a .parquet or .jsonl file, got '{data.suffix}'")
     if data.is_dir(): raise InputError(f"--data {args.data} is a folder; give one .parquet or .jsonl file")
     if not data.is_file(): raise InputError(f"--data {args.data}: no such file")
-    m = args.model
-    if m != "tiny" and not Path(m).expanduser().exists() and (m.startswith((".", "/", "~")) or m.count("/") > 1):
-        raise InputError(f"--model {m}: no such folder (a hub name looks like org/name)")
     for flag, ok, allowed in [("--k", args.k >= 1, ">= 1"), ("--max-tokens", args.max_tokens >= 1, ">= 1"),
                               ("--max-prompt-length", args.max_prompt_length >= 1, ">= 1"),
                               ("--temperature", 0 <= args.temperature < math.inf, ">= 0 and finite (0 = greedy)"),
@@ -226,37 +253,73 @@ def _check_args(args) -> None:
         if not ok: raise InputError(f"{flag} = {getattr(args, flag[2:].replace('-', '_'))} is out of range: allowed {allowed}")
     if args.math_verify and args.reward not in ("dapo-reference", "math-verify"):
         raise InputError(f"--math-verify and --reward {args.reward} disagree; pass one of them")
-    check_output_file(args.out, args.overwrite)
+    if args.math_verify: args.reward = "math-verify"
+    check_device(args.device)
+    check_output_file(args.out, args.overwrite, inputs={"--data": args.data, "--model": args.model})
 
 # %% ../nbs/08_eval.ipynb #a664d8f9
 def _offline() -> bool:
     from huggingface_hub import constants
     return bool(constants.HF_HUB_OFFLINE)
 
-def resolve_model(name: str) -> str:
+def resolve_model(name: str, flag: str = "--model") -> str:
     "The folder or hub name to load for `--model name` (`tiny`: the embedded tiny model); a folder needs a config.json."
     if name == "tiny":
         from dapo_ref.tiny import ensure_tiny_model
         return str(ensure_tiny_model())
     p = Path(name).expanduser()
-    if p.is_file(): raise InputError(f"--model {name} is a file; give the model's folder (written by save_pretrained)")
+    if p.is_file(): raise InputError(f"{flag} {name} is a file; give the model's folder (written by save_pretrained)")
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise InputError(f"--model {name}: no config.json in this folder; give the folder save_pretrained wrote "
+            raise InputError(f"{flag} {name}: no config.json in this folder; give the folder save_pretrained wrote "
                              "(config.json, the weights and the tokenizer files)")
         return str(p)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise InputError(f"{flag} {name}: no such folder (a hub name looks like org/name)")
     return name  # a hub name
 
-def load_model_config(name: str):
+def load_model_config(name: str, flag: str = "--model"):
     "The transformers config of `name` (a folder or hub name), or a one-line `InputError` (offline, unknown name, bad file)."
     from transformers import AutoConfig
     try: return AutoConfig.from_pretrained(name)
     except (OSError, ValueError, KeyError) as e:
         if not Path(name).expanduser().exists() and _offline():
-            raise InputError(f"--model {name}: not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
+            raise InputError(f"{flag} {name}: not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
                              "forbids downloading it; download it where the hub is reachable, or give a local folder") from None
-        raise InputError(f"--model {name}: cannot read its config ({one_line(e)[:300]}); "
+        raise InputError(f"{flag} {name}: cannot read its config ({one_line(e)[:300]}); "
                          "check the name, or give a local folder written by save_pretrained") from None
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+def check_model(name: str,            # `--model` / `model`: a local folder, a hub name, or tiny
+                flag: str = "--model",  # names the input in errors ("model =" in dapo-train)
+               ):
+    """Before any weight loads, what can be known of a model: the folder (config.json, tokenizer files, every
+    safetensors file whole, by its header) or the hub name (in the cache when offline), and its config; returns
+    `(name to load, config)`. dapo-train and dapo-eval run the same checks."""
+    path = resolve_model(name, flag)
+    config = load_model_config(path, flag)
+    folder = Path(path)
+    if folder.is_dir():
+        if not any((folder / f).is_file() for f in _TOKENIZER_FILES):  # transformers would make an empty one
+            raise InputError(f"{flag} {name}: no tokenizer files in this folder ({', '.join(_TOKENIZER_FILES)}); "
+                             "save the tokenizer next to the model with tokenizer.save_pretrained")
+        from dapo_ref.runs import safetensors_problem
+        for f in sorted(folder.glob("*.safetensors")):
+            if (why := safetensors_problem(f)):
+                raise InputError(f"{flag} {name}: {why}; copy or export the model again")
+    return path, config
+
+from safetensors import SafetensorError
+LOAD_ERRORS = (OSError, ValueError, SafetensorError)  # what from_pretrained raises for a missing, broken or mismatched file
+
+def weights_problem(model: torch.nn.Module) -> str | None:
+    "Which parameter of `model` holds a NaN or an infinity (the first, by name), or None; one pass over the weights."
+    for n, p in model.named_parameters():
+        if p.numel() and not bool(torch.isfinite(p).all()): return f"weight {n} holds NaN or infinite values"
+    return None
+
+
 
 # %% ../nbs/08_eval.ipynb #29796180
 def generation_memory(config,             # the model's transformers config (a Qwen2/Llama-style decoder)
@@ -303,21 +366,14 @@ def check_generation_memory(need: dict,        # from `generation_memory`
                      f"{fix}")
 
 # %% ../nbs/08_eval.ipynb #84aba785
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
 def _prepare(args):
     "Every check that can fail on the user's input, cheapest first; returns what `main` needs to evaluate."
     _check_args(args)
     examples = load_math_dataset(args.data, dedup=args.dedup)
     if args.limit: examples = examples[:args.limit]
     if not examples: raise InputError(f"--data {args.data}: no problems to evaluate")
-    name = resolve_model(args.model)
-    config = load_model_config(name)
+    name, config = check_model(args.model)
     from transformers import AutoTokenizer
-    folder = Path(name)
-    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):  # transformers would make an empty one
-        raise InputError(f"--model {args.model}: no tokenizer files in this folder ({', '.join(_TOKENIZER_FILES)}); "
-                         "save the tokenizer next to the model with tokenizer.save_pretrained")
     try: tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"--model {args.model}: cannot load its tokenizer ({one_line(e)[:300]}); the folder needs the "
@@ -342,14 +398,19 @@ def _write_json(path: Path, obj) -> None:
 # %% ../nbs/08_eval.ipynb #4c091367
 def main(argv: list[str] | None = None) -> None:
     "The `dapo-eval` command: evaluate a model on a parquet/JSONL file, print one line, write JSON."
-    args = _parser().parse_args(argv)
-    if args.math_verify: args.reward = "math-verify"
+    args = _parser().parse(argv)
+    with interrupts("dapo-eval", "nothing was written; run the command again"):
+        return _main(args)
+
+def _main(args) -> int:
     t0 = time.time()
     with cli_errors("dapo-eval"):  # bad input: one line on stderr, exit status 2, nothing loaded or generated yet
         examples, name, tokenizer, device = _prepare(args)
         from transformers import AutoModelForCausalLM
         try: model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, args.dtype)).to(device).eval()
-        except OSError as e: raise InputError(f"--model {args.model}: cannot load its weights ({one_line(e)[:300]})") from None
+        except LOAD_ERRORS as e: raise InputError(f"--model {args.model}: cannot load its weights ({one_line(e)[:300]})") from None
+        if (why := weights_problem(model)):
+            raise InputError(f"--model {args.model}: {why}; the model is damaged: export it again, or evaluate another one")
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = gen_eos if gen_eos is not None else tokenizer.eos_token_id
         if eos is None: raise InputError(f"--model {args.model}: neither the generation config nor the tokenizer names an EOS token")
@@ -360,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
                    max_tokens=args.max_tokens, seed=args.seed, batch_prompts=args.batch_prompts,
                    reward=args.reward, return_per_prompt=True, progress=True)
     seconds = time.time() - t0
-    settings = {"model": args.model, "data": args.data, "temperature": args.temperature, "top_p": args.top_p,
+    settings = {"written_by": WRITTEN_BY, "model": args.model, "data": args.data, "temperature": args.temperature, "top_p": args.top_p,
                 "max_tokens": args.max_tokens, "seed": args.seed, "limit": args.limit, "dedup": args.dedup,
                 "math_verify": args.reward == "math-verify", "dtype": args.dtype, "device": device, "seconds": round(seconds, 3)}
     out = Path(args.out).expanduser()
@@ -369,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"dapo-eval {args.model} on {args.data}: avg@{k} {res['avg@k']:.4f}  pass@{k} {res['pass@k']:.4f}  "
           f"maj@{k} {res['maj@k']:.4f}  ({res['n_prompts']} problems x {k} samples, mean length "
           f"{res['mean_length']:.1f} tokens, {res['truncated_frac']:.1%} truncated, {seconds:.1f} s) -> {out}")
+    return 0
 
 # %% ../nbs/08_eval.ipynb #5090135f
 if __name__ == "__main__" and "get_ipython" not in globals():  # `python -m dapo_ref.eval`; not when run in a notebook

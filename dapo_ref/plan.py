@@ -8,7 +8,7 @@ import argparse, dataclasses, json, math, re, sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core import DAPOConfig, InputError, cli_errors, load_config, parse_overrides
+from .core import ArgParser, DAPOConfig, InputError, cli_errors, load_config, parse_overrides
 
 # %% auto #0
 __all__ = ['QWEN25', 'BYTES', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'ModelArch', 'n_params', 'layer_params',
@@ -74,6 +74,9 @@ def resolve_arch(model: str | Path | dict | ModelArch  # hub name, local folder 
         return ModelArch(*(int(model.get(k, model["num_attention_heads"])) for k in keys),
                          bool(model.get("tie_word_embeddings", False)), str(model.get("_name_or_path", "")))
     p = Path(model)
+    if str(model) == "tiny" or str(model).startswith("tiny-") and not p.exists():  # the tiny model and its testbeds
+        import importlib.util  # (one architecture; the shipped folder's config.json, without importing torch)
+        p = Path(importlib.util.find_spec("dapo_ref").origin).parent / "tiny_model"
     if (p / "config.json").is_file():
         try: arch = resolve_arch(json.loads((p / "config.json").read_text()))
         except json.JSONDecodeError as e:
@@ -83,8 +86,8 @@ def resolve_arch(model: str | Path | dict | ModelArch  # hub name, local folder 
     m = re.search(r"qwen2\.5-(?:math-|coder-)?(\d+(?:\.\d+)?)b(?![a-z0-9.])", str(model), re.I)
     if m and m.group(1).upper() + "B" in QWEN25: return QWEN25[m.group(1).upper() + "B"]
     raise ValueError(f"model = {str(model)!r}: no config.json in that folder and not a Qwen2.5 name the planner "
-                     f"knows ({', '.join('Qwen2.5-' + k for k in QWEN25)}); pass a folder with config.json "
-                     "(e.g. a downloaded model) or model_arch=")
+                     f"knows ({', '.join('Qwen2.5-' + k for k in QWEN25)}); give the model as a folder with "
+                     "config.json (e.g. a downloaded model), or pass --model-arch with one (or with a Qwen2.5 name)")
 
 # %% ../nbs/12_plan.ipynb #5531a48d
 def valid_tensor_parallel(arch: ModelArch,  # the model
@@ -419,15 +422,10 @@ def format_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 # %% ../nbs/12_plan.ipynb #96636e3b
-class _Parser(argparse.ArgumentParser):
-    "argparse, with its usage errors on one line (the fix: `--help`)."
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
 def main(argv: list[str] | None = None  # command-line arguments; None = sys.argv[1:]
         ) -> int:
     "`dapo-plan`: print the per-GPU memory plan of a recipe; exit 0 if it fits, 1 if not, 2 on bad input."
-    ap = _Parser(prog="dapo-plan", description="Per-GPU memory plan of a DAPO recipe.")
+    ap = ArgParser(prog="dapo-plan", description="Per-GPU memory plan of a DAPO recipe.")
     ap.add_argument("recipe", help="YAML recipe, e.g. recipes/dapo-qwen2.5-32b.yaml")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of recipe fields, e.g. nnodes=4 offload_params=false")
     ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
@@ -436,7 +434,7 @@ def main(argv: list[str] | None = None  # command-line arguments; None = sys.arg
     ap.add_argument("--no-sleep", action="store_true", help="vLLM keeps its share during the update (no sleep mode)")
     ap.add_argument("--model-arch", default=None, help="folder with config.json or Qwen2.5 name, if not the recipe's model")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
-    args = ap.parse_args(argv)
+    args = ap.parse(argv)  # key=value overrides before and after flags, as in dapo-train
     try:
         with cli_errors("dapo-plan"):   # bad input: one line on stderr, exit status 2, before any planning
             check_hardware(args.gpu_memory_gb, args.reserve_gb, args.cpu_memory_gb,

@@ -4,7 +4,7 @@
 
 # %% ../nbs/09c_runs.ipynb #da1b314b
 from __future__ import annotations
-import errno, json, math, os, shutil, tempfile, time, zipfile
+import errno, json, math, os, shutil, sys, tempfile, time, uuid, zipfile
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
@@ -12,25 +12,69 @@ from typing import Any, Callable
 import torch
 
 from . import dist
-from .core import DAPOConfig, InputError, config_from_dict, read_yaml
+from .core import PATH_FIELDS, DAPOConfig, InputError, config_from_dict, read_yaml, short
 from .sampling import DynamicSamplingError
 
 # %% auto #0
-__all__ = ['FROZEN', 'FREE', 'STATE_KEYS', 'WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT', 'run_contents',
-           'check_writable', 'prepare_output_dir', 'checkpoint_experiment', 'resume_changes', 'safetensors_problem',
-           'checkpoint_problem', 'newest_loadable_checkpoint', 'export_checkpoint', 'export_main', 'CheckpointError',
-           'checkpoint_error', 'export_error', 'max_abs_weight', 'UpdateGuard', 'DivergenceError', 'divergence_error',
-           'blown_error', 'SamplingWatch']
+__all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'STATE_KEYS', 'WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT',
+           'read_marker', 'write_marker', 'run_contents', 'check_owned', 'check_writable', 'prepare_output_dir',
+           'clear_run', 'checkpoint_experiment', 'resume_changes', 'safetensors_problem', 'checkpoint_problem',
+           'newest_loadable_checkpoint', 'export_checkpoint', 'export_main', 'CheckpointError', 'checkpoint_error',
+           'export_error', 'max_abs_weight', 'UpdateGuard', 'DivergenceError', 'divergence_error', 'blown_error',
+           'SamplingWatch']
 
 # %% ../nbs/09c_runs.ipynb #6b6f1360
+MARKER = ".dapo_ref.json"  # written first into every folder a dapo_ref command creates: its kind, command, time, id
+RUN_ENTRIES = (MARKER, "config.yaml", "metrics.jsonl", "metrics.dropped.jsonl", "summary.json", "curves.png", "tb",
+               "checkpoints", "final", "exports")  # all that dapo-train writes in output_dir: --overwrite removes these only
+
+def read_marker(folder: str | Path) -> dict | None:
+    "The marker of `folder` (a dict with its `kind`: 'run', 'model', 'ablation'), or None when it has none."
+    try: m = json.loads((Path(folder) / MARKER).read_text())
+    except (OSError, ValueError): return None
+    return m if isinstance(m, dict) and isinstance(m.get("kind"), str) else None
+
+def write_marker(folder: str | Path,  # created with its parents if absent
+                 kind: str,           # what the folder is: 'run', 'model', 'ablation'
+                ) -> dict:
+    "Claim `folder` for dapo_ref: `MARKER` with its kind, the command that wrote it, the time and a fresh id."
+    from dapo_ref import __version__
+    folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    m = dict(kind=kind, id=uuid.uuid4().hex[:12], created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:500], dapo_ref=__version__)
+    (folder / MARKER).write_text(json.dumps(m) + "\n")
+    return m
+
 def run_contents(out: str | Path) -> list[str]:
-    "What `out` holds of an earlier run (its `metrics.jsonl`, its checkpoints), in words; empty when there is nothing to lose."
+    "What `out` holds of an earlier run (its `metrics.jsonl`, checkpoints, exports), in words; empty when there is nothing to lose."
     out, have = Path(out), []
     if (out / "metrics.jsonl").is_file(): have.append("metrics.jsonl")
     ck = out / "checkpoints"
     steps = sorted(p.name for p in ck.glob("step-*")) if ck.is_dir() else []
     if steps: have.append(f"{len(steps)} checkpoint folder(s): {', '.join(steps[-3:])}")
+    have += [f"{d}/" for d in ("final", "exports") if (out / d).is_dir()]
     return have
+
+def check_owned(folder: str | Path,  # where a command will write
+                kind: str,           # the kind of folder it writes ('run', 'model', 'ablation')
+                name: str,           # the setting or flag that names it, for the message
+               ) -> dict | None:
+    """`InputError` unless `folder` is absent, empty, or marked as `kind` (or, for a run, holds nothing but an
+    earlier run's files); returns its marker. Nothing is created."""
+    p = Path(folder)
+    if not p.exists(): return None
+    if not p.is_dir(): raise InputError(f"{name} = {folder} is a file; give a folder (a new or empty one)")
+    m = read_marker(p)
+    if m is not None:
+        if m["kind"] == kind: return m
+        raise InputError(f"{name} = {folder} is a dapo_ref {m['kind']} folder (written by `{m.get('command', '?')[:80]}`), "
+                         f"not a {kind} folder; choose a new or empty folder")
+    entries = sorted(e.name for e in p.iterdir())
+    if not entries: return None
+    if kind == "run" and set(entries) <= set(RUN_ENTRIES) and run_contents(p): return None  # a run from before markers
+    shown = ", ".join(short(e, 40)[1:-1] for e in entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    raise InputError(f"{name} = {folder} holds files no dapo_ref command wrote ({shown}; no {MARKER}); nothing there "
+                     "is touched, --overwrite or not: choose a new or empty folder")
 
 def check_writable(out: str | Path,          # the folder a run will write
                    name: str = "output_dir",  # the setting that names it, for the message
@@ -60,11 +104,32 @@ def prepare_output_dir(cfg: DAPOConfig,        # the validated config; cfg.outpu
         raise InputError("--resume and --overwrite ask for opposite things (continue the run in output_dir, or "
                          "replace it); pass one of them")
     check_writable(out)
+    check_owned(out, "run", "output_dir")  # the user's folder: refused, whatever the flags
     have = run_contents(out)
     if have and not resume and not overwrite:
         raise InputError(f"output_dir = {out} already holds a run ({'; '.join(have)}); pass --resume to continue it, "
                          "choose a new output_dir, or pass --overwrite to replace it")
+    for k in PATH_FIELDS[:3]:  # model, train_data, eval_data: an input inside what the run removes or rewrites
+        v = getattr(cfg, k)
+        if not v or not Path(v).exists(): continue
+        src = Path(v).resolve()
+        for e in RUN_ENTRIES:
+            if src == (out / e).resolve() or (out / e).resolve() in src.parents:
+                raise InputError(f"{k} = {v} is inside {out / e}, which this run "
+                                 f"{'removes (--overwrite) and ' if overwrite else ''}writes; copy it out of {out} "
+                                 "first, or choose another output_dir")
     return resume_changes(out, cfg) if resume else []
+
+def clear_run(out: str | Path) -> list[str]:
+    "`--overwrite`: remove what a run wrote in `out` (`RUN_ENTRIES`), nothing else; returns the names removed."
+    gone = []
+    for e in RUN_ENTRIES:
+        p = Path(out) / e
+        if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)
+        elif p.exists() or p.is_symlink(): p.unlink()
+        else: continue
+        gone.append(e)
+    return gone
 
 # %% ../nbs/09c_runs.ipynb #c1697f2d
 FROZEN = (  # change the experiment: a resumed run must keep them
@@ -201,9 +266,10 @@ def export_checkpoint(ckpt: str | Path,           # a run's checkpoints/step-N (
         raise InputError(f"{ckpt}: no such checkpoint folder; give a run's checkpoints/step-N")
     if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
         raise InputError(f"--out {out} is inside the checkpoint {ckpt}; choose a folder outside it")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise InputError(f"--out {out} already exists; choose a new folder, or pass --overwrite to replace its files")
     check_writable(out, "--out")
+    if check_owned(out, "model", "--out") is not None and any(e.name != MARKER for e in out.iterdir()) and not overwrite:
+        raise InputError(f"--out {out} already holds a model dapo_ref wrote; choose a new folder, or pass --overwrite "
+                         "to replace its model files")
     if (why := checkpoint_problem(ckpt)):
         raise InputError(f"{ckpt} is not a checkpoint that loads ({why}); give a run's checkpoints/step-N")
     if check_only: return out
@@ -221,7 +287,7 @@ def export_checkpoint(ckpt: str | Path,           # a run's checkpoints/step-N (
                                f"unexpected {sorted(unexpected)[:3]})")
     else:  # the plain learner's checkpoint is a transformers folder already
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt)
-    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, "model")
     for p in out.glob("model*.safetensors*"): p.unlink()  # overwrite: no shard of an earlier export left behind
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)
@@ -229,20 +295,20 @@ def export_checkpoint(ckpt: str | Path,           # a run's checkpoints/step-N (
 
 def export_main(argv: list[str] | None = None) -> int:
     "`dapo-export CHECKPOINT --out DIR`: a run's checkpoint as a transformers folder (for dapo-eval, vLLM or the hub)."
-    import argparse
-    from .core import cli_errors
-    ap = argparse.ArgumentParser(prog="dapo-export", description="Write a dapo-train checkpoint (checkpoints/step-N, "
-                                 "either learner) as a transformers folder.")
+    from dapo_ref.core import ArgParser, cli_errors, interrupts
+    ap = ArgParser(prog="dapo-export", description="Write a dapo-train checkpoint (checkpoints/step-N, "
+                   "either learner) as a transformers folder.")
     ap.add_argument("checkpoint", help="a run's checkpoints/step-N folder")
-    ap.add_argument("--out", required=True, help="the new folder (refused if it exists and is not empty, unless --overwrite)")
+    ap.add_argument("--out", required=True, help="the new folder (a model folder dapo_ref wrote is replaced with --overwrite; any other non-empty folder is refused)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the weights' dtype; default: the run's")
     ap.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty --out")
-    args = ap.parse_args(argv)
+    args = ap.parse(argv)
     try:
         with cli_errors("dapo-export"):  # bad input: one line, exit 2, before any weight is read
             export_checkpoint(args.checkpoint, args.out, args.dtype, args.overwrite, check_only=True)
     except SystemExit as e: return e.code
-    out = export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=True)
+    with interrupts("dapo-export", f"{args.out} may be half-written: run the command again with --overwrite"):
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=True)
     print(f"dapo-export: wrote {out}")
     return 0
 

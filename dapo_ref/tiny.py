@@ -13,13 +13,15 @@ from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, 
 from tokenizers.models import BPE
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from .core import ArgParser, InputError, cli_errors, interrupts
 from .data import PROMPT_TEMPLATE, MathExample, make_example
 
 # %% auto #0
 __all__ = ['MAX_VALUE', 'MAX_OPS', 'HELDOUT_MOD', 'EOS_TOKEN', 'QWEN2_PRETOKENIZE_REGEX', 'RESPONSE_PREFIX', 'TINY_MODEL_CONFIG',
            'WARM_START', 'TINY_VERSION', 'TINY_CACHE', 'TINY_SHIPPED', 'TINY_BUILD_COMMAND', 'tiny_problem',
            'is_heldout', 'tiny_splits', 'build_tiny_tokenizer', 'build_tiny_model', 'sft_batches', 'warm_start',
-           'tiny_source_hash', 'tiny_model_dir', 'build_tiny', 'shipped_tiny_problem', 'ensure_tiny_model', 'main']
+           'tiny_source_hash', 'check_cache', 'tiny_model_dir', 'build_tiny', 'shipped_tiny_problem',
+           'ensure_tiny_model', 'main']
 
 # %% ../nbs/06_tiny.ipynb #ffa67a1f
 MAX_VALUE = 9    # every number of a problem and of its correct working is one digit, 0..MAX_VALUE
@@ -282,6 +284,17 @@ def tiny_source_hash() -> str:
 def _cache_root() -> Path:
     return Path(os.environ.get("DAPO_REF_CACHE", "~/.cache/dapo_ref")).expanduser()
 
+def check_cache() -> None:
+    "`InputError` when $DAPO_REF_CACHE (where tiny models and testbeds are built) is empty or lies under a file."
+    v = os.environ.get("DAPO_REF_CACHE")
+    if v is None: return
+    if not v.strip(): raise InputError("DAPO_REF_CACHE is set but empty; unset it (the default is ~/.cache/dapo_ref) or name a folder")
+    base = Path(v).expanduser()
+    while not base.exists() and base != base.parent: base = base.parent
+    if not base.is_dir():
+        raise InputError(f"DAPO_REF_CACHE = {v}: {base} is a file, not a folder; point DAPO_REF_CACHE to a folder "
+                         "(or unset it: the default is ~/.cache/dapo_ref)")
+
 def tiny_model_dir(cache_dir: str | Path | None = None, **warm) -> Path:
     "Where `ensure_tiny_model(cache_dir, **warm)` builds a model it cannot take from the package: named after settings and source."
     settings = {**WARM_START, **warm}
@@ -358,21 +371,41 @@ def ensure_tiny_model(cache_dir: str | Path | None = None,  # None = $DAPO_REF_C
 def main(argv: list[str] | None = None, # command-line arguments; None = sys.argv[1:]
         ) -> int:
     "dapo-tiny: rebuild the shipped tiny model from this source (`make tiny-model`), build one elsewhere, or check it."
-    p = argparse.ArgumentParser(prog="dapo-tiny", description="Build the warm-started tiny model (about 7 minutes on "
-                                "2 cores). Default: rebuild the copy shipped in dapo_ref/tiny_model/, then commit it.")
+    p = ArgParser(prog="dapo-tiny", description="Build the warm-started tiny model (about 7 minutes on "
+                  "2 cores). `make tiny-model`: rebuild the copy shipped in dapo_ref/tiny_model/, then commit it.")
     p.add_argument("--out", default=str(TINY_SHIPPED), help="folder to (re)build (default: the shipped copy)")
     p.add_argument("--check", action="store_true", help="build nothing: exit 1 unless --out matches this source")
-    args = p.parse_args(argv)
+    p.add_argument("--overwrite", action="store_true", help="rebuild a tiny model folder that exists (one with tiny_build.json)")
+    args = p.parse(argv)
     out = Path(args.out).expanduser().absolute()
     if args.check:
         why = shipped_tiny_problem(out)
         print(why or f"{out}: matches this source (source_hash {tiny_source_hash()[:12]})")
         return 1 if why else 0
-    if not out.parent.is_dir():
-        print(f"dapo-tiny: --out {out}: its parent folder does not exist; create it or pick another folder"); return 2
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / "tiny_build.json").exists():
-        print(f"dapo-tiny: --out {out} exists and is not a tiny model folder (no tiny_build.json); "
-              "pick a new or empty folder"); return 2
+    try:
+        with cli_errors("dapo-tiny"): _check_out(out, args.overwrite)
+    except SystemExit as e: return e.code
+    with interrupts("dapo-tiny", f"{out} is as it was"):  # the build happens in a temporary folder beside it
+        return _build(out, argv)
+
+def _check_out(out: Path, overwrite: bool):
+    "`InputError` unless `out` may receive a build: absent or empty, or (with `overwrite`) a tiny model folder holding only its files."
+    if not out.parent.is_dir(): raise InputError(f"--out {out}: its parent folder does not exist; create it or pick another folder")
+    if not out.exists(): return
+    if not out.is_dir(): raise InputError(f"--out {out} is a file; pick a new or empty folder")
+    entries = {e.name for e in out.iterdir()}
+    if not entries: return
+    if "tiny_build.json" not in entries:
+        raise InputError(f"--out {out} exists and is not a tiny model folder (no tiny_build.json); pick a new or empty folder")
+    if not overwrite:
+        raise InputError(f"--out {out} already holds a tiny model; pass --overwrite to rebuild it, or pick a new folder")
+    try: own = {"tiny_build.json", *json.loads((out / "tiny_build.json").read_text())["files"]}
+    except (OSError, ValueError, KeyError, TypeError): own = {"tiny_build.json"}
+    if foreign := sorted(entries - own):
+        raise InputError(f"--out {out} holds files dapo-tiny did not write ({', '.join(foreign[:3])}); a rebuild replaces "
+                         "the whole folder: move them out first, or pick a new folder")
+
+def _build(out: Path, argv) -> int:
     old = _sha256(out / "model.safetensors") if (out / "model.safetensors").exists() else None
     print(f"dapo-tiny: building the tiny model for {out} (about 7 minutes on 2 cores)", flush=True)
     t0 = time.time()

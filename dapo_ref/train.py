@@ -4,13 +4,15 @@
 
 # %% ../nbs/09a_train.ipynb #20d87ad1
 from __future__ import annotations
-import argparse, contextlib, math, os, sys
+import argparse, contextlib, math, os, shlex, sys
 
 import torch
 
 from . import dist
-from .core import USER_ERRORS, InputError, cli_errors, load_config, one_line, parse_overrides
-from .trainer import Trainer, check_run, summary_line
+from .core import (USER_ERRORS, ArgParser, DAPOConfig, InputError, cli_errors, interrupts, load_config, one_line,
+                           parse_overrides, strict_bool)
+from .tiny import check_cache
+from .trainer import Trainer, check_run, latest_checkpoint, summary_line
 from .sampling import DynamicSamplingError
 from .runs import SAMPLING_TIMEOUT, CheckpointError, DivergenceError, prepare_output_dir
 
@@ -19,12 +21,13 @@ __all__ = ['main']
 
 # %% ../nbs/09a_train.ipynb #560bdba3
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dapo-train", description="DAPO training (Algorithm 1) from a YAML recipe; alone, "
-                                 "or on every rank under torchrun / the deepspeed launcher.")
+    ap = ArgParser(prog="dapo-train", description="DAPO training (Algorithm 1) from a YAML recipe; alone, "
+                   "or on every rank under torchrun / the deepspeed launcher.")
     ap.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/tiny-cpu.yaml")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of recipe fields, e.g. lr=1e-5 total_steps=10")
     ap.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest loadable checkpoint")
-    ap.add_argument("--overwrite", action="store_true", help="replace the run already in output_dir (its metrics and checkpoints)")
+    ap.add_argument("--overwrite", action="store_true", help="replace the run already in output_dir (what a run wrote there; "
+                    "a folder dapo-train did not make is never written)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads per rank (fix it for bit-exact resume); default: 1 for model=tiny, else torch's choice")
     ap.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept on disk (newest first); 0 keeps all")
@@ -57,20 +60,39 @@ def _check_flags(threads: int | None, keep: int, sampling_timeout: float):
 def main(argv: list[str] | None = None  # command-line arguments; None = sys.argv[1:]
         ) -> int:
     "`dapo-train`: run DAPO training from a YAML recipe with key=value overrides; rank 0 prints one summary line."
-    args = _parser().parse_intermixed_args(argv)  # key=value items may come before and after flags
+    args = _parser().parse(argv)  # key=value items may come before and after flags; an option given twice is refused
     if not torch.cuda.is_available():  # deepspeed (imported by accelerate) otherwise logs its CPU fallback on stdout
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    rank, world = dist.rank(), dist.world_size()  # the launcher's RANK and WORLD_SIZE; alone: (0, 1)
-    quiet = args.quiet or rank != 0
+    rank = dist.rank()  # the launcher's RANK; alone: 0
+    cfg = None
+    def then():  # Ctrl-C: the command that continues the run
+        if cfg is None: return "nothing was written; run the command again"
+        ck = latest_checkpoint(cfg.output_dir)
+        again = shlex.join(["dapo-train", *[a for a in (sys.argv[1:] if argv is None else argv) if a != "--overwrite"],
+                            *([] if args.resume else ["--resume"])])
+        return (f"continue from {ck} with: {again}" if ck else
+                f"no checkpoint was written yet, so {again} starts it again from step 0")
+    with interrupts("dapo-train", then, quiet=rank != 0):  # Ctrl-C: one line with the command that continues the run
+        try: cfg = _config(args, rank)
+        except SystemExit as e: return e.code
+        return _train(args, cfg, rank)
+
+def _config(args, rank) -> DAPOConfig:
+    "The checked config (every rank reads the same files); bad input: `SystemExit(2)` (rank 0 has said why)."
+    with _errors(rank):
+        _check_flags(args.threads, args.keep_checkpoints, args.sampling_timeout)
+        ov = parse_overrides(args.overrides)
+        args.resume = strict_bool("resume", ov.pop("resume", False)) or args.resume  # a run option, not a config field
+        return check_run(load_config(args.config, ov), dist.world_size())  # fields this launch cannot honour
+
+def _train(args, cfg, rank) -> int:
+    resume, world, quiet = args.resume, dist.world_size(), args.quiet or rank != 0
     try:
         with _errors(rank):  # bad input: one line, exit 2, before the model loads (every rank reads the same files)
-            _check_flags(args.threads, args.keep_checkpoints, args.sampling_timeout)
-            ov = parse_overrides(args.overrides)
-            resume = bool(ov.pop("resume", False)) or args.resume  # `resume=true` is a run option, not a config field
-            cfg = check_run(load_config(args.config, ov), world)  # fields this launch cannot honour
             # join the launcher's group only now: its timeout is the config's (how long a rank may wait in a collective)
             dist.init_distributed(timeout=cfg.dist_timeout)
-            prepare_output_dir(cfg, resume, args.overwrite)  # an earlier run is never replaced silently
+            prepare_output_dir(cfg, resume, args.overwrite)  # the user's folder never written, an earlier run never replaced silently
+            if cfg.model == "tiny" or cfg.model.startswith("tiny-"): check_cache()  # where a tiny model may be built
             # the tiny model's matrices are too small to split across threads: on 2 shared cores one thread generates
             # ~4x faster than two (measured, benchmarks/README.md); a hub model keeps torch's default
             threads = args.threads or (1 if cfg.model == "tiny" else None)

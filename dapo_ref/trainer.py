@@ -15,14 +15,14 @@ from tqdm import tqdm
 from fastcore.basics import patch
 
 from . import dist
-from .core import DAPOConfig, InputError, save_config, validate
+from .core import DAPOConfig, InputError, one_line, save_config, validate
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
 from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
 from .sampling import DynamicSamplingBuffer, DynamicSamplingError
 from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, UpdateGuard, blown_error, checkpoint_error, export_error, divergence_error,
-                           newest_loadable_checkpoint, prepare_output_dir)
+                           newest_loadable_checkpoint, prepare_output_dir, clear_run, read_marker, write_marker, max_abs_weight)
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
 from .zero import gather_batch, balanced_share
 
@@ -130,7 +130,9 @@ def load_splits(cfg: DAPOConfig) -> tuple[list[MathExample], list[MathExample]]:
     train = load_math_dataset(cfg.train_data) if cfg.train_data else tiny[0]
     if cfg.eval_data: held_out = load_math_dataset(cfg.eval_data)
     else: held_out = tiny[1] if cfg.train_data is None else []
-    if not train: raise ValueError(f"train_data: {cfg.train_data} holds no examples")
+    if not train: raise InputError(f"train_data = {cfg.train_data} holds no problems; give a file with rows in the DAPO-Math-17k schema")
+    if cfg.eval_data and not held_out:  # else every held-out accuracy would be n/a
+        raise InputError(f"eval_data = {cfg.eval_data} holds no problems; give a file with rows, or eval_data=null")
     return train, held_out
 
 # %% ../nbs/09_trainer.ipynb #5a2598c5
@@ -638,6 +640,9 @@ class Trainer:
         self.cfg = cfg = validate(cfg)
         self.rank, self.world = dist.init_distributed(timeout=cfg.dist_timeout)  # joins the launcher's group; (0, 1) alone
         check_run(cfg, self.world)
+        tiny = cfg.model == "tiny" or cfg.model.startswith("tiny-")  # built in code: nothing to check before it loads
+        from dapo_ref.eval import LOAD_ERRORS, check_model
+        if model is None and not tiny: check_model(cfg.model, "model =")  # the folder or hub name, config, tokenizer files
         if self.world > 1 and model is None: stage_model(cfg.model)  # a hub model read once per node, not once per rank
         B = cfg.prompts_per_step * cfg.group_size
         if B % cfg.mini_batch_size:
@@ -647,11 +652,17 @@ class Trainer:
             train_examples, held = load_splits(cfg)
             if eval_examples is None: eval_examples = held
         self.train_examples, self.eval_examples = train_examples, eval_examples or []
-        self.tokenizer = tokenizer = tokenizer or load_tokenizer(cfg.model)
+        try: self.tokenizer = tokenizer = tokenizer or load_tokenizer(cfg.model)
+        except LOAD_ERRORS as e: raise InputError(f"model = {cfg.model}: cannot load its tokenizer ({one_line(e)[:300]})") from None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.prompt_ids = [prompt_token_ids(e, tokenizer) for e in train_examples]
         check_prompt_lengths(train_examples, self.prompt_ids, cfg.max_prompt_length)  # names the row in the file
-        self.learner = learner_class(cfg).build(cfg, self.pad_id, model=model)
+        try: self.learner = learner_class(cfg).build(cfg, self.pad_id, model=model)
+        except LOAD_ERRORS as e: raise InputError(f"model = {cfg.model}: cannot load its weights ({one_line(e)[:300]})") from None
+        w = max_abs_weight(self.learner.guard.opt)  # every rank its partition, one all-reduce: a damaged model stops here
+        if not math.isfinite(w):
+            raise InputError(f"model = {cfg.model}: some weights hold NaN or infinite values; the model is damaged: "
+                             "export or copy it again, or start from another model")
         self.engine = engine or make_engine(cfg, self.learner, tokenizer, self.pad_id)
         self.sampler = PromptSampler(len(train_examples), cfg.seed)
         self.step_idx, self.grad_updates, self.rows = 0, 0, []
@@ -833,6 +844,9 @@ def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
 def export(self: Trainer, path: str | Path) -> Path:
     "The policy as a transformers folder (weights in `cfg.dtype`, config, tokenizer) at `path`: rank 0 writes; call it on every rank."
     path, failed = Path(path), None
+    if dist.is_main():  # the marker first: dapo-export --overwrite may finish a half-written export
+        try: write_marker(path, "model")
+        except OSError as e: failed = e  # rank 0's save_model fails too, and every rank learns it there
     try:
         self.learner.save_model(path)  # a collective for partitioned learners (gathered one module at a time)
         if dist.is_main(): self.tokenizer.save_pretrained(path)
@@ -868,17 +882,27 @@ def _write(self: Trainer, row: dict):
 def _start(self: Trainer, resume: bool, overwrite: bool = False):
     "Config on disk, then the newest checkpoint that loads (when `resume`) or a fresh start with the held-out accuracy at step 0."
     cfg, main = self.cfg, dist.is_main()
-    changed = prepare_output_dir(cfg, resume, overwrite)  # an earlier run: only resumed or overwritten; FROZEN fields kept
+    changed = prepare_output_dir(cfg, resume, overwrite)  # the user's folder refused; an earlier run only resumed or overwritten
     if changed: self.log("resume: " + ", ".join(f"{k} {a} -> {b}" for k, a, b in changed) + " (applied; config.yaml updated)")
     dist.barrier()
-    if main: save_config(cfg, self.out / "config.yaml")
+    if main:
+        if overwrite and (gone := clear_run(self.out)): self.log(f"--overwrite: removed {', '.join(gone)} from {self.out}")
+        if read_marker(self.out) is None: write_marker(self.out, "run")  # the folder is the run's from now on
+        save_config(cfg, self.out / "config.yaml")
     dist.barrier()
     ck = newest_loadable_checkpoint(self.out, self.log) if resume else None  # a broken newer one is skipped, kept
     if ck is not None:
         self.load_checkpoint(ck)
         self.log(f"resumed from {ck} (step {self.step_idx}, {self.grad_updates} gradient updates)")
     elif resume: self.log(f"resume: no checkpoint under {self.out / 'checkpoints'}; starting from scratch")
-    if main:  # metrics.jsonl holds exactly the rows up to the checkpoint (a killed run may have written more)
+    if main:  # metrics.jsonl holds exactly the rows up to the checkpoint (a killed run may have written more) ...
+        old = read_metrics(self.out / "metrics.jsonl") if (self.out / "metrics.jsonl").is_file() else []
+        dropped = old[len(self.rows):] if old[:len(self.rows)] == self.rows else old
+        if dropped:  # ... and the rows after it are kept aside, not lost
+            with open(self.out / "metrics.dropped.jsonl", "a") as f:
+                for r in dropped: f.write(json.dumps({**r, "dropped_at_resume": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+            self.log(f"resume: {len(dropped)} metrics rows written after {ck.name if ck else 'the start'} (steps "
+                     f"{dropped[0].get('step')}..{dropped[-1].get('step')}) moved to metrics.dropped.jsonl")
         (self.out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.rows))
         try:
             from torch.utils.tensorboard import SummaryWriter  # needs the optional `tensorboard` package
@@ -887,7 +911,6 @@ def _start(self: Trainer, resume: bool, overwrite: bool = False):
     dist.barrier()  # no rank reads the checkpoint folder after this point until rank 0 has cleared it
     if ck is None:
         torch.manual_seed(cfg.seed); random.seed(cfg.seed)
-        if main and not resume and (self.out / "checkpoints").exists(): shutil.rmtree(self.out / "checkpoints")  # --overwrite
         self._write(dict(step=0, grad_updates=0, **self.evaluate()))  # held-out accuracy before training
 
 # %% ../nbs/09_trainer.ipynb #ec23f834
@@ -898,7 +921,6 @@ def fit(self: Trainer, resume: bool = False, keep_checkpoints: int = 2,
     "Algorithm 1 line 1: train for `cfg.total_steps` rollout steps (from the newest checkpoint when `resume`); return a summary."
     cfg, t_start, main = self.cfg, time.perf_counter(), dist.is_main()
     if keep_checkpoints < 0: raise InputError(f"keep_checkpoints = {keep_checkpoints} is out of range: allowed >= 0 (0 keeps all)")
-    if main: self.out.mkdir(parents=True, exist_ok=True)
     self._start(resume, overwrite)
     bar = tqdm(total=cfg.total_steps, initial=self.step_idx, desc="rollout steps", disable=not self._bars)
     while self.step_idx < cfg.total_steps:
