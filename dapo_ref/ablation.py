@@ -835,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
         base = load_config(a.base or (STUDIES[a.study]["base"] if a.study else DEFAULT_BASE), parse_overrides(a.overrides))
         for r in a.rows or []: row_switches(r)
         if len(set(a.seeds)) < len(a.seeds): raise InputError(f"--seeds {' '.join(map(str, a.seeds))}: a seed is repeated; give each once")
-        for flag, ok, allowed in [("--seeds", min(a.seeds) >= 0, "seeds >= 0"), ("--jobs", a.jobs >= 1, ">= 1"),
+        for flag, ok, allowed in [("--seeds", 0 <= min(a.seeds) <= max(a.seeds) < 2**31, "0 <= seed < 2**31"), ("--jobs", a.jobs >= 1, ">= 1"),
                                   ("--threads", a.threads >= 1, ">= 1"), ("--target", 0 <= a.target <= 1, "0 <= target <= 1")]:
             if not ok: raise InputError(f"{flag} {getattr(a, flag[2:])} is out of range: allowed {allowed}")
         if Path(out).exists() and not Path(out).is_dir(): raise InputError(f"--out {out} is a file; give a folder for the runs, table and figures")

@@ -249,7 +249,8 @@ def _check_args(args) -> None:
                               ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
                               ("--batch-prompts", args.batch_prompts >= 1, ">= 1"),
                               ("--max-batch-size", args.max_batch_size >= 1, ">= 1"),
-                              ("--limit", args.limit is None or args.limit >= 1, ">= 1")]:
+                              ("--limit", args.limit is None or args.limit >= 1, ">= 1"),
+                              ("--seed", 0 <= args.seed < 2**31, "0 <= seed < 2**31")]:
         if not ok: raise InputError(f"{flag} = {getattr(args, flag[2:].replace('-', '_'))} is out of range: allowed {allowed}")
     if args.math_verify and args.reward not in ("dapo-reference", "math-verify"):
         raise InputError(f"--math-verify and --reward {args.reward} disagree; pass one of them")

@@ -55,6 +55,14 @@ def run_contents(out: str | Path) -> list[str]:
     have += [f"{d}/" for d in ("final", "exports") if (out / d).is_dir()]
     return have
 
+def _unmarked_run(p: Path) -> bool:
+    "Whether `p` holds what only dapo-train writes: a checkpoint with its state.json, or metrics rows with `grad_updates`."
+    if any((s / "state.json").is_file() for s in (p / "checkpoints").glob("step-*")): return True
+    try:
+        with open(p / "metrics.jsonl") as f: row = json.loads(f.readline())
+        return isinstance(row, dict) and "grad_updates" in row
+    except (OSError, ValueError, UnicodeDecodeError): return False
+
 def check_owned(folder: str | Path,  # where a command will write
                 kind: str,           # the kind of folder it writes ('run', 'model', 'ablation')
                 name: str,           # the setting or flag that names it, for the message
@@ -71,7 +79,7 @@ def check_owned(folder: str | Path,  # where a command will write
                          f"not a {kind} folder; choose a new or empty folder")
     entries = sorted(e.name for e in p.iterdir())
     if not entries: return None
-    if kind == "run" and set(entries) <= set(RUN_ENTRIES) and run_contents(p): return None  # a run from before markers
+    if kind == "run" and set(entries) <= set(RUN_ENTRIES) and _unmarked_run(p): return None  # a run from before markers
     shown = ", ".join(short(e, 40)[1:-1] for e in entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
     raise InputError(f"{name} = {folder} holds files no dapo_ref command wrote ({shown}; no {MARKER}); nothing there "
                      "is touched, --overwrite or not: choose a new or empty folder")

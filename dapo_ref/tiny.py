@@ -395,12 +395,12 @@ def _check_out(out: Path, overwrite: bool):
     if not out.is_dir(): raise InputError(f"--out {out} is a file; pick a new or empty folder")
     entries = {e.name for e in out.iterdir()}
     if not entries: return
-    if "tiny_build.json" not in entries:
-        raise InputError(f"--out {out} exists and is not a tiny model folder (no tiny_build.json); pick a new or empty folder")
+    try: own = {"tiny_build.json", *json.loads((out / "tiny_build.json").read_text())["files"]}  # what a build wrote
+    except (OSError, ValueError, KeyError, TypeError): own = None
+    if own is None:
+        raise InputError(f"--out {out} exists and is not a tiny model folder (no readable tiny_build.json); pick a new or empty folder")
     if not overwrite:
         raise InputError(f"--out {out} already holds a tiny model; pass --overwrite to rebuild it, or pick a new folder")
-    try: own = {"tiny_build.json", *json.loads((out / "tiny_build.json").read_text())["files"]}
-    except (OSError, ValueError, KeyError, TypeError): own = {"tiny_build.json"}
     if foreign := sorted(entries - own):
         raise InputError(f"--out {out} holds files dapo-tiny did not write ({', '.join(foreign[:3])}); a rebuild replaces "
                          "the whole folder: move them out first, or pick a new folder")

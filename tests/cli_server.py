@@ -14,7 +14,7 @@ line on stdout, {"rc"} (a signal: -signum). EOF on stdin ends the server.
 import importlib, json, os, signal, sys, traceback
 
 MODULES = {"dapo-train": "dapo_ref.train", "dapo-eval": "dapo_ref.eval", "dapo-plan": "dapo_ref.plan",
-           "dapo-ablate": "dapo_ref.ablation", "dapo-export": "dapo_ref.runs:export_main"}  # module[:function], else main
+           "dapo-ablate": "dapo_ref.ablation", "dapo-export": "dapo_ref.runs:export_main", "dapo-tiny": "dapo_ref.tiny"}  # module[:function], else main
 
 
 def child(main, req: dict) -> int:

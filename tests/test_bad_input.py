@@ -67,12 +67,18 @@ class Case:
 
 def user_files(d: Path) -> None:
     "Files a user already has in the working directory: none of them may change."
+    from dapo_ref.runs import write_marker
     (d / "results.json").write_text(json.dumps({"avg@k": 0.4, "note": "an earlier evaluation"}))
-    run = d / "runs" / "old"
+    run = d / "runs" / "old"  # an earlier dapo-train run (its marker, metrics and a checkpoint folder)
+    write_marker(run, "run")
     (run / "checkpoints" / "step-000002").mkdir(parents=True)
-    (run / "metrics.jsonl").write_text('{"step": 1, "acc": 0.5}\n{"step": 2, "acc": 0.6}\n')
+    (run / "metrics.jsonl").write_text('{"step": 1, "grad_updates": 2, "acc": 0.5}\n{"step": 2, "grad_updates": 4, "acc": 0.6}\n')
     (run / "config.yaml").write_text("model: tiny\ntotal_steps: 2\n")
     (run / "checkpoints" / "step-000002" / "model.safetensors").write_bytes(os.urandom(4096))
+    mine = d / "mine"  # a folder of the user's that happens to use a run's names
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "checkpoints" / "keep.txt").write_text("the user's")
+    (mine / "notes.md").write_text("# my notes\n")
 
 
 def snapshot(*dirs: Path) -> dict:
@@ -110,15 +116,49 @@ def recipe(content: str | bytes, name="recipe.yaml"):
     return lambda w: [str(w.write(name, content))]
 
 def eval_args(w: World, *extra, data=None, model=None):
-    "dapo-eval arguments that are fine, then `extra` (a repeated flag: argparse keeps the last)."
-    return ["--model", str(model or w.model), "--data", str(data or w.data), "--k", "1", "--max-tokens", "2",
-            "--out", str(w.dir / "new-results.json"), *map(str, extra)]
+    "dapo-eval arguments that are fine, with the flags in `extra` replacing or adding to them (each flag is given once)."
+    args = {"--model": str(model or w.model), "--data": str(data or w.data), "--k": "1", "--max-tokens": "2",
+            "--out": str(w.dir / "new-results.json")}
+    extra = [str(e) for e in extra]
+    for i, e in enumerate(extra):
+        if e.startswith("--"): args[e] = extra[i + 1] if i + 1 < len(extra) and not extra[i + 1].startswith("--") else None
+    return [x for k, v in args.items() for x in ([k] if v is None else [k, v])]
 
 def train_args(w: World, *extra, out="runs/old", data=None, saved=False):
     "dapo-train arguments: the tiny-cpu recipe into `out` (the user's earlier run by default), then `extra`."
     if saved:  # the earlier run's config.yaml as dapo-train writes it (every field)
         from dapo_ref.core import load_config, save_config
         save_config(load_config(ROOT / "recipes" / "tiny-cpu.yaml", {"output_dir": "runs/old"}), w.dir / "runs" / "old" / "config.yaml")
+    return ["--config", "recipes/tiny-cpu.yaml", f"output_dir={out}", *([f"train_data={data}"] if data else []), *extra]
+
+
+def model_copy(w: World, name: str, damage=None) -> Path:
+    "A copy of the shared model under `w.dir/name`; `damage(folder)` then breaks it."
+    import shutil
+    dst = w.dir / name
+    shutil.copytree(w.model, dst)
+    if damage: damage(dst)
+    return dst
+
+def truncate(folder: Path):
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+
+def nan_weight(folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad(): m.model.norm.weight[0] = float("nan")
+    m.save_pretrained(folder)
+
+def tiny_folder(w: World, name: str, *extra: str) -> Path:
+    "A folder dapo-tiny would have written (its tiny_build.json lists its files), plus the user's `extra` files."
+    d = w.dir / name
+    d.mkdir()
+    (d / "tiny_build.json").write_text(json.dumps({"files": {"config.json": "0" * 64}, "source_hash": "0" * 64}))
+    (d / "config.json").write_text("{}")
+    for e in extra: (d / e).write_text("the user's")
+    return d
     return ["--config", "recipes/tiny-cpu.yaml", f"output_dir={out}", *([f"train_data={data}"] if data else []), *extra]
 
 RECIPE_CASES = [  # (id, the recipe file, fragments); run through every command that reads a recipe
@@ -221,9 +261,82 @@ CASES = [
          ("runs/old/checkpoints/step-9: no such checkpoint folder", "give a run's checkpoints/step-N")),
     Case("export-broken-checkpoint", "dapo-export", lambda w: ["runs/old/checkpoints/step-000002", "--out", "exp"],
          ("is not a checkpoint that loads (state.json is missing)",)),
-    Case("export-out-exists", "dapo-export", lambda w: ["runs/old/checkpoints/step-000002", "--out", "runs/old"],
-         ("--out runs/old already exists", "pass --overwrite")),
+    Case("export-out-run-folder", "dapo-export", lambda w: ["runs/old/checkpoints/step-000002", "--out", "runs/old"],
+         ("--out = runs/old is a dapo_ref run folder", "not a model folder; choose a new or empty folder")),
+    # ---- family: the folder is the user's (no command writes into a folder it did not make, --overwrite or not)
+    *(Case(f"train-user-folder{'-' + f[2:] if f else ''}{'-cwd' if out == '.' else ''}", "dapo-train",
+           lambda w, f=f, out=out: train_args(w, *([f] if f else []), out=out),
+           (f"output_dir = {out} holds files no dapo_ref command wrote", "nothing there is touched, --overwrite or not"))
+      for f, out in [("", "mine"), ("--overwrite", "mine"), ("--resume", "mine"), ("--overwrite", ".")]),
+    Case("train-into-ablation-folder", "dapo-train",
+         lambda w: (__import__("dapo_ref.runs").runs.write_marker(w.dir / "abl", "ablation"), train_args(w, out="abl"))[1],
+         ("output_dir = abl is a dapo_ref ablation folder", "not a run folder")),
+    Case("train-overwrite-its-own-model", "dapo-train",
+         lambda w: (model_copy(w, "runs/old/final"), train_args(w, "--overwrite", "model=runs/old/final"))[1],
+         ("model = runs/old/final is inside", "runs/old/final, which this run removes (--overwrite) and writes", "copy it out of")),
+    Case("eval-out-is-data", "dapo-eval", lambda w: eval_args(w, "--out", w.data, "--overwrite"),
+         ("--out", "eval.jsonl is the --data input; the results would replace it",)),
+    Case("eval-overwrite-user-file", "dapo-eval", lambda w: eval_args(w, "--out", "results.json", "--overwrite"),
+         ("--out results.json exists and is not a dapo-eval results file", "--overwrite replaces only an earlier result")),
+    Case("export-overwrite-user-folder", "dapo-export", lambda w: ["runs/old/checkpoints/step-000002", "--out", "mine", "--overwrite"],
+         ("--out = mine holds files no dapo_ref command wrote", "nothing there is touched")),
+    Case("ablate-out-user-folder", "dapo-ablate", lambda w: ["--quick", "--out", "mine"],
+         ("--out = mine holds files no dapo_ref command wrote",)),
+    Case("ablate-out-run-folder", "dapo-ablate", lambda w: ["--quick", "--out", "runs/old"],
+         ("--out = runs/old is a dapo_ref run folder", "not a ablation folder")),
+    Case("tiny-out-user-folder", "dapo-tiny", lambda w: ["--out", "mine", "--overwrite"],
+         ("mine exists and is not a tiny model folder", "pick a new or empty folder")),
+    Case("tiny-out-without-overwrite", "dapo-tiny", lambda w: ["--out", tiny_folder(w, "tm")],
+         ("tm already holds a tiny model; pass --overwrite to rebuild it",)),
+    Case("tiny-out-with-user-files", "dapo-tiny", lambda w: ["--out", tiny_folder(w, "tm", "notes.md"), "--overwrite"],
+         ("tm holds files dapo-tiny did not write (notes.md)", "move them out first")),
+    # ---- family: values that parse but mean nothing
+    Case("train-resume-nope", "dapo-train", lambda w: train_args(w, "resume=nope", out="runs/new"), ("resume='nope': expected true or false",)),
+    Case("train-data-unset-variable", "dapo-train", lambda w: train_args(w, "train_data=", out="runs/new"),
+         ("override 'train_data=' has no value after '=' (an unset shell variable?)",)),
+    Case("train-output-dir-empty", "dapo-train", lambda w: ["--config", *recipe("model: tiny\noutput_dir: ''\n")(w)], ("output_dir is empty", "give a path")),
+    Case("train-data-tilde", "dapo-train", lambda w: (w.write("empty.jsonl", ""), train_args(w, "train_data=~/empty.jsonl", out="runs/new"))[1],
+         ("train_data = ./empty.jsonl holds no problems",), env={"HOME": "."}),  # ~ is HOME
+    Case("train-eval-data-empty", "dapo-train", lambda w: (w.write("empty.jsonl", ""), train_args(w, "eval_data=empty.jsonl", out="runs/new"))[1],
+         ("eval_data = empty.jsonl holds no problems", "eval_data=null")),
+    Case("train-config-twice", "dapo-train", lambda w: ["--config", "recipes/tiny-cpu.yaml", "--config", "recipes/ablation-tiny.yaml"],
+         ("--config is given twice ('recipes/tiny-cpu.yaml' and 'recipes/ablation-tiny.yaml'); give it once",)),
+    Case("train-flag-style-override", "dapo-train", lambda w: train_args(w, "--lr", "1e-5", out="runs/new"),
+         ("unrecognized arguments: --lr 1e-5", "config fields are set as key=value, e.g. lr=1e-5")),
+    Case("train-dotted-key", "dapo-train", lambda w: train_args(w, "actor.optim.lr=1e-5", out="runs/new"),
+         ("unknown config key 'actor.optim.lr'; did you mean 'lr'?",)),
+    Case("train-huge-seed", "dapo-train", lambda w: train_args(w, "seed=99999999999999999999", out="runs/new"),
+         ("seed = 99999999999999999999 is out of range", "0 <= seed < 2**31")),
+    Case("train-long-value", "dapo-train", lambda w: ["--config", *recipe("model: tiny\ngroup_size: '" + "x" * 200_000 + "'\n")(w)],
+         ("group_size: got 'xxxx", "(200002 characters)", "expected int")),
+    Case("plan-override-after-flag", "dapo-plan", lambda w: ["recipes/tiny-cpu.yaml", "--json", "lr=inf"], ("lr = inf is not a finite number",)),
+    Case("plan-flag-style-override", "dapo-plan", lambda w: ["recipes/tiny-cpu.yaml", "--nnodes", "2"], ("e.g. nnodes=2",)),
+    Case("ablate-override-after-flag", "dapo-ablate", lambda w: ["--quick", "--threads", "1", "lr=inf"], ("lr = inf is not a finite number",)),
+    Case("ablate-out-twice", "dapo-ablate", lambda w: ["--out", "a", "--out", "b"], ("--out is given twice ('a' and 'b')",)),
+    Case("eval-reward-conflict", "dapo-eval", lambda w: eval_args(w, "--math-verify", "--reward", "dapo-strict"),
+         ("--math-verify and --reward dapo-strict disagree",)),
+    Case("eval-device-unknown", "dapo-eval", lambda w: eval_args(w, "--device", "gpu"), ("--device gpu is not a device torch knows",)),
+    Case("export-typo-flag", "dapo-export", lambda w: ["runs/old/checkpoints/step-000002", "--out", "x", "--ouput", "y"], ("did you mean --out?",)),
+    # ---- family: the model, the device and the environment, checked before the run
+    Case("train-model-hub-offline", "dapo-train", lambda w: train_args(w, "model=no-such-org/no-such-model", out="runs/new"),
+         ("model = no-such-org/no-such-model: not a local folder and not in the Hugging Face cache", "give a local folder")),
+    Case("train-model-no-config", "dapo-train", lambda w: train_args(w, f"model={(w.dir / 'empty-model').mkdir() or 'empty-model'}", out="runs/new"),
+         ("model = empty-model: no config.json in this folder", "save_pretrained")),
+    Case("train-model-truncated", "dapo-train", lambda w: train_args(w, f"model={model_copy(w, 'cut', truncate)}", out="runs/new"),
+         ("model = cut: model.safetensors is truncated", "copy or export the model again")),
+    Case("train-model-nan", "dapo-train", lambda w: train_args(w, f"model={model_copy(w, 'nan', nan_weight)}", "total_steps=0",
+                                                                f"eval_data={w.data}", "max_prompt_length=1000", out="runs/new", data=w.data),
+         ("model = nan: some weights hold NaN or infinite values", "start from another model")),
+    Case("eval-model-truncated", "dapo-eval", lambda w: eval_args(w, model=model_copy(w, "cut", truncate)),
+         ("--model", "cut: model.safetensors is truncated",)),
+    Case("eval-model-nan", "dapo-eval", lambda w: eval_args(w, model=model_copy(w, "nan", nan_weight)),
+         ("nan: weight model.norm.weight holds NaN or infinite values", "evaluate another one")),
+    Case("train-cache-is-file", "dapo-train", lambda w: train_args(w, out="runs/new"),
+         ("DAPO_REF_CACHE = results.json: results.json is a file, not a folder",), env={"DAPO_REF_CACHE": "results.json"}),
 ]
+if not __import__("torch").cuda.is_available():
+    CASES.append(Case("eval-device-cuda", "dapo-eval", lambda w: eval_args(w, "--device", "cuda"),
+                      ("--device cuda: this machine has no CUDA GPU", "pass --device cpu")))
 
 
 class CLIServer:
@@ -275,6 +388,7 @@ def run_case(case: Case, w: World, runner) -> subprocess.CompletedProcess:
     assert r.returncode == 2, (r.returncode, err[-2000:], r.stdout[-1000:])
     lines = [l for l in err.splitlines() if l.startswith(f"{case.prog}: error: ")]
     assert len(lines) == 1, err
+    assert len(lines[0]) <= 2400, f"the error line is {len(lines[0])} characters long"  # long values are cut
     line = lines[0].replace(str(w.dir) + "/", "")
     for frag in case.expect:
         assert frag in line, (frag, line)
@@ -307,3 +421,75 @@ def test_console_scripts(id, shared, cli, tmp_path):
 def test_cases_have_unique_ids():
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids))
+
+
+# ---------------------------------------------------------------- nothing the user had changes, whatever the command
+
+NAMES = ["checkpoints", "final", "exports", "tb", "metrics.jsonl", "config.yaml", "summary.json", "curves.png",
+         "results.json", "model.safetensors", "config.json", "tiny_build.json", ".dapo_ref.json", "notes.md", "data.jsonl"]
+
+def user_tree(rng, d: Path, depth: int = 0) -> None:
+    "A folder of the user's at `d`: random names (many of them the ones dapo_ref writes), random bytes, up to 3 levels."
+    d.mkdir(parents=True, exist_ok=True)
+    for _ in range(rng.randint(1, 5)):
+        name = rng.choice(NAMES + ["".join(rng.choice("abcxyz_-.0") for _ in range(rng.randint(1, 8))).strip(".") or "x"])
+        p = d / name
+        if p.exists(): continue
+        if depth < 2 and rng.random() < 0.35: user_tree(rng, p, depth + 1)
+        else: p.write_bytes(rng.randbytes(rng.randint(0, 300)))
+
+def tree_state(d: Path) -> dict:
+    "Every file's sha256 and every folder under `d`: what must not change."
+    return {str(p.relative_to(d)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))}
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_command_changes_a_folder_of_user_files(seed, shared, cli, tmp_path):
+    "Every writing command pointed at (or into) a generated folder of user files, with and without --overwrite: refused in one line, every file byte-identical."
+    import random
+    rng = random.Random(seed)
+    u = tmp_path / "u"
+    user_tree(rng, u)
+    files = [p.relative_to(tmp_path) for p in u.rglob("*") if p.is_file()]
+    dirs = [p.relative_to(tmp_path) for p in u.rglob("*") if p.is_dir() and any(p.iterdir())]
+    ckpt = tmp_path / "ckpt"  # a checkpoint folder outside u (broken: the folder checks come first)
+    ckpt.mkdir()
+    train = ["--config", "recipes/tiny-cpu.yaml"]
+    runs = [("dapo-train", [*train, "output_dir=u"]), ("dapo-train", [*train, "output_dir=u", "--overwrite"]),
+            ("dapo-train", [*train, "output_dir=u", "--resume"]),
+            ("dapo-export", [str(ckpt), "--out", "u", "--overwrite"]), ("dapo-ablate", ["--quick", "--out", "u"]),
+            ("dapo-tiny", ["--out", "u", "--overwrite"])]
+    if dirs: runs += [("dapo-train", [*train, f"output_dir={rng.choice(dirs)}", "--overwrite"]),
+                      ("dapo-export", [str(ckpt), "--out", str(rng.choice(dirs)), "--overwrite"])]
+    if files: runs.append(("dapo-eval", ["--model", str(shared / "model"), "--data", str(shared / "eval.jsonl"), "--k", "1",
+                                         "--max-tokens", "2", "--out", str(rng.choice(files)), "--overwrite"]))
+    before = tree_state(u)
+    for prog, argv in runs:
+        r = cli.run(prog, argv, tmp_path, ENV)
+        assert "Traceback" not in r.stderr, (prog, argv, r.stderr[-3000:])
+        assert r.returncode == 2 and len([l for l in r.stderr.splitlines() if l.startswith(f"{prog}: error: ")]) == 1, \
+            (prog, argv, r.returncode, r.stderr[-2000:])
+        assert tree_state(u) == before, (prog, argv, "changed the user's folder")
+    r = cli.run("dapo-plan", ["recipes/tiny-cpu.yaml"], tmp_path, ENV)  # reads only
+    assert r.returncode == 0 and tree_state(u) == before
+    if seed == 0:  # what a command may do: add its own new file beside the user's
+        r = cli.run("dapo-eval", ["--model", str(shared / "model"), "--data", str(shared / "eval.jsonl"), "--k", "1",
+                                  "--max-tokens", "2", "--out", "u/new-results.json"], tmp_path, ENV)
+        assert r.returncode == 0, r.stderr[-2000:]
+        after = tree_state(u)
+        assert after.pop("u/new-results.json".split("/", 1)[1]) and after == before
+
+
+def test_ctrl_c_is_one_line_with_the_command_that_continues(tmp_path):
+    "Ctrl-C in the middle of dapo-train: exit status 130, no traceback, one line naming the command that continues the run."
+    import signal, time
+    argv = ["--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), "output_dir=run", "save_every=1", "--quiet"]
+    p = subprocess.Popen(command("dapo-train") + argv, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not list((tmp_path / "run" / "checkpoints").glob("step-*[0-9]")) and p.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.2)  # hang guard: 300 s to the first checkpoint
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)  # hang guard
+    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-3000:])
+    lines = [l for l in err.splitlines() if l.startswith("dapo-train: ")]
+    assert len(lines) == 1 and lines[0].startswith("dapo-train: interrupted; continue from run/checkpoints/step-"), err
+    assert lines[0].endswith(" with: dapo-train " + " ".join(argv) + " --resume"), lines[0]

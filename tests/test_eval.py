@@ -295,10 +295,13 @@ def test_cli_reward_mode(tiny_model_dir, tmp_path, capsys, monkeypatch, mode, co
 def test_cli_out_is_never_lost(tiny_model_dir, tmp_path, capsys):
     "An existing results file is kept unless --overwrite; the new one is written whole (no temporary file left)."
     data = write_jsonl(tmp_path / "eval.jsonl", PROBLEMS[:2], duplicate_first=False)
-    out = tmp_path / "r.json"; out.write_text("earlier results")
+    out = tmp_path / "r.json"; out.write_text("the user's notes")
     base = ["--model", tiny_model_dir, "--data", data, "--k", 1, "--max-tokens", 2, "--out", out]
     with pytest.raises(SystemExit) as e: main([str(a) for a in base])
-    assert e.value.code == 2 and "pass --overwrite" in capsys.readouterr().err and out.read_text() == "earlier results"
+    assert e.value.code == 2 and "pass --overwrite" in capsys.readouterr().err and out.read_text() == "the user's notes"
+    with pytest.raises(SystemExit) as e: main([str(a) for a in base + ["--overwrite"]])  # not a dapo-eval result: kept
+    assert e.value.code == 2 and "is not a dapo-eval results file" in capsys.readouterr().err and out.read_text() == "the user's notes"
+    out.write_text(json.dumps({"written_by": "dapo-eval", "n_prompts": 9}, indent=2))  # an earlier result
     run_cli(base + ["--overwrite"], capsys)
     assert json.loads(out.read_text())["n_prompts"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl", "r.json"]

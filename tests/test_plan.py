@@ -228,8 +228,10 @@ def test_main_exit_codes_and_output(capsys):
     assert "fits" in out and "Qwen/Qwen2.5-32B" in out and "peak per GPU" in out
     assert main([str(R7), "offload_optimizer=false"]) == 1
     assert "to fit, set: offload_optimizer=true" in capsys.readouterr().out
-    assert main([str(R32), "model=tiny"]) == 2
+    assert main([str(R32), "model=my-org/my-model"]) == 2  # no config.json and not a Qwen2.5 name
     assert "not a Qwen2.5 name" in capsys.readouterr().err
+    assert main([str(R32), "model=tiny"]) in (0, 1)  # the tiny model is planned from its shipped config.json
+    assert capsys.readouterr().out.startswith("tiny: 0.00B params")
     assert main([str(R32), "nnodes=0"]) == 2
     assert "nnodes" in capsys.readouterr().err
 

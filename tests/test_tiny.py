@@ -194,5 +194,5 @@ def test_dapo_tiny_cli_checks_and_refuses_bad_targets(tmp_path, capsys):
     (tmp_path / "mine").mkdir(); (tmp_path / "mine" / "a.txt").write_text("keep")
     assert tiny.main(["--out", str(tmp_path / "mine")]) == 2
     assert (tmp_path / "mine" / "a.txt").read_text() == "keep"
-    out = capsys.readouterr().out
-    assert "parent folder does not exist" in out and "is not a tiny model folder" in out
+    err = capsys.readouterr().err
+    assert "parent folder does not exist" in err and "is not a tiny model folder" in err

@@ -332,10 +332,16 @@ def test_resume_skips_a_truncated_checkpoint_keeps_it_and_applies_total_steps(tm
     assert "resume: skipping step-2: model.safetensors is truncated" in out and "step-2.broken-1" in out, out
     assert (run / "checkpoints" / "step-2.broken-1" / "model.safetensors").read_bytes() == broken  # kept, unchanged
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3]  # step 2 trained again from step-1
+    dropped = read_metrics(run / "metrics.dropped.jsonl")  # the first step 2's row: kept aside, not lost
+    assert [r["step"] for r in dropped] == [2] and "dropped_at_resume" in dropped[0], dropped
+    assert "resume: 1 metrics rows written after step-1 (steps 2..2) moved to metrics.dropped.jsonl" in out, out
     assert "total_steps: 3" in (run / "config.yaml").read_text()
+    (run / "notes.md").write_text("the user's")  # a file beside the run's: --overwrite keeps it
     assert main([*common, "total_steps=1", "--overwrite"]) == 0  # asked for: the run is replaced
+    assert "--overwrite: removed .dapo_ref.json, config.yaml, metrics.jsonl, metrics.dropped.jsonl" in capsys.readouterr().out
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
+    assert (run / "notes.md").read_text() == "the user's" and not (run / "metrics.dropped.jsonl").exists()
 
 
 def test_a_failed_checkpoint_write_names_disk_space_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
@@ -362,7 +368,7 @@ def test_unbounded_dynamic_sampling_prints_progress_and_stops_at_the_timeout(tmp
     import dapo_ref.runs
     from dapo_ref.tiny import tiny_splits
     ticks = itertools.count(0.0, 1.0)
-    monkeypatch.setattr(dapo_ref.runs, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setattr(dapo_ref.runs, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks), strftime=time.strftime))
     train_ex, _ = tiny_splits(64, 4, seed=0)
     data = save_math_dataset([make_example(e.question, "-123456789") for e in train_ex], tmp_path / "never.jsonl")
     rc = main(["--config", str(RECIPE), "--threads", "1", *[a for a in SMALL if a.split("=")[0] not in ("dynamic_sampling", "l_max", "l_cache")],
