@@ -141,10 +141,3 @@ def save_model(self: DeepSpeedLearner, path: str | Path):
 def policy_copy(self: DeepSpeedLearner):
     "The transformers engine's whole copy of the weights, built without DeepSpeed's partitioned init."
     with plain_from_pretrained(): return Learner.policy_copy(self)
-
-# %% ../nbs/10_scale.ipynb #a2b18f5e
-from .train import main  # `dapo-scale` / `python -m dapo_ref.scale`: the same command as `dapo-train`
-
-# %% ../nbs/10_scale.ipynb #c566e3b9
-if __name__ == "__main__" and "get_ipython" not in globals():  # `torchrun ... -m dapo_ref.scale`; not in a notebook
-    sys.exit(main())

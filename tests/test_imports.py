@@ -1,0 +1,55 @@
+"""The import graph of dapo_ref follows the reading order of the notebooks.
+
+A module may import only modules whose notebooks come before its own (`nbs/*.ipynb` sorted by name, each notebook's
+`#| default_exp`): then every notebook runs with what was taught above it, and there is no import circle. The graph
+counts every import, at the top of a module or inside a function. `UPWARD` lists the imports that still run up the
+reading order; the test demands the list be exact, so it can only shrink (an import removed) or fail (one added).
+With the list empty the graph has no circle: every edge points to an earlier notebook.
+"""
+import ast, json, re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (importer, imported): imports that still run up the reading order. The trainer sits before the modules it builds on
+# (runs, scale, zero, vllm_rollout, ablation's testbeds); moving those seams below it removes these.
+UPWARD = {("trainer", "runs"), ("trainer", "scale"), ("trainer", "zero"), ("trainer", "vllm_rollout"), ("trainer", "ablation"),
+          ("train", "runs"), ("scale", "zero")}
+
+
+def reading_order() -> dict[str, int]:
+    "module name -> position of its notebook in the reading order."
+    order = {}
+    for i, nb in enumerate(sorted((ROOT / "nbs").glob("*.ipynb"))):
+        for c in json.loads(nb.read_text())["cells"]:
+            m = re.match(r"#\|\s*default_exp\s+(\S+)", "".join(c["source"]))
+            if c["cell_type"] == "code" and m: order[m.group(1)] = i
+    return order
+
+
+def imports() -> dict[str, set[str]]:
+    "module -> the dapo_ref modules it imports (anywhere in its source)."
+    mods = {p.stem for p in (ROOT / "dapo_ref").glob("*.py") if not p.stem.startswith("_")}
+    graph = {}
+    for m in mods:
+        deps = set()
+        for n in ast.walk(ast.parse((ROOT / "dapo_ref" / f"{m}.py").read_text())):
+            if isinstance(n, ast.ImportFrom):
+                if n.level == 1 and n.module: deps.add(n.module.split(".")[0])
+                elif n.level == 1 or n.module == "dapo_ref": deps.update(a.name for a in n.names)
+                elif n.module and n.module.startswith("dapo_ref."): deps.add(n.module.split(".")[1])
+            elif isinstance(n, ast.Import):
+                deps.update(a.name.split(".")[1] for a in n.names if a.name.startswith("dapo_ref."))
+        graph[m] = (deps & mods) - {m}
+    return graph
+
+
+def test_every_module_has_a_notebook():
+    assert set(imports()) <= set(reading_order()), set(imports()) - set(reading_order())
+
+
+def test_imports_follow_the_reading_order():
+    order, graph = reading_order(), imports()
+    upward = {(m, d) for m, ds in graph.items() for d in ds if order[d] > order[m]}
+    assert upward - UPWARD == set(), f"new imports up the reading order: {sorted(upward - UPWARD)}"
+    assert UPWARD - upward == set(), f"these are gone: remove them from UPWARD {sorted(UPWARD - upward)}"
