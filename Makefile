@@ -80,10 +80,10 @@ check-clean: install
 tiny-model: install
 	$(BIN)/dapo-tiny --overwrite
 
-# The testbed policies of nbs/14_ablation.ipynb ship with the package too (dapo_ref/testbeds/, a folder per build hash).
+# The testbed policies of nbs/06a_testbeds.ipynb ship with the package too (dapo_ref/testbeds/, a folder per build hash).
 # After a change to how they are built (tests/test_testbeds.py fails until then), rebuild and commit them (~3 min):
 testbeds: install
-	$(PY) -c "from dapo_ref.ablation import ship_testbeds; ship_testbeds()"
+	$(PY) -c "from dapo_ref.testbeds import ship_testbeds; ship_testbeds()"
 
 # Every notebook top to bottom, each in its own process; cells flagged slow/gpu (settings.ini tst_flags) are skipped.
 nbtest: install

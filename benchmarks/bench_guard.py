@@ -61,7 +61,7 @@ def main(argv=None):
     from dapo_ref import dist
     from dapo_ref.core import config_from_dict
     from dapo_ref.scale import DeepSpeedLearner
-    from dapo_ref.trainer import RolloutBatch
+    from dapo_ref.learner import RolloutBatch
     transformers.logging.set_verbosity_error()
     dist.init_distributed(single=True)
     torch.manual_seed(0)

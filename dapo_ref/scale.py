@@ -15,7 +15,7 @@ from . import dist
 from .core import DAPOConfig
 from fastcore.basics import patch
 
-from .trainer import Learner, prepare_model, model_path
+from .learner import Learner, prepare_model, model_path
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
 
 # %% auto #0

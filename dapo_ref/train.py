@@ -12,9 +12,9 @@ from . import dist
 from .core import (USER_ERRORS, ArgParser, DAPOConfig, InputError, cli_errors, interrupts, load_config, one_line,
                            parse_overrides, strict_bool)
 from .tiny import check_cache
-from .trainer import Trainer, check_run, latest_checkpoint, summary_line
+from .trainer import Trainer, check_run, summary_line
 from .sampling import DynamicSamplingError
-from .runs import SAMPLING_TIMEOUT, CheckpointError, DivergenceError, prepare_output_dir
+from .runs import SAMPLING_TIMEOUT, CheckpointError, DivergenceError, latest_checkpoint, prepare_output_dir
 
 # %% auto #0
 __all__ = ['main']
@@ -86,7 +86,7 @@ def _config(args, rank) -> DAPOConfig:
         return check_run(load_config(args.config, ov), dist.world_size())  # fields this launch cannot honour
 
 def _train(args, cfg, rank) -> int:
-    resume, world, quiet = args.resume, dist.world_size(), args.quiet or rank != 0
+    resume, quiet = args.resume, args.quiet or rank != 0
     try:
         with _errors(rank):  # bad input: one line, exit 2, before the model loads (every rank reads the same files)
             # join the launcher's group only now: its timeout is the config's (how long a rank may wait in a collective)

@@ -4,10 +4,10 @@
 
 # %% ../nbs/09_trainer.ipynb #a1cb4547
 from __future__ import annotations
-import copy, dataclasses, importlib.util, json, math, os, random, shutil, sys, time
+import dataclasses, importlib.util, json, math, os, random, shutil, sys, time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -19,21 +19,18 @@ from .core import DAPOConfig, InputError, one_line, save_config, validate
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
-from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
-from .sampling import DynamicSamplingBuffer, DynamicSamplingError
-from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, UpdateGuard, blown_error, checkpoint_error, export_error, divergence_error,
-                           newest_loadable_checkpoint, prepare_output_dir, clear_run, read_marker, write_marker, max_abs_weight)
+from .sampling import DynamicSamplingBuffer
+from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, checkpoint_error, export_error, divergence_error,
+                           newest_loadable_checkpoint, prepare_output_dir, clear_run, read_marker, write_marker, max_abs_weight,
+                           read_metrics, rng_state, set_rng_state, latest_checkpoint, plot_curves)
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
+from .learner import Learner, TorchLearner, RolloutBatch, model_path, stage_model, load_tokenizer
 from .zero import gather_batch, balanced_share
 
 # %% auto #0
-__all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'METRIC_KEYS', 'TIMING_KEYS', 'check_run', 'model_path', 'stage_model', 'load_model',
-           'load_tokenizer', 'load_policy', 'load_splits', 'PromptSampler', 'seed_of', 'round_seed', 'Group',
-           'score_groups', 'generate_groups', 'RolloutBatch', 'make_batch', 'pack_micro_batches', 'collate',
-           'forward_logprobs', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators',
-           'Learner', 'TorchLearner', 'learner_class', 'strip_timing', 'read_metrics', 'rng_state', 'set_rng_state',
-           'latest_checkpoint', 'plot_curves', 'Remote', 'global_round', 'make_engine', 'Trainer', 'rollout_gap',
-           'step_metrics', 'summary_line', 'train']
+__all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'TIMING_KEYS', 'check_run', 'load_splits', 'PromptSampler', 'seed_of', 'round_seed',
+           'Group', 'score_groups', 'generate_groups', 'make_batch', 'learner_class', 'strip_timing', 'Remote',
+           'global_round', 'make_engine', 'Trainer', 'rollout_gap', 'step_metrics', 'summary_line', 'train']
 
 # %% ../nbs/09_trainer.ipynb #12029f8b
 _VLLM_FIELDS = ("vllm_tensor_parallel", "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager")
@@ -78,48 +75,6 @@ def check_run(cfg: DAPOConfig,  # a validated config
 
 # %% ../nbs/09_trainer.ipynb #d66889fa
 TINY_N_TRAIN, TINY_N_EVAL = 4000, 64  # sizes of the tiny task's training set and held-out split
-
-_STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model`)
-
-def model_path(name: str) -> str:
-    "The folder or hub name that transformers (and vLLM) load for `name`; `tiny` builds (once, cached) the tiny model."
-    if name in _STAGED: return _STAGED[name]
-    if name.startswith("tiny-"):  # the ablation study's testbed policies (nbs/14_ablation), built once, cached
-        from dapo_ref.ablation import TESTBEDS, testbed_model
-        if name in TESTBEDS: return str(testbed_model(**TESTBEDS[name]))
-    if name != "tiny": return name
-    from dapo_ref.tiny import ensure_tiny_model
-    return str(ensure_tiny_model())
-
-def stage_model(name: str,  # cfg.model: a hub name, a local folder, or a tiny model
-               ) -> str:
-    """A hub model's files on this node's disk, read from the hub once per node: local rank 0 downloads them (config,
-    tokenizer, safetensors), the node's other ranks wait at a barrier, then resolve the same snapshot from the cache.
-    Afterwards `model_path(name)` is that folder for the learner and the vLLM engine alike. A local folder (pre-staged
-    on each node's disk, the fastest start) or a tiny model is returned as it is. Call it on every rank (a barrier)."""
-    if name in _STAGED or name == "tiny" or name.startswith("tiny-") or Path(name).is_dir(): return model_path(name)
-    from huggingface_hub import snapshot_download
-    files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # what transformers and vLLM read
-    if dist.local_rank() == 0: _STAGED[name] = snapshot_download(name, allow_patterns=files)
-    dist.barrier()
-    if dist.local_rank() != 0: _STAGED[name] = snapshot_download(name, allow_patterns=files, local_files_only=True)
-    return _STAGED[name]
-
-def load_model(name: str, dtype: str = "float32"):
-    "The causal LM `name` (see `model_path`) in `dtype`."
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=getattr(torch, dtype))
-
-def load_tokenizer(name: str):
-    "The tokenizer saved with the model `name`."
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_path(name))
-
-def load_policy(name: str,               # "tiny", a hub name, or a local folder
-                dtype: str = "float32",  # learner dtype: float32 | bfloat16
-               ):
-    "`(model, tokenizer)` of `name`."
-    return load_model(name, dtype), load_tokenizer(name)
 
 def load_splits(cfg: DAPOConfig) -> tuple[list[MathExample], list[MathExample]]:
     "Training and held-out examples: the files named in `cfg`, else the tiny task (held-out only when training on it too)."
@@ -227,25 +182,6 @@ def generate_groups(engine: RolloutEngine,  # sampler holding the old policy
     return groups
 
 # %% ../nbs/09_trainer.ipynb #d4b5f2a0
-@dataclass
-class RolloutBatch:
-    "B = P*G responses ready for the learner: token ids, advantages, truncation flags; groups contiguous."
-    prompt_ids: list[list[int]]    # B prompts' token ids
-    response_ids: list[list[int]]  # B responses' token ids
-    advantages: Tensor             # (B,) group-normalised advantage of each response
-    truncated: Tensor              # (B,) bool, response hit l_max
-    rewards: Tensor                # (B,)
-    rollout_logp: list | None = None  # B lists: the sampling engine's log-probs of each response's tokens (vLLM); or None
-
-    def __len__(self): return len(self.response_ids)
-
-    def select(self, idx: list[int]) -> "RolloutBatch":
-        "The sub-batch of responses `idx`."
-        t = torch.tensor(idx, dtype=torch.long)
-        return RolloutBatch([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
-                            self.advantages[t], self.truncated[t], self.rewards[t],
-                            None if self.rollout_logp is None else [self.rollout_logp[i] for i in idx])
-
 def make_batch(groups: list[Group],  # P groups
                group_size: int,      # G
               ) -> RolloutBatch:
@@ -256,287 +192,7 @@ def make_batch(groups: list[Group],  # P groups
                         group_advantages(rewards, group_size), torch.tensor([t for g in groups for t in g.truncated],
                         dtype=torch.bool), rewards, logp)
 
-# %% ../nbs/09_trainer.ipynb #c9dbfa1e
-def pack_micro_batches(lengths: list[tuple[int, int]],  # (prompt length, response length) per sequence, in order
-                       token_budget: int,                # max padded tokens per micro-batch
-                      ) -> list[list[int]]:
-    "Split sequences, in order, into micro-batches of at most `token_budget` padded (prompt + response) tokens."
-    out, cur, mp, mr = [], [], 0, 0
-    for i, (p, r) in enumerate(lengths):
-        np_, nr = max(mp, p), max(mr, r)
-        if cur and (len(cur) + 1) * (np_ + nr) > token_budget:
-            out.append(cur); cur, np_, nr = [], p, r
-        cur.append(i); mp, mr = np_, nr
-    if cur: out.append(cur)
-    return out
-
-# %% ../nbs/09_trainer.ipynb #ff449f88
-def collate(prompts: list[list[int]],    # b prompts' token ids
-            responses: list[list[int]],  # b responses' token ids
-            pad_id: int,                 # padding token id
-           ) -> dict[str, Tensor]:
-    "Left-pad prompts and right-pad responses into one (b, Lp + T) batch; `response_mask` is (b, T)."
-    b, Lp, T = len(prompts), max(len(p) for p in prompts), max(1, max(len(r) for r in responses))
-    ids = torch.full((b, Lp + T), pad_id, dtype=torch.long)  # (b, Lp+T)
-    attn = torch.zeros(b, Lp + T, dtype=torch.long)  # (b, Lp+T)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, Lp - len(p):Lp] = torch.tensor(p); attn[i, Lp - len(p):Lp] = 1
-        ids[i, Lp:Lp + len(r)] = torch.tensor(r, dtype=torch.long); attn[i, Lp:Lp + len(r)] = 1
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (b, Lp+T) positions of real tokens start at 0
-    return dict(input_ids=ids, attention_mask=attn, position_ids=pos, response_mask=attn[:, Lp:].bool())
-
-def forward_logprobs(model,                 # causal LM, or an engine wrapping one (DeepSpeed)
-                     mb: dict[str, Tensor], # from `collate`
-                     temperature: float,    # the sampling temperature
-                     entropy: bool = False, # also return the token entropy
-                     device: torch.device | None = None,  # where the inputs go; None = the model's first parameter's
-                    ) -> tuple[Tensor, Tensor | None]:
-    "Log-probs (b, T) of the response tokens under softmax(logits / temperature), and optionally their entropy (b, T)."
-    dev = device if device is not None else next(model.parameters()).device
-    T = mb["response_mask"].shape[1]
-    out = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
-                position_ids=mb["position_ids"].to(dev), logits_to_keep=T + 1, use_cache=False)
-    logits = out.logits[:, :-1]  # (b, T, V): position Lp-1+t predicts response token t
-    labels = mb["input_ids"][:, -T:].to(dev)  # (b, T)
-    logp = token_logprobs(logits, labels, temperature)  # (b, T)
-    ent = token_entropy(logits.detach() / temperature) if entropy else None  # (b, T)
-    return logp, ent
-
-# %% ../nbs/09_trainer.ipynb #46a2e433
-def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
-    "Linear warm-up over rollout steps: the k-th scheduler step (0-based) scales lr by min(1, (k+1)/warmup_steps)."
-    return lambda k: 1.0 if warmup_steps <= 0 else min(1.0, (k + 1) / warmup_steps)
-
-def enable_gradient_checkpointing(model) -> int:
-    "Recompute each decoder layer's activations in backward while the model stays in eval mode (no dropout); returns the layer count."
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.eval()
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for m in layers: m.training = True  # the flag transformers checks; children keep training = False
-    return len(layers)
-
-def prepare_model(model, gradient_checkpointing: bool = False):
-    "Eval mode (no dropout: old and new log-probs of the first mini-batch agree exactly), plus gradient checkpointing when asked."
-    model.eval()
-    if gradient_checkpointing: enable_gradient_checkpointing(model)
-    return model
-
-# %% ../nbs/09_trainer.ipynb #c0daf258
-def loss_denominators(agg: str,        # cfg.loss_agg
-                      num_tokens: int, # loss tokens of the mini-batch on all ranks
-                      num_seqs: int,   # responses with >= 1 loss token in the mini-batch on all ranks
-                      max_len: int,    # L_max (cfg.l_max): Dr. GRPO's constant length
-                     ) -> dict:
-    "The keyword arguments of `policy_loss` that make a micro-batch's loss its share of the mini-batch's loss."
-    if agg == "token-mean": return dict(num_tokens=max(1, num_tokens))
-    if agg == "seq-mean-token-sum-norm": return dict(num_seqs=max(1, num_seqs), max_len=max_len)
-    return dict(num_seqs=max(1, num_seqs))
-
-# %% ../nbs/09_trainer.ipynb #f2c4a7b3
-METRIC_KEYS = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "up_clipped_prob", "prob_mean")
-
-class Learner:
-    "The policy being trained: log-probs, entropy and optimizer steps on token-budget micro-batches; subclasses own device, optimizer and files."
-    def __init__(self, model,               # the transformers causal LM
-                 cfg: DAPOConfig,            # lr, betas, weight decay, warm-up, grad clip, clip ranges, loss_agg, l_max
-                 pad_token_id: int,
-                 device: torch.device,       # where micro-batches go
-                 optimizer: torch.optim.Optimizer,  # the torch optimizer whose learning rate the warm-up schedules
-                 net=None):                  # what forward passes call (a DeepSpeed engine); None = model
-        self.model, self.cfg, self.pad_id, self.device = model, cfg, pad_token_id, device
-        self.net = model if net is None else net
-        for g in optimizer.param_groups: g.setdefault("initial_lr", g["lr"])
-        self.sched = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(cfg.warmup_steps))
-        self.guard = UpdateGuard(optimizer, grad_norm=self.clip_norm)  # runs: skips non-finite steps, flags blow-ups
-
-    @classmethod
-    def build(cls, cfg: DAPOConfig, pad_token_id: int, model=None) -> "Learner":
-        "The learner of `cfg`: loads `cfg.model` (unless `model` is given) onto this rank's GPU, or the CPU."
-        if model is None: model = load_model(cfg.model, cfg.dtype)
-        if torch.cuda.is_available(): model = model.to(torch.device("cuda", dist.local_rank()))
-        return cls(model, cfg, pad_token_id)
-
-    @property
-    def lr(self) -> float: return self.sched.optimizer.param_groups[0]["lr"]
-
-    # --- what an implementation supplies ---
-    def zero_grad(self): pass
-    def backward(self, loss: Tensor, last: bool): raise NotImplementedError  # `last`: the mini-batch's last pass
-    def optimizer_step(self) -> float: raise NotImplementedError  # clip, step (or skip); returns the grad norm
-    def clip_norm(self) -> float | None: return None  # the global grad norm the pending step was clipped with (the guard reads it)
-    def end_step(self): self.sched.step()  # one rollout step of the warm-up schedule
-
-# %% ../nbs/09_trainer.ipynb #77ee1df8
-@patch
-def micro_batches(self: Learner, batch: RolloutBatch) -> list[list[int]]:
-    "This rank's token-budget micro-batches of `batch`."
-    return pack_micro_batches([(len(p), len(r)) for p, r in zip(batch.prompt_ids, batch.response_ids)],
-                              self.cfg.micro_token_budget)
-
-@patch
-def passes(self: Learner, batch: RolloutBatch) -> tuple[list[list[int]], int]:
-    "This rank's micro-batches and the ranks' largest count: every rank runs that many forward passes (ZeRO-3 gathers in each)."
-    mbs = self.micro_batches(batch)
-    return mbs, int(dist.all_reduce([len(mbs)], "max")[0])
-
-@patch
-def dummy_loss(self: Learner) -> Tensor:
-    "A forward pass on one pad token whose loss is 0: a rank with fewer micro-batches joins the others' collectives with it."
-    ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
-    return self.net(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
-
-@patch
-def loss_mask(self: Learner, batch: RolloutBatch, mask: Tensor) -> Tensor:
-    "Response mask, with truncated responses masked out when overlong filtering is on."
-    return overlong_filter(mask, batch.truncated) if self.cfg.overlong_filter else mask
-
-@patch
-def denominators(self: Learner, batch: RolloutBatch) -> tuple[int, int]:
-    "Loss tokens, and responses with at least one loss token, of the mini-batch summed over all ranks (one all_reduce)."
-    keep = (~batch.truncated).tolist() if self.cfg.overlong_filter else [True] * len(batch)
-    lens = [len(r) for r, k in zip(batch.response_ids, keep) if k]
-    n_tok, n_seq = dist.all_reduce([sum(lens), sum(1 for n in lens if n > 0)])
-    return int(n_tok), int(n_seq)
-
-@patch
-@torch.no_grad()
-def compute_logprobs(self: Learner, batch: RolloutBatch) -> tuple[list[Tensor], list[Tensor]]:
-    "Per response: log-probs (T_i,) and entropy (T_i,) of its tokens under the current policy (no grad)."
-    mbs, n = self.passes(batch)
-    logps, ents = [None] * len(batch), [None] * len(batch)
-    for idx in mbs:
-        sub = batch.select(idx)
-        logp, ent = forward_logprobs(self.net, collate(sub.prompt_ids, sub.response_ids, self.pad_id),
-                                     self.cfg.temperature, entropy=True, device=self.device)
-        for j, i in enumerate(idx):
-            k = len(batch.response_ids[i])
-            logps[i], ents[i] = logp[j, :k].float().cpu(), ent[j, :k].float().cpu()
-    for _ in range(n - len(mbs)): self.dummy_loss()
-    return logps, ents
-
-# %% ../nbs/09_trainer.ipynb #429b7a44
-@patch
-def micro_losses(self: Learner, batch: RolloutBatch, old_logp: list[Tensor], mbs: list[list[int]],
-                 num_tokens: int, num_seqs: int):
-    "Yield (loss, metrics, loss tokens) per micro-batch: each loss divided by the mini-batch's global denominators."
-    cfg = self.cfg
-    denoms = loss_denominators(cfg.loss_agg, num_tokens, num_seqs, cfg.l_max)
-    for idx in mbs:
-        sub = batch.select(idx)
-        mb = collate(sub.prompt_ids, sub.response_ids, self.pad_id)
-        mask = mb["response_mask"]  # (b, T)
-        old = torch.zeros(mask.shape)  # (b, T)
-        for j, i in enumerate(idx): old[j, :len(old_logp[i])] = old_logp[i]
-        logp, _ = forward_logprobs(self.net, mb, cfg.temperature, device=self.device)  # (b, T)
-        lmask = self.loss_mask(sub, mask).to(logp.device)  # (b, T) overlong filtering applied
-        loss, m = policy_loss(logp.float(), old.to(logp.device), sub.advantages.to(logp.device), lmask,
-                              eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_c=cfg.clip_c, agg=cfg.loss_agg, **denoms)
-        yield loss, m, int(lmask.sum())
-
-@patch
-def update(self: Learner, batch: RolloutBatch,  # this rank's share of one mini-batch
-           old_logp: list[Tensor],               # per response (T_i,) log-probs before the update
-          ) -> dict[str, float]:
-    "Algorithm 1 line 11: one optimizer step on one mini-batch; gradients accumulated over micro-batches (and ranks)."
-    mbs, n = self.passes(batch)
-    num_tokens, num_seqs = self.denominators(batch)
-    self.zero_grad()
-    micro = self.micro_losses(batch, old_logp, mbs, num_tokens, num_seqs)
-    sums, weight, total, rmin, rmax = dict.fromkeys(METRIC_KEYS, 0.0), 0, 0.0, math.inf, -math.inf
-    for k in range(n):
-        loss, m, w = next(micro, None) or (self.dummy_loss(), {}, 0)  # the forward pass of micro-batch k runs here
-        self.backward(loss, last=k == n - 1)
-        total += float(loss.detach()); weight += w
-        if w: rmin, rmax = min(rmin, m["ratio_min"]), max(rmax, m["ratio_max"])
-        for key in METRIC_KEYS: sums[key] += m.get(key, 0.0) * w  # token-weighted means over micro-batches
-    self.guard.loss, self.guard.reason, self.guard.blown = total, None, None  # the guard inside optimizer_step reads the loss
-    grad_norm = self.optimizer_step()
-    if self.guard.reason is None and not math.isfinite(grad_norm):  # DeepSpeed skipped it itself (its overflow check)
-        self.guard.reason = f"the gradient norm is not finite ({grad_norm})"
-    tot = dist.all_reduce([sums[k] for k in METRIC_KEYS] + [weight, total])
-    lo, hi = dist.all_reduce([rmin], "min")[0], dist.all_reduce([rmax], "max")[0]
-    W = tot[len(METRIC_KEYS)]
-    out = {k: v / max(W, 1) for k, v in zip(METRIC_KEYS, tot)}
-    skipped = self.guard.reason is not None or not math.isfinite(grad_norm)  # not applied (runs.UpdateGuard)
-    out.update(loss=tot[-1], grad_norm=grad_norm, skipped=float(skipped), lr=self.lr,
-               num_tokens=float(num_tokens), num_seqs=float(num_seqs), ratio_min=lo if W else 1.0, ratio_max=hi if W else 1.0)
-    return out
-
-@patch
-@torch.no_grad()
-def eval_loss(self: Learner, batch: RolloutBatch, old_logp: list[Tensor]) -> float:
-    "The mini-batch's loss at the current weights (summed over ranks), without a gradient."
-    mbs, n = self.passes(batch)
-    local = sum(float(l) for l, _, _ in self.micro_losses(batch, old_logp, mbs, *self.denominators(batch)))
-    for _ in range(n - len(mbs)): self.dummy_loss()
-    return dist.all_reduce([local])[0]
-
-# %% ../nbs/09_trainer.ipynb #a9745a3c
-@patch
-def named_weights(self: Learner) -> Iterable[tuple[str, Tensor]]:
-    "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes)."
-    return self.model.state_dict().items()
-
-@patch
-def save_model(self: Learner, path: str | Path):
-    "The full model as safetensors (`save_pretrained`), written by rank 0; every rank calls it, and every rank raises if rank 0's write failed."
-    main, sd, failed = dist.is_main(), {}, None
-    for n, t in self.named_weights():  # every rank iterates: a collective for partitioned learners
-        if main: sd[n] = t.detach().cpu()
-    if main:
-        try: self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
-        except (OSError, RuntimeError) as e: failed = e  # a full disk: the other ranks must not wait in a barrier for it
-    if dist.all_reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
-        raise failed or OSError(f"rank 0 could not write the model to {path}")
-
-@patch
-def policy_copy(self: Learner):
-    "A transformers model holding the learner's current weights, on its device: the transformers rollout engine's own copy."
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_config(self.model.config, dtype=getattr(torch, self.cfg.dtype))
-    m.load_state_dict(dict(self.named_weights()))
-    m.generation_config = copy.deepcopy(self.model.generation_config)
-    return m.to(self.device).eval()
-
 # %% ../nbs/09_trainer.ipynb #faefc769
-class TorchLearner(Learner):
-    "The plain PyTorch learner (`zero_stage: 0`): a full replica and its AdamW state per rank, gradients summed over ranks."
-    def __init__(self, model,             # causal LM (trained in place, on its current device)
-                 cfg: DAPOConfig,          # lr, betas, weight decay, warm-up, grad clip, gradient_checkpointing
-                 pad_token_id: int):
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                     weight_decay=cfg.weight_decay)
-        super().__init__(prepare_model(model, cfg.gradient_checkpointing), cfg, pad_token_id,
-                         next(model.parameters()).device, self.opt)
-
-    def zero_grad(self): self.opt.zero_grad(set_to_none=True)
-    def backward(self, loss: Tensor, last: bool): loss.backward()
-
-    def optimizer_step(self) -> float:
-        "Sum the gradients over ranks, clip the global norm, AdamW step (which `self.guard` skips when not finite)."
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        dist.all_reduce_tensors([p.grad for p in params if p.grad is not None])  # Spinning Up's mpi_avg_grads, as a sum
-        self._gn = grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        self.opt.step()  # the UpdateGuard installed on it skips a non-finite step and checks the weights after it
-        return grad_norm
-
-    def clip_norm(self) -> float | None: return getattr(self, "_gn", None)
-
-    def save(self, path: str | Path):
-        "Weights (safetensors) and AdamW + schedule state (`learner_state.pt`); rank 0 writes, every rank calls."
-        self.save_model(path)
-        if dist.is_main(): torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()},
-                                      Path(path) / "learner_state.pt")
-
-    def load(self, path: str | Path):
-        "Restore weights, AdamW and schedule from `save`'s files (tensors only: weights_only)."
-        from transformers import AutoModelForCausalLM
-        src = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.cfg.dtype))
-        with torch.no_grad(): self.model.load_state_dict(src.state_dict())
-        st = torch.load(Path(path) / "learner_state.pt", weights_only=True, map_location=self.device)
-        self.opt.load_state_dict(st["optimizer"]); self.sched.load_state_dict(st["scheduler"])
-
 def learner_class(cfg: DAPOConfig) -> type[Learner]:
     "`TorchLearner` for zero_stage 0, `scale.DeepSpeedLearner` for 2 and 3."
     if cfg.zero_stage == 0: return TorchLearner
@@ -551,41 +207,6 @@ def strip_timing(row: dict) -> dict:
     "`row` without the fields that depend on the machine's speed."
     return {k: v for k, v in row.items() if k not in TIMING_KEYS}
 
-def read_metrics(path: str | Path) -> list[dict]:
-    "Rows of a `metrics.jsonl` file."
-    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
-
-def rng_state() -> dict:
-    "Python's and torch's global RNG states (plain values and tensors: loadable with weights_only)."
-    return {"python": random.getstate(), "torch": torch.get_rng_state()}
-
-def set_rng_state(s: dict):
-    random.setstate(s["python"]); torch.set_rng_state(s["torch"])
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    "The `checkpoints/step-N` folder with the largest N (half-written `.tmp` folders are ignored)."
-    d = Path(output_dir) / "checkpoints"
-    steps = [(int(p.name[5:]), p) for p in d.glob("step-*") if p.is_dir() and p.name[5:].isdigit()] if d.is_dir() else []
-    return max(steps)[1] if steps else None
-
-def plot_curves(rows: list[dict],   # metrics.jsonl rows
-                path: str | Path,   # where to write the png
-               ) -> Path:
-    "Reward, accuracy, entropy, response length and held-out accuracy against gradient updates."
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    panels = [("reward_mean", "reward (mean, incl. overlong penalty)"), ("acc", "training accuracy"),
-              ("entropy", "entropy (nats/token)"), ("resp_len_mean", "response length (tokens)"),
-              ("eval_acc", "held-out accuracy (avg@k)")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
-    for ax, (k, title) in zip(axes, panels):
-        pts = [(r["grad_updates"], r[k]) for r in rows if k in r and r[k] is not None]
-        if pts: ax.plot(*zip(*pts), marker="o" if k == "eval_acc" else None, ms=3)
-        ax.set_title(title, fontsize=10); ax.set_xlabel("gradient updates"); ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path); fig.savefig(path, dpi=100); plt.close(fig)
-    return path
 
 # %% ../nbs/09_trainer.ipynb #0bdbde2b
 @dataclass(frozen=True)

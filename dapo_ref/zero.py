@@ -252,7 +252,7 @@ def balance_by_tokens(lengths: list[int],     # (B,) tokens of each response (lo
     return [sorted(ix) for _, ix in heap[0][2]] if heap else [[] for _ in range(k)]
 
 # %% ../nbs/10a_zero.ipynb #97d19514
-def gather_batch(batch,              # this rank's responses of the step (a `trainer.RolloutBatch`), in global order
+def gather_batch(batch,              # this rank's responses of the step (a `learner.RolloutBatch`), in global order
                  owned: list[bool],  # (B,) whether this rank holds each response of the step's batch
                 ):
     "The step's B responses in global order on every rank (token ids, advantages, flags, rewards all-gathered); `batch` itself on one rank."

@@ -12,7 +12,7 @@ rollout engine (`HFRolloutEngine`), all through `Trainer.train_on` and
 learner's own consolidated weights, the engine's weights on every rank, the old log-probs, the update's metrics and
 the full gradient of every parameter as the optimizer step received it (`capture_grads`: summed over ranks, not yet
 clipped). Adam's eps is `ADAM_EPS` on every learner here (`set_adam_eps`; why: tests/test_scale.py).
-The one-device comparison is done by the test, in its own process, with `trainer.TorchLearner`.
+The one-device comparison is done by the test, in its own process, with `learner.TorchLearner`.
 
 `build MODEL` (a model the learner loads by name, here a ~57M-parameter Qwen2 from a local HF cache): the ZeRO-3
 learner as `dapo-train` builds it. Each rank measures its peak resident memory above its baseline (torch,
@@ -44,7 +44,7 @@ def test_cfg():
 
 def fixed_batch(vocab: int = 392, seed: int = 0):
     "N_GROUPS * G responses with random token ids, lengths and advantages (deterministic; no generation)."
-    from dapo_ref.trainer import RolloutBatch
+    from dapo_ref.learner import RolloutBatch
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
     for _ in range(N_GROUPS):
@@ -113,7 +113,7 @@ def trainer_update(cfg, model, tok, engine=None):
 def run_stage(name: str, out: Path):
     "name: ZeRO stage, with a `gc` suffix for gradient checkpointing (e.g. `3gc`); `0` is the plain learner."
     from dapo_ref import dist
-    from dapo_ref.trainer import load_policy
+    from dapo_ref.learner import load_policy
     from dapo_ref.rollout import HFRolloutEngine
     rank, world = dist.rank(), dist.world_size()
     cfg = test_cfg(); cfg.zero_stage = stage = int(name[0]); cfg.gradient_checkpointing = name.endswith("gc")
@@ -162,7 +162,8 @@ def run_build(model_name: str, out: Path, mode: str = "ours"):
     from dapo_ref import dist
     from dapo_ref.scale import DeepSpeedLearner
     from dapo_ref.tiny import tiny_splits
-    from dapo_ref.trainer import Trainer, load_tokenizer
+    from dapo_ref.trainer import Trainer
+    from dapo_ref.learner import load_tokenizer
     import dapo_ref.zero
     from dapo_ref.zero import PeakRSS, save_pretrained_streamed
     rank, world = dist.rank(), dist.world_size()

@@ -78,7 +78,7 @@ def _testbed_samples(n_problems=64, k=4, l_max=64, seed=0):
     "k responses at T = 1 to each of the first n_problems held-out problems, cut at l_max: (response ids, text, example)."
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from dapo_ref.ablation import testbed_model
+    from dapo_ref.testbeds import testbed_model
     from dapo_ref.data import prompt_token_ids
     from dapo_ref.trainer import load_splits
     from dapo_ref.core import load_config

@@ -483,7 +483,10 @@ def test_ctrl_c_is_one_line_with_the_command_that_continues(tmp_path):
     "Ctrl-C in the middle of dapo-train: exit status 130, no traceback, one line naming the command that continues the run."
     import signal, time
     argv = ["--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), "output_dir=run", "save_every=1", "--quiet"]
-    p = subprocess.Popen(command("dapo-train") + argv, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal delivers it: a job started in the background (make -j, `&`) inherits SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler, so the child gets the default disposition back first
+    p = subprocess.Popen(command("dapo-train") + argv, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.time()
     while not list((tmp_path / "run" / "checkpoints").glob("step-*[0-9]")) and p.poll() is None and time.time() - t0 < 300:
         time.sleep(0.2)  # hang guard: 300 s to the first checkpoint

@@ -12,9 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # (importer, imported): imports that still run up the reading order. The trainer sits before the modules it builds on
-# (runs, scale, zero, vllm_rollout, ablation's testbeds); moving those seams below it removes these.
-UPWARD = {("trainer", "runs"), ("trainer", "scale"), ("trainer", "zero"), ("trainer", "vllm_rollout"), ("trainer", "ablation"),
-          ("train", "runs"), ("scale", "zero")}
+# (the DeepSpeed learner, the rank layout in zero, the vLLM engine); moving those seams below it removes these.
+UPWARD = {("trainer", "scale"), ("trainer", "zero"), ("trainer", "vllm_rollout"), ("scale", "zero")}
 
 
 def reading_order() -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 - sharding keeps each group whole on one rank, and ranks agree on dynamic sampling (in-process, many ranks simulated);
 - ZeRO-3 (also ZeRO-2, ZeRO-3 with gradient checkpointing, and the plain learner with summed gradients), two
-  processes: one DAPO update on a fixed batch = the one-device `trainer.TorchLearner` update;
+  processes: one DAPO update on a fixed batch = the one-device `learner.TorchLearner` update;
 - weight sync from ZeRO-3 shards into an `HFRolloutEngine` gives bit-identical weights;
 - the ZeRO-3 learner as `dapo-train` builds it, two processes, a ~57M-parameter Qwen2 loaded by its hub name: every
   parameter partitioned right after construction and the gathered weights equal to the checkpoint's, each rank's
@@ -41,7 +41,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dapo_ref.dist import shard, interleave
-from dapo_ref.trainer import global_round, Remote, latest_checkpoint, read_metrics, strip_timing
+from dapo_ref.trainer import global_round, Remote, strip_timing
+from dapo_ref.runs import latest_checkpoint, read_metrics
 from dapo_ref.zero import balanced_share, gather_batch
 from dapo_ref.sampling import DynamicSamplingBuffer, DynamicSamplingError
 
@@ -174,7 +175,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def one_device_update():
     "The same fixed batch, the same config, one process: `Trainer.train_on` with the plain learner."
-    from dapo_ref.trainer import load_policy
+    from dapo_ref.learner import load_policy
     model, tok = load_policy("tiny")
     init = {n: t.clone() for n, t in model.state_dict().items()}
     with one_thread():
@@ -347,7 +348,7 @@ def build_run(tmp_path_factory):
     batch in this process (one thread). No one-rank ZeRO-3 launch: the two-rank ZeRO-3 update is held to the plain
     one-device update at derived bounds, which is what a one-rank ZeRO-3 twin would add (see the module docstring)."""
     from test_zero import HUB_NAME, fake_hub, qwen2_57m
-    from dapo_ref.trainer import load_tokenizer
+    from dapo_ref.learner import load_tokenizer
     tmp = tmp_path_factory.mktemp("build")
     model = qwen2_57m()
     fake_hub(tmp / "hub", HUB_NAME, model, max_shard_size="20MB")

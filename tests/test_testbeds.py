@@ -3,8 +3,8 @@ once instead of building them (about 2.5 minutes on one core for both). Each fol
 (settings, builder source, the tiny model it starts from), so a changed builder can never load a stale copy."""
 import json
 
-from dapo_ref import ablation  # (not `from ... import testbed_model`: pytest would collect that name as a test)
-from dapo_ref.ablation import TESTBED_SHIP_COMMAND, TESTBED_VERSION, TESTBEDS, _shipped_testbeds, _testbed_hash
+from dapo_ref import testbeds  # (not `from ... import testbed_model`: pytest would collect that name as a test)
+from dapo_ref.testbeds import TESTBED_SHIP_COMMAND, TESTBED_VERSION, TESTBEDS, _shipped_testbeds, _testbed_hash
 
 
 def test_every_testbed_ships_built_from_this_source():
@@ -22,12 +22,12 @@ def test_testbed_model_takes_the_shipped_copy_and_builds_nothing(tmp_path, monke
     monkeypatch.setenv("DAPO_REF_CACHE", str(tmp_path / "cache"))
     logs = []
     for kw in TESTBEDS.values():
-        assert ablation.testbed_model(log=logs.append, **kw).parent == _shipped_testbeds()
+        assert testbeds.testbed_model(log=logs.append, **kw).parent == _shipped_testbeds()
     assert logs == [] and not (tmp_path / "cache").exists()
 
 
 def test_another_setting_is_built_not_taken_from_the_package(tmp_path):
     "A setting nobody shipped (a 1-step build) is built into the cache folder it is given."
-    p = ablation.testbed_model(cache_dir=tmp_path, log=None, steps=1)
+    p = testbeds.testbed_model(cache_dir=tmp_path, log=None, steps=1)
     assert p.parent == tmp_path and (p / "model.safetensors").exists()
     assert p.name == f"{TESTBED_VERSION}-{_testbed_hash(steps=1)}"

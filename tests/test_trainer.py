@@ -2,7 +2,7 @@
 kill -9 and resume, dynamic sampling that cannot fill its batch, and the CLI's error messages.
 
 The slow ones (a real run, two subprocess runs) carry `@pytest.mark.slow`; the whole file takes about
-2-3 minutes on 2 cores (see the report at the bottom of benchmarks/README.md)."""
+2-3 minutes on 2 cores (tests/README.md has the per-module times of a fresh-clone run)."""
 import json, math, os, signal, subprocess, sys, time
 from pathlib import Path
 
@@ -13,8 +13,9 @@ from dapo_ref.core import load_config, config_from_dict
 from dapo_ref.data import make_example, save_math_dataset
 from dapo_ref.sampling import DynamicSamplingError
 from dapo_ref.core import LOSS_AGGS
-from dapo_ref.trainer import (Trainer, TorchLearner, make_batch, read_metrics, strip_timing, train, summary_line, TIMING_KEYS,
-                              latest_checkpoint)
+from dapo_ref.trainer import Trainer, make_batch, strip_timing, train, summary_line, TIMING_KEYS
+from dapo_ref.learner import TorchLearner
+from dapo_ref.runs import latest_checkpoint, read_metrics
 from dapo_ref.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def policy():
     "The warm-started tiny model and tokenizer, loaded once (built and cached on first use)."
-    from dapo_ref.trainer import load_policy
+    from dapo_ref.learner import load_policy
     return load_policy("tiny")
 
 
@@ -389,7 +390,7 @@ def test_deepspeed_learner_guards_its_partition(tmp_path, policy, stage):
     as it was; then lr = 1e10 (set on the optimizer's groups) is applied and flagged as a blow-up (the trainer stops)."""
     pytest.importorskip("deepspeed")
     from dapo_ref.scale import DeepSpeedLearner
-    from dapo_ref.trainer import RolloutBatch
+    from dapo_ref.learner import RolloutBatch
     tok = policy[1]
     ids = tok.encode("1+1=", add_special_tokens=False)
     learner = DeepSpeedLearner(fresh(policy)[0], tiny_cfg(tmp_path, zero_stage=stage, lr=1e-3, warmup_steps=0), tok.pad_token_id)
@@ -412,7 +413,7 @@ GUARD_WORKER = '''
 import json, sys, torch
 from dapo_ref import dist
 from dapo_ref.core import load_config
-from dapo_ref.trainer import load_policy, RolloutBatch
+from dapo_ref.learner import load_policy, RolloutBatch
 from dapo_ref.scale import DeepSpeedLearner
 recipe, stages, out = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
 rank, world = dist.init_distributed()
@@ -464,7 +465,8 @@ def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path):
 def test_rollout_gap_by_hand():
     """The rollout-learner gap over two mini-batches, by hand: learner old log-probs [-1, -2] and [-0.5], engine
     [-1.1, -2] and [-0.5]: d = [0.1, 0, 0]: mean |d| = 0.1 / 3, max 0.1, k3 = (e^0.1 - 1.1) / 3; without engine log-probs, nothing."""
-    from dapo_ref.trainer import RolloutBatch, rollout_gap
+    from dapo_ref.learner import RolloutBatch
+    from dapo_ref.trainer import rollout_gap
     mk = lambda lps: RolloutBatch([[1]] * len(lps), [[2] * len(l) if l else [2] for l in lps], torch.zeros(len(lps)),
                                   torch.zeros(len(lps), dtype=torch.bool), torch.zeros(len(lps)), lps)
     minis = [mk([[-1.1, -2.0]]), mk([[-0.5]])]

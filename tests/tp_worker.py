@@ -79,8 +79,9 @@ def main(out: Path, tp: int):
     from dapo_ref import trainer as T
     from dapo_ref.core import config_from_dict
     from dapo_ref.tiny import tiny_splits
+    from dapo_ref.learner import load_policy
     rank, world = dist.init_distributed()
-    model, tok = T.load_policy("tiny")
+    model, tok = load_policy("tiny")
     train = tiny_splits(64, 1, seed=0)[0]
     cfg = config_from_dict(dict(model="tiny", group_size=G, prompts_per_step=P, gen_batch_size=GEN, mini_batch_size=MINI,
                                 max_num_gen_batches=10, lr=1e-4, warmup_steps=0, l_max=32, l_cache=8, dtype="float32",
