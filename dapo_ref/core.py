@@ -324,6 +324,7 @@ def cli_errors(prog: str,                  # the command's name, e.g. "dapo-eval
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
+# %% ../nbs/00_core.ipynb #d9c2e6c1
 @contextlib.contextmanager
 def interrupts(prog: str,             # the command's name
                then: Any = "",        # what to do next, in words (or a function returning them, called at the interrupt)
@@ -337,6 +338,7 @@ def interrupts(prog: str,             # the command's name
             print(f"\n{prog}: interrupted" + (f"; {what}" if what else ""), file=sys.stderr, flush=True)
         raise SystemExit(130) from None
 
+# %% ../nbs/00_core.ipynb #c2d44d4b
 class ArgParser(argparse.ArgumentParser):
     """argparse as every dapo_ref command uses it: a usage error on one line with the fix, an option given twice refused
     (argparse keeps the last silently), `key=value` overrides before and after flags, `--lr 1e-5` pointed to `lr=1e-5`."""

@@ -188,6 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier dapo-eval result (default: refuse)")
     return ap
 
+# %% ../nbs/08_eval.ipynb #9adb82fa
 WRITTEN_BY = "dapo-eval"  # the results file says who wrote it: --overwrite replaces only such a file
 
 def _is_eval_result(p: Path) -> bool:
@@ -264,10 +265,13 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 def resolve_model(name: str, flag: str = "--model") -> str:
-    "The folder or hub name to load for `--model name` (`tiny`: the embedded tiny model); a folder needs a config.json."
+    """The folder or hub name to load for the model `name`: `tiny` is the embedded tiny model, `tiny-testbed` and
+    `tiny-guesser` the testbeds (`testbeds`), a folder needs a config.json; dapo-train and dapo-eval resolve alike."""
     if name == "tiny":
         from dapo_ref.tiny import ensure_tiny_model
         return str(ensure_tiny_model())
+    from dapo_ref.testbeds import TESTBEDS, testbed_model
+    if name in TESTBEDS: return str(testbed_model(**TESTBEDS[name]))  # built once and cached, or shipped
     p = Path(name).expanduser()
     if p.is_file(): raise InputError(f"{flag} {name} is a file; give the model's folder (written by save_pretrained)")
     if p.is_dir():
@@ -290,6 +294,7 @@ def load_model_config(name: str, flag: str = "--model"):
         raise InputError(f"{flag} {name}: cannot read its config ({one_line(e)[:300]}); "
                          "check the name, or give a local folder written by save_pretrained") from None
 
+# %% ../nbs/08_eval.ipynb #e7ccd93c
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 def check_model(name: str,            # `--model` / `model`: a local folder, a hub name, or tiny
@@ -322,8 +327,6 @@ def weights_problem(model: torch.nn.Module) -> str | None:
     for n, p in model.named_parameters():
         if p.numel() and not bool(torch.isfinite(p).all()): return f"weight {n} holds NaN or infinite values"
     return None
-
-
 
 # %% ../nbs/08_eval.ipynb #29796180
 def generation_memory(config,             # the model's transformers config (a Qwen2/Llama-style decoder)

@@ -15,6 +15,7 @@ from fastcore.basics import patch
 
 from . import dist
 from .core import DAPOConfig
+from .eval import resolve_model
 from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
 from .runs import UpdateGuard
 
@@ -28,13 +29,8 @@ _STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model
 
 def model_path(name: str) -> str:
     "The folder or hub name that transformers (and vLLM) load for `name`; `tiny` builds (once, cached) the tiny model."
-    if name in _STAGED: return _STAGED[name]
-    if name.startswith("tiny-"):  # the ablation study's testbed policies (nbs/14_ablation), built once, cached
-        from dapo_ref.testbeds import TESTBEDS, testbed_model
-        if name in TESTBEDS: return str(testbed_model(**TESTBEDS[name]))
-    if name != "tiny": return name
-    from dapo_ref.tiny import ensure_tiny_model
-    return str(ensure_tiny_model())
+    if name in _STAGED: return _STAGED[name]  # a hub model this node has staged
+    return resolve_model(name, "model =")     # the one resolver dapo-eval uses too
 
 def stage_model(name: str,  # cfg.model: a hub name, a local folder, or a tiny model
                ) -> str:

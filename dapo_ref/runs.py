@@ -46,6 +46,7 @@ def write_marker(folder: str | Path,  # created with its parents if absent
     (folder / MARKER).write_text(json.dumps(m) + "\n")
     return m
 
+# %% ../nbs/08a_runs.ipynb #977d874d
 def run_contents(out: str | Path) -> list[str]:
     "What `out` holds of an earlier run (its `metrics.jsonl`, checkpoints, exports), in words; empty when there is nothing to lose."
     out, have = Path(out), []

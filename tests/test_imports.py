@@ -12,8 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # (importer, imported): imports that still run up the reading order. The trainer sits before the modules it builds on
-# (the DeepSpeed learner, the rank layout in zero, the vLLM engine); moving those seams below it removes these.
-UPWARD = {("trainer", "scale"), ("trainer", "zero"), ("trainer", "vllm_rollout"), ("scale", "zero")}
+# (the DeepSpeed learner and the vLLM engine, which `learner_class` and `make_engine` pick from the config).
+UPWARD = {("trainer", "scale"), ("trainer", "vllm_rollout")}
 
 
 def reading_order() -> dict[str, int]:
