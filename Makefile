@@ -149,4 +149,4 @@ test-vllm: venv-vllm
 	$(VPY) tests/vllm_shm.py
 	$(VLLM_ENV) $(VPY) -m pytest tests/test_vllm.py -q -p no:cacheprovider
 	$(VPY) tests/vllm_shm.py
-	$(VLLM_ENV) $(VLLM_VENV)/bin/nbdev_test --path nbs/11_vllm.ipynb --flags slow
+	$(VLLM_ENV) $(VLLM_VENV)/bin/nbdev_test --path nbs/07a_vllm.ipynb --flags slow

@@ -11,9 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (importer, imported): imports that still run up the reading order. The trainer sits before the modules it builds on
-# (the DeepSpeed learner and the vLLM engine, which `learner_class` and `make_engine` pick from the config).
-UPWARD = {("trainer", "scale"), ("trainer", "vllm_rollout")}
+# (importer, imported): imports that run up the reading order (none left: every import points to an earlier notebook).
+UPWARD: set[tuple[str, str]] = set()
 
 
 def reading_order() -> dict[str, int]:
