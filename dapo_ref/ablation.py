@@ -4,21 +4,21 @@
 
 # %% ../nbs/14_ablation.ipynb #dacafeec
 from __future__ import annotations
-import json, math, os, shutil, statistics, sys, time
+import json, math, os, statistics, sys, time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from .core import ArgParser, DAPOConfig, InputError, cli_errors, interrupts, load_config, parse_overrides
 from .runs import check_owned, read_marker, write_marker
 from .testbeds import TESTBEDS, model_fingerprint, testbed_model, versions
+from .jobs import compare_arms, mean_se, run_many, run_summary
 
 # %% auto #0
 __all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'STUDIES', 'STUDY_METRICS',
            'STUDY_FIGURES', 'ALL', 'TESTBED_TARGET', 'MECHANISMS', 'DEFAULT_BASE', 'row_switches', 'run_config',
-           'cached_result', 'unique_steps', 'run_one', 'run_summary', 'ablation_table', 'table_markdown', 'mean_curve',
-           'plot_figures', 'study_config', 'up_clipped_mean', 'clip_probe', 'mechanism_summary', 'mean_se',
-           'compare_arms', 'study_table', 'run_study', 'plot_study', 'mechanism_table', 'run_all', 'run_ablation',
-           'main']
+           'ablation_table', 'table_markdown', 'mean_curve', 'plot_figures', 'study_config', 'up_clipped_mean',
+           'clip_probe', 'mechanism_summary', 'study_table', 'run_study', 'plot_study', 'mechanism_table', 'run_all',
+           'run_ablation', 'main']
 
 # %% ../nbs/14_ablation.ipynb #0988fedb
 SWITCHES = ("eps_low", "eps_high", "loss_agg", "overlong_filter", "soft_overlong_punishment", "dynamic_sampling")
@@ -56,88 +56,6 @@ def run_config(base: DAPOConfig,  # the shared base config
               ) -> DAPOConfig:
     "The config of one (row, seed) run: base + row switches + seed + output folder."
     return replace(base, **row_switches(row), seed=seed, output_dir=str(Path(out) / "runs" / row / f"seed-{seed}"))
-
-# %% ../nbs/14_ablation.ipynb #5bf8f11a
-def _key(cfg: DAPOConfig, fingerprint: str, n_eval: int | None) -> dict:
-    "What must match for a cached run to be reused."
-    return dict(config=asdict(cfg), model=fingerprint, n_eval=n_eval)
-
-def cached_result(cfg: DAPOConfig, fingerprint: str, n_eval: int | None = None) -> dict | None:
-    "The stored result of the run `cfg` when it finished with the same config, model and eval set; else None."
-    p = Path(cfg.output_dir) / "result.json"
-    if not p.exists(): return None
-    r = json.loads(p.read_text())
-    return r if r.get("key") == json.loads(json.dumps(_key(cfg, fingerprint, n_eval))) else None
-
-def unique_steps(rows: list[dict]) -> list[dict]:
-    "Metrics rows with one row per step (the first), in step order."
-    seen = {}
-    for r in rows: seen.setdefault(r.get("step", 0), r)
-    return [seen[k] for k in sorted(seen)]
-
-def _lock(out: Path):
-    "Claim the run folder for this process (a `lock` file holding its pid); fail when a live process holds it."
-    lk = out / "lock"
-    try: fd = os.open(lk, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        pid = int(lk.read_text() or 0)
-        try: os.kill(pid, 0); alive = pid != os.getpid()
-        except (ProcessLookupError, PermissionError, OverflowError, ValueError): alive = False
-        if alive: raise RuntimeError(f"{out} is being trained by process {pid}; wait for it or end it before rerunning")
-        lk.unlink(missing_ok=True)  # left by a process that died: take it over
-        fd = os.open(lk, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    os.write(fd, str(os.getpid()).encode()); os.close(fd)
-
-def run_one(cfg: DAPOConfig,          # one (row, seed) config from `run_config`
-            fingerprint: str,         # `model_fingerprint(cfg.model)`
-            n_eval: int | None = None,  # evaluate on the first n_eval held-out problems (None: all)
-            threads: int | None = 1,  # torch CPU threads for this run (1 is fastest on a shared 2-core machine)
-            log=print) -> dict:
-    "Train one run, or return its cached result; resumes an interrupted run from its newest checkpoint."
-    r = cached_result(cfg, fingerprint, n_eval)
-    if r is not None: return {**r, "cached": True}
-    import torch
-    from dapo_ref.trainer import train, load_splits
-    from dapo_ref.runs import read_metrics
-    if threads: torch.set_num_threads(threads)
-    out = Path(cfg.output_dir)
-    key = _key(cfg, fingerprint, n_eval)
-    kp = out / "key.json"
-    if out.exists() and (not kp.exists() or json.loads(kp.read_text()) != json.loads(json.dumps(key))):
-        shutil.rmtree(out)  # written by another config: start over
-    if read_marker(out) is None: write_marker(out, "run")  # inside the dapo-ablate folder: a run of this study
-    _lock(out)  # two processes training one run would interleave its metrics.jsonl
-    kp.write_text(json.dumps(key))
-    kw = {}
-    if n_eval is not None: kw["eval_examples"] = load_splits(cfg)[1][:n_eval]
-    t0 = time.perf_counter()
-    summary = train(cfg, resume=True, progress=False, log=None, **kw)
-    res = dict(key=key, versions=versions(), summary=summary, wall=time.perf_counter() - t0,
-               metrics=unique_steps(read_metrics(out / "metrics.jsonl")))
-    for sub in ("checkpoints", "final", "tb"): shutil.rmtree(out / sub, ignore_errors=True)
-    (out / "curves.png").unlink(missing_ok=True)
-    tmp = out / "result.json.tmp"
-    tmp.write_text(json.dumps(res)); os.replace(tmp, out / "result.json")  # written last: its presence = finished
-    (out / "lock").unlink(missing_ok=True)
-    return {**res, "cached": False}
-
-# %% ../nbs/14_ablation.ipynb #5254972c
-def run_summary(rows: list[dict],    # metrics rows of one run
-                target: float = 0.6,  # the stated held-out accuracy for `updates_to_target`
-                tail: int = 5,       # rollout steps averaged for the end-of-run statistics
-               ) -> dict:
-    "One run's numbers for the table."
-    steps = [r for r in rows if r.get("step", 0) > 0]
-    evals = [(r["grad_updates"], r["eval_acc"]) for r in rows if "eval_acc" in r]
-    last = steps[-tail:]
-    m = lambda k, rs: statistics.fmean(r[k] for r in rs) if rs else float("nan")
-    return dict(acc_start=evals[0][1] if evals else float("nan"), acc_end=evals[-1][1] if evals else float("nan"),
-                updates_to_target=next((u for u, a in evals if a >= target), None),
-                entropy=m("entropy", last), resp_len=m("resp_len_mean", last), truncated_frac=m("truncated_frac", last),
-                gen_rounds=m("gen_rounds", steps),
-                zero_adv_frac=statistics.fmean((r["groups_all_correct"] + r["groups_all_wrong"]) / r["groups_seen"]
-                                               for r in steps) if steps else float("nan"),
-                train_acc=m("acc", last), grad_updates=steps[-1]["grad_updates"] if steps else 0)
 
 # %% ../nbs/14_ablation.ipynb #339cb5cf
 COLUMNS = ["row", "technique", "paper AIME", "held-out avg@k end", "held-out start", "updates to target",
@@ -325,23 +243,6 @@ def mechanism_summary(rows: list[dict],  # metrics rows of one run
                 pass_end=evals[-1]["eval_pass"] if evals else float("nan"),
                 acc_mean=m([r["eval_acc"] for r in evals[1:]]), pass_mean=m([r["eval_pass"] for r in evals[1:]]))
 
-def mean_se(xs: list[float]) -> tuple[float, float, int]:
-    "(mean, standard error s/sqrt(n), n) of the finite values of xs; se is nan for fewer than two."
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    if not xs: return float("nan"), float("nan"), 0
-    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
-    return statistics.fmean(xs), se, len(xs)
-
-def compare_arms(a: list[float],  # one metric, arm a, one value per seed
-                 b: list[float],  # the same metric, arm b, the same seeds in the same order
-                ) -> dict:
-    "b - a with its unpaired and paired standard errors; separated when |b - a| > 2 unpaired standard errors."
-    (ma, sa, na), (mb, sb, nb) = mean_se(a), mean_se(b)
-    se = math.sqrt(sa ** 2 + sb ** 2)
-    paired = mean_se([y - x for x, y in zip(a, b)])[1] if len(a) == len(b) else float("nan")
-    return dict(diff=mb - ma, se=se, se_paired=paired, z=(mb - ma) / se if se > 0 else float("nan"),
-                separated=bool(se > 0 and abs(mb - ma) > 2 * se), n=(na, nb))
-
 # %% ../nbs/14_ablation.ipynb #adfabf6a
 STUDY_METRICS = {  # key of mechanism_summary: (label, scale in the table)
     "entropy_mean": ("entropy, mean over the run", 1), "entropy_end": ("entropy, last 5 steps", 1),
@@ -400,26 +301,12 @@ def run_study(study: str,                     # a name from `STUDIES`
     base = _testbed_base(base, quick, log)
     out = Path(out or Path("benchmarks/ablation") / study); out.mkdir(parents=True, exist_ok=True)
     fp, n_eval = model_fingerprint(base.model), (QUICK_EVAL_PROMPTS if quick else None)
-    arms, prior, t0, res = [a for a, _, _ in spec["arms"]], _prior_runs(out), time.perf_counter(), {}
-    todo = [(a, s) for s in seeds for a in arms]
-    for a, s in todo:
-        cfg = study_config(base, study, a, s, out)
-        p = prior.get((a, s))
-        if p is not None and p["key"] == json.loads(json.dumps(_key(cfg, fp, n_eval))):
-            res[(a, s)] = dict(p, cached=True)
-    args = [(study_config(base, study, a, s, out), fp, n_eval, threads) for a, s in todo if (a, s) not in res]
-    new = [(a, s) for a, s in todo if (a, s) not in res]
+    arms, t0 = [a for a, _, _ in spec["arms"]], time.perf_counter()
     def done(rs, r):
-        res[rs] = dict(cached=r[0], wall=r[1], metrics=unique_steps(r[2]), versions=r[3],
-                       key=_key(study_config(base, study, *rs, out), fp, n_eval))
-        log(f"{rs[0]:>16s} seed {rs[1]}: {'cached' if r[0] else f'{r[1]:5.0f} s'}  [{time.perf_counter() - t0:.0f} s]")
-    if jobs <= 1:
-        for rs, a in zip(new, args): done(rs, _worker(a))
-    else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-            for rs, r in zip(new, ex.map(_worker, args)): done(rs, r)
+        took = "cached" if r["cached"] else f"{r['wall']:5.0f} s"
+        log(f"{rs[0]:>16s} seed {rs[1]}: {took}  [{time.perf_counter() - t0:.0f} s]")
+    res = run_many({(a, s): study_config(base, study, a, s, out) for s in seeds for a in arms}, fp, n_eval, jobs, threads,
+                   prior=_prior_runs(out), done=done)
     summaries = {a: [mechanism_summary(res[(a, s)]["metrics"]) for s in seeds] for a in arms}
     cmp, md = study_table(study, summaries)
     from datetime import datetime, timezone
@@ -593,12 +480,6 @@ def run_all(out: str | Path = "benchmarks/ablation", quick: bool = False, jobs: 
 # %% ../nbs/14_ablation.ipynb #a27d361c
 DEFAULT_BASE = "recipes/ablation-tiny.yaml"
 
-def _worker(args):
-    cfg, fp, n_eval, threads = args
-    if not __import__("torch").cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    r = run_one(cfg, fp, n_eval, threads, log=None)
-    return r["cached"], r["wall"], r["metrics"], r["versions"]
-
 def run_ablation(base: DAPOConfig | str | Path = DEFAULT_BASE,  # shared base config (or its YAML)
                  seeds: list[int] = (0, 1, 2),   # seeds run for every row
                  rows: list[str] | None = None,  # row names (None: all six)
@@ -619,25 +500,14 @@ def run_ablation(base: DAPOConfig | str | Path = DEFAULT_BASE,  # shared base co
     for r in rows: row_switches(r)  # unknown names fail before any training
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     fp, n_eval = model_fingerprint(base.model), (QUICK_EVAL_PROMPTS if quick else None)
-    todo = [(row, s) for s in seeds for row in rows]
     t0 = time.perf_counter()
-    res = {}
     def done(rs, r):
-        cached, wall, metrics, vers = r
-        metrics = unique_steps(metrics)
-        res[rs] = dict(cached=cached, wall=wall, metrics=metrics, versions=vers)
-        s = run_summary(metrics, target)
-        log(f"{rs[0]:>20s} seed {rs[1]}: {'cached' if cached else f'{wall:5.0f} s'}  held-out "
+        s, took = run_summary(r["metrics"], target), "cached" if r["cached"] else f"{r['wall']:5.0f} s"
+        log(f"{rs[0]:>20s} seed {rs[1]}: {took}  held-out "
             f"{s['acc_start']:.3f} -> {s['acc_end']:.3f}  entropy {s['entropy']:.3f}  len {s['resp_len']:.1f}  "
             f"[{time.perf_counter() - t0:.0f} s]")
-    args = [(run_config(base, row, s, out), fp, n_eval, threads) for row, s in todo]
-    if jobs <= 1:
-        for rs, a in zip(todo, args): done(rs, _worker(a))
-    else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-            for rs, r in zip(todo, ex.map(_worker, args)): done(rs, r)
+    res = run_many({(row, s): run_config(base, row, s, out) for s in seeds for row in rows}, fp, n_eval, jobs, threads,
+                   done=done)
     metrics = {row: [res[(row, s)]["metrics"] for s in seeds] for row in rows}
     table = ablation_table({row: [run_summary(m, target) for m in ms] for row, ms in metrics.items()})
     wall = time.perf_counter() - t0
