@@ -371,6 +371,7 @@ STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each]
     ],
 }
 
+# %% ../nbs/14_ablation.ipynb #237b7063
 def _derived(rows: list[dict]) -> list[dict]:
     "Metrics rows with `all_correct_frac`, `zero_adv_frac` (of the groups generated) and `wall_train` (training seconds so far) added."
     out, wall = [], 0.0
@@ -456,6 +457,7 @@ def mechanism_table(root: str | Path = "benchmarks/ablation",  # folder holding 
                   f"{'yes' if r['reproduced'] else 'opposite' if r['separated'] else 'no'} |")
     return rows, "\n".join(md)
 
+# %% ../nbs/14_ablation.ipynb #5042285b
 def run_all(out: str | Path = "benchmarks/ablation", quick: bool = False, jobs: int = 1, threads: int = 1,
             figures: bool = True, command: str | None = None, log=print) -> dict:
     "Every part of `ALL` (cached runs reused), then `mechanisms.md` in `out`."
@@ -475,7 +477,6 @@ def run_all(out: str | Path = "benchmarks/ablation", quick: bool = False, jobs: 
            f"reproduced = separated beyond 2 standard errors in the direction the paper reports")
     (out / "mechanisms.md").write_text(md + "\n")
     return dict(rows=rows, markdown=md, parts=parts, meta=dict(runs=runs, cached_runs=cached, wall=wall))
-
 
 # %% ../nbs/14_ablation.ipynb #a27d361c
 DEFAULT_BASE = "recipes/ablation-tiny.yaml"
@@ -571,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                     "run the same command again to continue"):
         return _run(a, out, root, base, argv)
 
+# %% ../nbs/14_ablation.ipynb #538a5cb9
 def _run(a, out, root, base, argv) -> int:
     "The runs of `dapo-ablate` (its input already checked), then the table or study and its figures."
     t0, command = time.perf_counter(), " ".join(["dapo-ablate", *(sys.argv[1:] if argv is None else argv)])

@@ -109,6 +109,7 @@ def example_from_row(row: dict,          # one row of the DAPO-Math-17k schema
     return MathExample(prompt=prompt, ground_truth=gt, data_source=_opt_str(row, "data_source", "", where),
                        ability=_opt_str(row, "ability", "MATH", where), extra_info=dict(extra), style=style)
 
+# %% ../nbs/01_data.ipynb #33580ab4
 def example_to_row(ex: MathExample) -> dict:
     "The row of `ex` in the DAPO-Math-17k schema (inverse of `example_from_row`)."
     return {"data_source": ex.data_source, "prompt": [{"role": m["role"], "content": m["content"]} for m in ex.prompt],

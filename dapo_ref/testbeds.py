@@ -120,6 +120,7 @@ def build_testbed(out: str | Path,  # a new folder; it appears complete or not a
         shutil.rmtree(tmp, ignore_errors=True); raise
     return out
 
+# %% ../nbs/06a_testbeds.ipynb #f3971d65
 TESTBED_SHIP_COMMAND = "make testbeds"  # = ship_testbeds(): every TESTBEDS entry into dapo_ref/testbeds/
 
 def testbed_model(cache_dir: str | Path | None = None,  # None = the shipped copy, else $DAPO_REF_CACHE or ~/.cache/dapo_ref
