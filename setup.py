@@ -37,7 +37,7 @@ setuptools.setup(
     package_dir={lib_path + '.recipes': 'recipes'},  # recipes/*.yaml ship inside the package as dapo_ref/recipes/
     include_package_data=True,
     package_data={lib_path: ['tiny_model/*',            # the shipped warm-started tiny model (dapo_ref.tiny)
-                            'testbeds/*/*'],          # the shipped testbed policies (dapo_ref.ablation.ship_testbeds)
+                            'testbeds/*/*'],          # the shipped testbed policies (dapo_ref.testbeds.ship_testbeds)
                   lib_path + '.recipes': ['*.yaml']},  # recipes/*.yaml, found by dapo_ref.core.find_recipe
     install_requires=requirements,
     extras_require={'dev': dev_requirements, 'scale': scale_requirements},

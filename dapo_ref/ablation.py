@@ -562,9 +562,9 @@ def main(argv: list[str] | None = None) -> int:
                                   ("--threads", a.threads >= 1, ">= 1"), ("--target", 0 <= a.target <= 1, "0 <= target <= 1")]:
             if not ok: raise InputError(f"{flag} {getattr(a, flag[2:])} is out of range: allowed {allowed}")
         if Path(out).exists() and not Path(out).is_dir(): raise InputError(f"--out {out} is a file; give a folder for the runs, table and figures")
-        if (read_marker(Path(out).parent) or {}).get("kind") != "ablation":  # a study inside a dapo-ablate folder is its own
-            check_owned(out, "ablation", "--out")  # the user's folder: never written
-    if read_marker(out) is None and (read_marker(Path(out).parent) or {}).get("kind") != "ablation": write_marker(out, "ablation")
+        nested = (read_marker(Path(out).parent) or {}).get("kind") == "ablation"  # a study inside a dapo-ablate folder
+        if not nested: check_owned(out, "ablation", "--out")  # the user's folder: never written
+    if read_marker(out) is None and not nested: write_marker(out, "ablation")
     if not __import__("torch").cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

@@ -4,25 +4,26 @@
 
 # %% ../nbs/00_core.ipynb #bb6d6cbb
 from __future__ import annotations
-import argparse, contextlib, dataclasses, difflib, math, os, sys
-from dataclasses import dataclass, field, fields, asdict
+import argparse, contextlib, difflib, math, os, sys
+from dataclasses import dataclass, fields, asdict
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 # %% auto #0
-__all__ = ['REWARD_MODES', 'LOSS_AGGS', 'PATH_FIELDS', 'USER_ERRORS', 'DAPOConfig', 'InputError', 'short', 'validate',
-           'find_recipe', 'read_yaml', 'config_from_dict', 'load_config', 'save_config', 'parse_overrides',
-           'strict_bool', 'one_line', 'cli_errors', 'interrupts', 'ArgParser']
+__all__ = ['REWARD_MODES', 'LOSS_AGGS', 'VLLM_FIELDS', 'PATH_FIELDS', 'USER_ERRORS', 'DAPOHyperparams', 'DAPOConfig',
+           'InputError', 'combination_problem', 'short', 'validate', 'find_recipe', 'read_yaml', 'config_from_dict',
+           'load_config', 'save_config', 'parse_overrides', 'strict_bool', 'one_line', 'cli_errors', 'interrupts',
+           'ArgParser']
 
 # %% ../nbs/00_core.ipynb #6a2a6c54
 REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 @dataclass
-class DAPOConfig:
-    "DAPO hyper-parameters with the paper's defaults; one field per knob, named after its paper symbol."
+class DAPOHyperparams:
+    "The algorithm's knobs with the paper's defaults (the reference script's where the paper is silent), named after their paper symbols."
     # --- objective (Eq. 8, 10, 12) ---
     eps_low: float = 0.2            # ε_low: lower clip range of the ratio (paper 0.2)
     eps_high: float = 0.28          # ε_high: upper clip range, Clip-Higher (paper 0.28); eps_high = eps_low turns it off
@@ -59,6 +60,11 @@ class DAPOConfig:
     eval_temperature: float = 1.0   # evaluation temperature (paper 1.0)
     eval_top_p: float = 0.7         # evaluation top-p (paper 0.7)
     eval_k: int = 32                # samples per eval prompt: avg@32 (paper)
+
+# %% ../nbs/00_core.ipynb #eebe4a24
+@dataclass
+class DAPOConfig(DAPOHyperparams):
+    "A whole run: the algorithm's knobs (`DAPOHyperparams`), then the model, the data, the schedule and the scale-out."
     # --- run ---
     model: str = "tiny"             # hub name or local folder of a causal LM; "tiny" = the embedded tiny default
     train_data: str | None = None   # parquet/JSONL in DAPO-Math-17k schema; None = the tiny task
@@ -135,6 +141,31 @@ _RANGES = {  # field: (check, allowed range in words)
     "dist_timeout": (lambda v: v > 0, "dist_timeout > 0 (seconds)"),
 }
 
+# %% ../nbs/00_core.ipynb #4a233579
+VLLM_FIELDS = ("vllm_tensor_parallel", "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager")
+
+def combination_problem(cfg: DAPOConfig) -> str | None:
+    "The first combination of fields no launch can honour, as one line naming them and the fix; None when there is none."
+    world, tp = cfg.nnodes * cfg.gpus_per_node, cfg.vllm_tensor_parallel
+    if cfg.offload_params and cfg.zero_stage != 3:
+        return (f"offload_params = true needs zero_stage = 3 (got {cfg.zero_stage}): only ZeRO-3 partitions the "
+                "parameters it could offload (ZeRO-2 keeps them whole on every GPU); set zero_stage: 3 or offload_params: false")
+    if cfg.offload_optimizer and cfg.zero_stage == 0:
+        return ("offload_optimizer = true needs a DeepSpeed learner (zero_stage: 2 or 3); the plain PyTorch learner "
+                "(zero_stage: 0) keeps AdamW on the device: set zero_stage or offload_optimizer: false")
+    if cfg.rollout_backend == "hf":
+        for f in VLLM_FIELDS:
+            if getattr(cfg, f) != getattr(DAPOConfig, f):
+                return f"{f} = {getattr(cfg, f)!r} configures the vLLM engine, but rollout_backend = hf; set rollout_backend: vllm or remove {f}"
+    ok = ", ".join(str(t) for t in range(1, cfg.gpus_per_node + 1) if cfg.gpus_per_node % t == 0)
+    if world > 1 and world % tp:  # one process alone may run a vLLM engine over several GPUs (vLLM starts its workers)
+        return (f"vllm_tensor_parallel = {tp} does not divide the {world} GPUs (nnodes x gpus_per_node): one vLLM engine "
+                f"spans vllm_tensor_parallel consecutive ranks; use one of {ok}")
+    if world > 1 and cfg.gpus_per_node % tp:
+        return (f"vllm_tensor_parallel = {tp} does not divide gpus_per_node = {cfg.gpus_per_node}: an engine's ranks would "
+                f"span two nodes (its all-reduce over the network every layer); use one of {ok}")
+    return None
+
 # %% ../nbs/00_core.ipynb #93fd21f0
 PATH_FIELDS = ("model", "train_data", "eval_data", "output_dir")  # paths (or hub names): `~` expanded, never empty
 
@@ -193,6 +224,7 @@ def validate(cfg: DAPOConfig) -> DAPOConfig:
     if cfg.gen_batch_size < cfg.prompts_per_step:
         raise InputError(f"gen_batch_size = {cfg.gen_batch_size} is out of range: allowed gen_batch_size >= "
                          f"prompts_per_step (= {cfg.prompts_per_step})")
+    if problem := combination_problem(cfg): raise InputError(problem)
     return cfg
 
 # %% ../nbs/00_core.ipynb #c99ac896

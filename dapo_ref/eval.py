@@ -4,13 +4,14 @@
 
 # %% ../nbs/08_eval.ipynb #8a19df05
 from __future__ import annotations
-import argparse, itertools, json, math, os, re, sys, tempfile, time
+import argparse, json, math, os, sys, tempfile, time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from .arch import arch_from_config, kv_bytes_per_token, n_params
 from .core import DAPOConfig, REWARD_MODES, ArgParser, InputError, cli_errors, interrupts, one_line
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .reward import normalize_answer, score_batch
@@ -18,8 +19,8 @@ from .rollout import RolloutEngine, SamplingParams
 
 # %% auto #0
 __all__ = ['INVALID', 'WRITTEN_BY', 'LOAD_ERRORS', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k',
-           'evaluate', 'check_output_file', 'check_device', 'resolve_model', 'load_model_config', 'check_model',
-           'weights_problem', 'generation_memory', 'available_memory', 'check_generation_memory', 'main']
+           'generate_checked', 'evaluate', 'check_output_file', 'check_device', 'resolve_model', 'load_model_config',
+           'check_model', 'weights_problem', 'generation_memory', 'available_memory', 'check_generation_memory', 'main']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
@@ -97,6 +98,20 @@ def maj_at_k(preds: list[list[str | None]],  # P lists of k predictions (extract
         hits += bool(correct[p, j]) if correct is not None else ps[j] == normalize_answer(str(gt))
     return hits / len(preds)
 
+# %% ../nbs/08_eval.ipynb #58a8e84d
+def generate_checked(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, progress: bool = False) -> list:
+    "`engine.generate`, checked: `len(prompts) * params.n` completions, the n of each prompt contiguous, in prompt order."
+    outs = engine.generate(prompts, params, use_tqdm=True) if progress else engine.generate(prompts, params)
+    n = params.n
+    if len(outs) != len(prompts) * n:
+        raise RuntimeError(f"{type(engine).__name__}.generate returned {len(outs)} completions for "
+                           f"{len(prompts)} prompts x n={n}; expected {len(prompts) * n}")
+    for j, out in enumerate(outs):
+        if out.prompt_index != j // n:
+            raise RuntimeError(f"completion {j} belongs to prompt {out.prompt_index}, expected {j // n}: "
+                               "the engine must return the n completions of each prompt contiguously, in prompt order")
+    return outs
+
 # %% ../nbs/08_eval.ipynb #d39b40de
 def evaluate(engine: RolloutEngine,        # generates k completions per prompt
              tokenizer,                     # the policy's tokenizer (chat template, decode)
@@ -129,17 +144,11 @@ def evaluate(engine: RolloutEngine,        # generates k completions per prompt
         batch = examples[start:start + batch_prompts]
         prompts = [prompt_token_ids(ex, tokenizer) for ex in batch]
         params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + b)
-        outs = engine.generate(prompts, params, use_tqdm=True) if progress else engine.generate(prompts, params)
-        if len(outs) != len(batch) * k:
-            raise RuntimeError(f"{type(engine).__name__}.generate returned {len(outs)} completions for "
-                               f"{len(batch)} prompts x n={k}; expected {len(batch) * k}")
+        outs = generate_checked(engine, prompts, params, progress)
         texts, truths = [], []
         for q, ex in enumerate(batch):
             for j in range(k):
                 out = outs[q * k + j]
-                if out.prompt_index != q:
-                    raise RuntimeError(f"completion {q * k + j} belongs to prompt {out.prompt_index}, expected {q}: "
-                                       "the engine must return the n completions of each prompt contiguously, in prompt order")
                 texts.append(tokenizer.decode(out.token_ids, skip_special_tokens=True)); truths.append(ex.ground_truth)
                 lengths[start + q, j], truncated[start + q, j] = len(out.token_ids), out.truncated
         _, accs, m, batch_preds = score_batch(texts, truths, mode=reward, return_preds=True)  # (len(batch) * k,)
@@ -336,18 +345,12 @@ def generation_memory(config,             # the model's transformers config (a Q
                       dtype_bytes: int,   # bytes per value: 4 float32, 2 bfloat16 / float16
                      ) -> dict:
     "Worst-case bytes of generating `rows` sequences at once: weights, the KV cache at full length, one layer's prefill."
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    h, L, V, heads = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.num_attention_heads
-    kvh = getattr(c, "num_key_value_heads", None) or heads
-    hd = getattr(c, "head_dim", None) or h // heads
-    I = getattr(c, "intermediate_size", None) or 4 * h
-    q, kv_dim = heads * hd, kvh * hd
-    layer = (h * q + q) + 2 * (h * kv_dim + kv_dim) + q * h + 3 * h * I + 2 * h  # q, k, v (with bias), o, SwiGLU MLP, 2 norms
-    n_params = V * h * (1 if getattr(c, "tie_word_embeddings", False) else 2) + L * layer + h
-    kv_cache = 2 * L * kv_dim * dtype_bytes * rows * (prompt_tokens + max_tokens)  # keys and values of every layer
-    prefill = rows * prompt_tokens * (2 * h + q + 2 * kv_dim + 2 * I) * dtype_bytes  # one layer's activations at once
-    weights = n_params * dtype_bytes
-    return dict(n_params=n_params, weights=weights, kv_cache=kv_cache, prefill=prefill, total=weights + kv_cache + prefill)
+    a = arch_from_config(config)
+    kv_cache = kv_bytes_per_token(a, dtype_bytes) * rows * (prompt_tokens + max_tokens)  # every row at full length
+    h, I = a.hidden_size, a.intermediate_size
+    prefill = rows * prompt_tokens * (2 * h + a.q_dim + 2 * a.kv_dim + 2 * I) * dtype_bytes  # one layer's activations at once
+    weights = n_params(a) * dtype_bytes
+    return dict(n_params=n_params(a), weights=weights, kv_cache=kv_cache, prefill=prefill, total=weights + kv_cache + prefill)
 
 def available_memory(device: str) -> int | None:
     "Bytes free now on `device`: the GPU's free memory, or the machine's MemAvailable for the CPU; None when unknown."

@@ -16,13 +16,13 @@ from fastcore.basics import patch
 from . import dist
 from .core import DAPOConfig
 from .eval import resolve_model
-from .loss import policy_loss, token_entropy, token_logprobs, overlong_filter
+from .loss import fused_token_logprobs, policy_loss, token_entropy, token_logprobs, overlong_filter
 from .runs import UpdateGuard
 
 # %% auto #0
 __all__ = ['METRIC_KEYS', 'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy', 'RolloutBatch',
-           'pack_micro_batches', 'collate', 'forward_logprobs', 'warmup_factor', 'enable_gradient_checkpointing',
-           'prepare_model', 'loss_denominators', 'Learner', 'TorchLearner']
+           'pack_micro_batches', 'collate', 'pack', 'head_logprobs', 'forward_logprobs', 'warmup_factor',
+           'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators', 'Learner', 'TorchLearner']
 
 # %% ../nbs/08b_learner.ipynb #a17cddde
 _STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model`)
@@ -84,26 +84,34 @@ class RolloutBatch:
                             None if self.rollout_logp is None else [self.rollout_logp[i] for i in idx])
 
 
-# %% ../nbs/08b_learner.ipynb #c9dbfa1e
-def pack_micro_batches(lengths: list[tuple[int, int]],  # (prompt length, response length) per sequence, in order
-                       token_budget: int,                # max padded tokens per micro-batch
+# %% ../nbs/08b_learner.ipynb #5be2408e
+def pack_micro_batches(lengths: list[tuple[int, int]],  # (prompt length, response length) per sequence
+                       token_budget: int,                # max tokens per micro-batch: real ones, or padded ones with `padded`
+                       padded: bool = False,             # the padded layout's rule (`collate`): b x (longest prompt + longest response), in order
                       ) -> list[list[int]]:
-    "Split sequences, in order, into micro-batches of at most `token_budget` padded (prompt + response) tokens."
-    out, cur, mp, mr = [], [], 0, 0
-    for i, (p, r) in enumerate(lengths):
-        np_, nr = max(mp, p), max(mr, r)
-        if cur and (len(cur) + 1) * (np_ + nr) > token_budget:
-            out.append(cur); cur, np_, nr = [], p, r
-        cur.append(i); mp, mr = np_, nr
-    if cur: out.append(cur)
-    return out
+    "Micro-batches of sequence indices: by default first-fit decreasing by real tokens (`pack`), each within `token_budget` unless a sequence alone exceeds it."
+    if padded:
+        out, cur, mp, mr = [], [], 0, 0
+        for i, (p, r) in enumerate(lengths):
+            np_, nr = max(mp, p), max(mr, r)
+            if cur and (len(cur) + 1) * (np_ + nr) > token_budget:
+                out.append(cur); cur, np_, nr = [], p, r
+            cur.append(i); mp, mr = np_, nr
+        return out + [cur] if cur else out
+    bins, loads = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -sum(lengths[i])):  # longest first (ties keep their order)
+        n = sum(lengths[i])
+        j = next((j for j, load in enumerate(loads) if load + n <= token_budget), None)
+        if j is None: bins.append([i]); loads.append(n)
+        else: bins[j].append(i); loads[j] += n
+    return [sorted(b) for b in bins]
 
-# %% ../nbs/08b_learner.ipynb #ff449f88
+# %% ../nbs/08b_learner.ipynb #0b00f626
 def collate(prompts: list[list[int]],    # b prompts' token ids
             responses: list[list[int]],  # b responses' token ids
             pad_id: int,                 # padding token id
            ) -> dict[str, Tensor]:
-    "Left-pad prompts and right-pad responses into one (b, Lp + T) batch; `response_mask` is (b, T)."
+    "Padded layout: left-pad prompts and right-pad responses into one (b, Lp + T) batch; `response_mask` is (b, T)."
     b, Lp, T = len(prompts), max(len(p) for p in prompts), max(1, max(len(r) for r in responses))
     ids = torch.full((b, Lp + T), pad_id, dtype=torch.long)  # (b, Lp+T)
     attn = torch.zeros(b, Lp + T, dtype=torch.long)  # (b, Lp+T)
@@ -113,22 +121,56 @@ def collate(prompts: list[list[int]],    # b prompts' token ids
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (b, Lp+T) positions of real tokens start at 0
     return dict(input_ids=ids, attention_mask=attn, position_ids=pos, response_mask=attn[:, Lp:].bool())
 
+def pack(prompts: list[list[int]],    # b prompts' token ids
+         responses: list[list[int]],  # b responses' token ids
+        ) -> dict[str, Tensor]:
+    "Packed layout: the b (prompt + response) sequences end to end in one row, positions restarting at each; no padding."
+    ids, pos, idx, off = [], [], [], 0
+    for p, r in zip(prompts, responses):
+        n = len(p) + len(r)
+        ids += list(p) + list(r); pos += range(n)
+        idx += range(off + len(p) - 1, off + n - 1)  # the position before each response token predicts it
+        off += n
+    lens = torch.tensor([len(r) for r in responses])
+    mask = torch.arange(max(1, int(lens.max()))) < lens[:, None]  # (b, T) response tokens of each row
+    return dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),   # (1, N) (1, N)
+                logit_index=torch.tensor(idx, dtype=torch.long),                     # (M,) M = sum of response lengths
+                labels=torch.tensor([t for r in responses for t in r], dtype=torch.long), response_mask=mask)
+
+# %% ../nbs/08b_learner.ipynb #a3ca12e6
+def head_logprobs(head: torch.nn.Module, h: Tensor, labels: Tensor, temperature: float, entropy: bool):
+    "`fused_token_logprobs` run as the lm head's forward, so that a ZeRO-3 engine gathers the head's weight around it as around any forward."
+    head.forward = lambda x: fused_token_logprobs(x, head.weight, labels, temperature, entropy=entropy)
+    try: return head(h)
+    finally: del head.forward  # the class's forward again
+
 def forward_logprobs(model,                 # causal LM, or an engine wrapping one (DeepSpeed)
-                     mb: dict[str, Tensor], # from `collate`
+                     mb: dict[str, Tensor], # from `pack` (or `collate`, the padded reference)
                      temperature: float,    # the sampling temperature
                      entropy: bool = False, # also return the token entropy
                      device: torch.device | None = None,  # where the inputs go; None = the model's first parameter's
+                     fused: bool = True,    # packed: log-probs fused with the lm head (no logits tensor); False: through the logits
                     ) -> tuple[Tensor, Tensor | None]:
     "Log-probs (b, T) of the response tokens under softmax(logits / temperature), and optionally their entropy (b, T)."
     dev = device if device is not None else next(model.parameters()).device
-    T = mb["response_mask"].shape[1]
-    out = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
-                position_ids=mb["position_ids"].to(dev), logits_to_keep=T + 1, use_cache=False)
-    logits = out.logits[:, :-1]  # (b, T, V): position Lp-1+t predicts response token t
-    labels = mb["input_ids"][:, -T:].to(dev)  # (b, T)
-    logp = token_logprobs(logits, labels, temperature)  # (b, T)
-    ent = token_entropy(logits.detach() / temperature) if entropy else None  # (b, T)
-    return logp, ent
+    mask = mb["response_mask"].to(dev)  # (b, T)
+    if "logit_index" not in mb:  # padded: the logits of every row's response positions
+        T = mask.shape[1]
+        out = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
+                    position_ids=mb["position_ids"].to(dev), logits_to_keep=T + 1, use_cache=False)
+        logits, labels = out.logits[:, :-1], mb["input_ids"][:, -T:].to(dev)  # (b, T, V): column Lp-1+t predicts token t
+        return token_logprobs(logits, labels, temperature), token_entropy(logits.detach() / temperature) if entropy else None
+    net = getattr(model, "module", model)  # the transformers model inside a DeepSpeed engine
+    base = getattr(net, net.base_model_prefix)  # the decoder without its lm head
+    hidden = base(input_ids=mb["input_ids"].to(dev), position_ids=mb["position_ids"].to(dev), use_cache=False).last_hidden_state
+    h, labels = hidden[0, mb["logit_index"].to(dev)], mb["labels"].to(dev)  # (M, H) (M,)
+    if fused: logp, ent = head_logprobs(net.get_output_embeddings(), h, labels, temperature, entropy)
+    else:
+        logits = net.get_output_embeddings()(h)[None]  # (1, M, V)
+        logp = token_logprobs(logits, labels[None], temperature)[0]
+        ent = token_entropy(logits.detach() / temperature)[0] if entropy else None
+    unflat = lambda x: x.new_zeros(mask.shape).masked_scatter(mask, x)  # (M,) -> (b, T), row i's tokens first in row i
+    return unflat(logp), (unflat(ent) if entropy else None)
 
 # %% ../nbs/08b_learner.ipynb #46a2e433
 def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
@@ -235,7 +277,7 @@ def compute_logprobs(self: Learner, batch: RolloutBatch) -> tuple[list[Tensor], 
     logps, ents = [None] * len(batch), [None] * len(batch)
     for idx in mbs:
         sub = batch.select(idx)
-        logp, ent = forward_logprobs(self.net, collate(sub.prompt_ids, sub.response_ids, self.pad_id),
+        logp, ent = forward_logprobs(self.net, pack(sub.prompt_ids, sub.response_ids),
                                      self.cfg.temperature, entropy=True, device=self.device)
         for j, i in enumerate(idx):
             k = len(batch.response_ids[i])
@@ -252,13 +294,14 @@ def micro_losses(self: Learner, batch: RolloutBatch, old_logp: list[Tensor], mbs
     denoms = loss_denominators(cfg.loss_agg, num_tokens, num_seqs, cfg.l_max)
     for idx in mbs:
         sub = batch.select(idx)
-        mb = collate(sub.prompt_ids, sub.response_ids, self.pad_id)
+        mb = pack(sub.prompt_ids, sub.response_ids)
         mask = mb["response_mask"]  # (b, T)
         old = torch.zeros(mask.shape)  # (b, T)
         for j, i in enumerate(idx): old[j, :len(old_logp[i])] = old_logp[i]
         logp, _ = forward_logprobs(self.net, mb, cfg.temperature, device=self.device)  # (b, T)
         lmask = self.loss_mask(sub, mask).to(logp.device)  # (b, T) overlong filtering applied
-        loss, m = policy_loss(logp.float(), old.to(logp.device), sub.advantages.to(logp.device), lmask,
+        dt = torch.promote_types(logp.dtype, torch.float32)  # float32 for a bf16 policy; a float64 one stays float64
+        loss, m = policy_loss(logp.to(dt), old.to(logp.device, dt), sub.advantages.to(logp.device, dt), lmask,
                               eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_c=cfg.clip_c, agg=cfg.loss_agg, **denoms)
         yield loss, m, int(lmask.sum())
 

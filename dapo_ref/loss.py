@@ -4,7 +4,6 @@
 
 # %% ../nbs/04_loss.ipynb #07dddf99
 from __future__ import annotations
-import math
 
 import torch
 from torch import Tensor
@@ -12,7 +11,8 @@ from torch import Tensor
 from .core import LOSS_AGGS
 
 # %% auto #0
-__all__ = ['clipped_token_loss', 'loss_counts', 'agg_loss', 'policy_loss', 'overlong_filter', 'token_logprobs', 'token_entropy']
+__all__ = ['clipped_token_loss', 'loss_counts', 'agg_loss', 'policy_loss', 'overlong_filter', 'token_logprobs', 'token_entropy',
+           'FusedTokenLogprobs', 'fused_token_logprobs']
 
 # %% ../nbs/04_loss.ipynb #45d21a25
 def clipped_token_loss(ratio: Tensor,      # (B, T) r = pi_theta / pi_old per token
@@ -176,3 +176,54 @@ def token_entropy(logits: Tensor,   # (B, T, V)
         expected = torch.einsum("bcv,bcv->bc", p, zc)      # (B, c) E_p[z] without a p*z temporary
         out.append(torch.logsumexp(zc, dim=-1) - expected)  # (B, c)
     return torch.cat(out, dim=1) if out else logits.new_zeros(B, T, dtype=dtype)
+
+# %% ../nbs/04_loss.ipynb #bd19e519
+class FusedTokenLogprobs(torch.autograd.Function):
+    "log pi(label) of softmax(hidden @ weight.T / temperature), one chunk of rows of logits at a time in forward and backward."
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk_rows: int, entropy: bool):
+        M, dt = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
+        logp, lse = hidden.new_empty(M, dtype=dt), hidden.new_empty(M, dtype=dt)  # (M,) (M,)
+        ent = hidden.new_empty(M if entropy else 0, dtype=dt)                      # (M,) or empty
+        for s in range(0, M, chunk_rows):
+            e = min(M, s + chunk_rows)
+            z = (hidden[s:e] @ weight.T).to(dt)                       # (c, V) in the model's dtype, then fp32
+            if temperature != 1.0: z = z / temperature
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            logp[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse[s:e]
+            if entropy:  # shifted by the row max, as in token_entropy
+                zs = z - z.amax(-1, keepdim=True)
+                ent[s:e] = torch.logsumexp(zs, -1) - (torch.softmax(zs, -1) * zs).sum(-1)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp: Tensor, g_ent: Tensor):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        tau, c = ctx.temperature, ctx.chunk_rows
+        gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, H)
+        gw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V, H), accumulated chunk by chunk
+        for s in range(0, hidden.shape[0], c):
+            e = min(hidden.shape[0], s + c)
+            z = (hidden[s:e] @ weight.T).to(lse.dtype)                # (c, V) recomputed
+            if tau != 1.0: z = z / tau
+            gz = -torch.exp(z - lse[s:e, None])                       # (c, V) -p
+            gz.scatter_add_(-1, labels[s:e, None], torch.ones_like(gz[:, :1]))  # 1[v = o_t] - p
+            gz = (gz * (g_logp[s:e, None] / tau)).to(hidden.dtype)    # (c, V) dL/dz
+            if gh is not None: gh[s:e] = gz @ weight
+            if gw is not None: gw.addmm_(gz.T, hidden[s:e])
+        return gh, gw, None, None, None, None
+
+def fused_token_logprobs(hidden: Tensor,  # (M, H) last hidden states at the positions that predict the labels
+                         weight: Tensor,  # (V, H) output embedding (the lm head's weight)
+                         labels: Tensor,  # (M,) the sampled token ids
+                         temperature: float = 1.0,  # τ used when sampling
+                         chunk_rows: int | None = None,  # rows of logits per chunk; default ~2**24 elements
+                         entropy: bool = False,  # also return the entropy per position (no gradient)
+                        ) -> tuple[Tensor, Tensor | None]:  # (M,) log-probs, float32 (float64 for float64 inputs); (M,) entropy or None
+    "`token_logprobs` of the logits `hidden @ weight.T`, without ever holding more than one chunk of them."
+    rows = chunk_rows or max(1, 2**24 // weight.shape[0])
+    logp, ent = FusedTokenLogprobs.apply(hidden, weight, labels.long(), float(temperature), rows, entropy)
+    return logp, (ent if entropy else None)

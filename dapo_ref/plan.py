@@ -4,90 +4,15 @@
 
 # %% ../nbs/12_plan.ipynb #325df408
 from __future__ import annotations
-import argparse, dataclasses, json, math, re, sys
-from dataclasses import dataclass
-from pathlib import Path
+import dataclasses, json, math, sys
 
-from .core import ArgParser, DAPOConfig, InputError, cli_errors, load_config, parse_overrides
+from .arch import ModelArch, kv_bytes_per_token, largest_layer_params, layer_params, n_params, resolve_arch
+from .core import ArgParser, DAPOConfig, InputError, cli_errors, combination_problem, load_config, parse_overrides
 
 # %% auto #0
-__all__ = ['QWEN25', 'BYTES', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'ModelArch', 'n_params', 'layer_params',
-           'largest_layer_params', 'resolve_arch', 'valid_tensor_parallel', 'check_tensor_parallel',
+__all__ = ['BYTES', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
            'model_state_bytes', 'load_bytes', 'activation_bytes', 'engine_bytes', 'sync_bytes', 'advise',
            'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'format_plan', 'main']
-
-# %% ../nbs/12_plan.ipynb #182c7b6c
-@dataclass(frozen=True)
-class ModelArch:
-    "The shape of a Qwen2-style decoder: everything the planner needs from a `config.json`."
-    hidden_size: int            # h
-    num_hidden_layers: int      # L
-    num_attention_heads: int    # query heads
-    num_key_value_heads: int    # K/V heads (grouped-query attention)
-    intermediate_size: int      # I: SwiGLU MLP width
-    vocab_size: int             # V
-    tie_word_embeddings: bool   # lm head shares the embedding matrix
-    name: str = ""
-
-    @property
-    def head_dim(self) -> int: return self.hidden_size // self.num_attention_heads
-    @property
-    def kv_dim(self) -> int: return self.num_key_value_heads * self.head_dim  # h_kv
-
-QWEN25 = {  # hub config.json values of Qwen/Qwen2.5-{size}
-    "0.5B": ModelArch(896, 24, 14, 2, 4864, 151936, True, "Qwen2.5-0.5B"),
-    "1.5B": ModelArch(1536, 28, 12, 2, 8960, 151936, True, "Qwen2.5-1.5B"),
-    "3B": ModelArch(2048, 36, 16, 2, 11008, 151936, True, "Qwen2.5-3B"),
-    "7B": ModelArch(3584, 28, 28, 4, 18944, 152064, False, "Qwen2.5-7B"),
-    "14B": ModelArch(5120, 48, 40, 8, 13824, 152064, False, "Qwen2.5-14B"),
-    "32B": ModelArch(5120, 64, 40, 8, 27648, 152064, False, "Qwen2.5-32B"),
-    "72B": ModelArch(8192, 80, 64, 8, 29568, 152064, False, "Qwen2.5-72B"),
-}
-
-# %% ../nbs/12_plan.ipynb #80a3cd19
-def n_params(arch: ModelArch) -> int:
-    "Parameter count of a Qwen2 causal LM (tied embeddings counted once)."
-    return arch.vocab_size * arch.hidden_size + arch.num_hidden_layers * layer_params(arch) + arch.hidden_size \
-        + (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
-
-def layer_params(arch: ModelArch) -> int:
-    "Parameters of one decoder layer: attention, SwiGLU MLP and its two RMSNorms."
-    h, hkv, I = arch.hidden_size, arch.kv_dim, arch.intermediate_size
-    attn = (h * h + h) + 2 * (h * hkv + hkv) + h * h   # q (bias), k, v (bias), o (no bias)
-    return attn + 3 * h * I + 2 * h                     # + gate, up, down + two RMSNorms
-
-def largest_layer_params(arch: ModelArch) -> int:
-    "Parameters of the largest single module (DeepSpeed's 'largest layer'): the embedding for every Qwen2.5."
-    h = arch.hidden_size
-    return max(arch.vocab_size * h, h * arch.intermediate_size, h * h + h)
-
-# %% ../nbs/12_plan.ipynb #a331ded2
-def resolve_arch(model: str | Path | dict | ModelArch  # hub name, local folder with config.json, config dict or ModelArch
-              ) -> ModelArch:
-    "The architecture of `model`: a Qwen2.5 hub name from the built-in table, a folder's config.json, or a dict."
-    if isinstance(model, ModelArch): return model
-    if isinstance(model, dict):
-        keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size"]
-        missing = [k for k in keys if k not in model and not (k == "num_key_value_heads" and "num_attention_heads" in model)]
-        if missing: raise ValueError(f"model config lacks {', '.join(missing)}; the planner needs {', '.join(keys)}")
-        return ModelArch(*(int(model.get(k, model["num_attention_heads"])) for k in keys),
-                         bool(model.get("tie_word_embeddings", False)), str(model.get("_name_or_path", "")))
-    p = Path(model)
-    if str(model) == "tiny" or str(model).startswith("tiny-") and not p.exists():  # the tiny model and its testbeds
-        import importlib.util  # (one architecture; the shipped folder's config.json, without importing torch)
-        p = Path(importlib.util.find_spec("dapo_ref").origin).parent / "tiny_model"
-    if (p / "config.json").is_file():
-        try: arch = resolve_arch(json.loads((p / "config.json").read_text()))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p / 'config.json'} is not valid JSON ({e.msg}, line {e.lineno}); pass a model folder with "
-                             "the config.json that save_pretrained writes") from None
-        return dataclasses.replace(arch, name=str(p))
-    m = re.search(r"qwen2\.5-(?:math-|coder-)?(\d+(?:\.\d+)?)b(?![a-z0-9.])", str(model), re.I)
-    if m and m.group(1).upper() + "B" in QWEN25: return QWEN25[m.group(1).upper() + "B"]
-    raise ValueError(f"model = {str(model)!r}: no config.json in that folder and not a Qwen2.5 name the planner "
-                     f"knows ({', '.join('Qwen2.5-' + k for k in QWEN25)}); give the model as a folder with "
-                     "config.json (e.g. a downloaded model), or pass --model-arch with one (or with a Qwen2.5 name)")
 
 # %% ../nbs/12_plan.ipynb #5531a48d
 def valid_tensor_parallel(arch: ModelArch,  # the model
@@ -101,15 +26,12 @@ def check_tensor_parallel(arch: ModelArch,  # the model
                           tp: int,          # vllm_tensor_parallel
                           world: int,       # nnodes * gpus_per_node
                          ) -> None:
-    "Raise a one-line `InputError` unless vLLM can shard `arch` over `tp` GPUs and `tp` divides the `world` ranks."
+    "Raise a one-line `InputError` unless vLLM can shard `arch`'s heads over `tp` GPUs (`core.combination_problem` checks that `tp` divides the GPUs)."
     name = arch.name or "the model"
     ok = [t for t in valid_tensor_parallel(arch, world) if world % t == 0]
     if tp not in valid_tensor_parallel(arch, max(tp, 1)):
         raise InputError(f"vllm_tensor_parallel = {tp}: vLLM cannot split {name}'s {arch.num_attention_heads} attention "
                          f"heads and {arch.num_key_value_heads} K/V heads over {tp} GPUs; use one of {', '.join(map(str, ok))}")
-    if world % tp:
-        raise InputError(f"vllm_tensor_parallel = {tp} does not divide the {world} GPUs (nnodes x gpus_per_node): every "
-                         f"rank belongs to one tensor-parallel group of {tp}; use one of {', '.join(map(str, ok))}")
 
 # %% ../nbs/12_plan.ipynb #8e298225
 BYTES = dict(param=2, grad_fp32=4, grad_bf16=2, optim=12)  # per parameter, bf16 mixed precision + AdamW
@@ -188,7 +110,7 @@ def engine_bytes(arch: ModelArch,          # the model
     "vLLM's share of one GPU: total, weights shard, KV bytes per token and KV tokens that fit per engine."
     share = utilization * gpu_bytes
     weights = 2 * n / tensor_parallel
-    kv_per_token = 2 * arch.num_hidden_layers * arch.kv_dim * 2 / min(tensor_parallel, arch.num_key_value_heads)
+    kv_per_token = kv_bytes_per_token(arch, 2) / min(tensor_parallel, arch.num_key_value_heads)  # bf16
     return dict(share=share, weights=weights, kv_per_token=kv_per_token,
                 kv_tokens=max(0, int((share - weights) // kv_per_token)), asleep=SLEEP_KEEPS * share)
 
@@ -212,6 +134,7 @@ PHASES = ("load", "update", "sync", "rollout")
 def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool) -> dict:
     "Bytes of every item of the plan, per GPU and per node, in each phase of a step."
     n, world, g = n_params(arch), cfg.nnodes * cfg.gpus_per_node, cfg.gpus_per_node
+    if problem := combination_problem(cfg): raise InputError(problem)  # the rules every config follows (`core.validate`)
     check_tensor_parallel(arch, cfg.vllm_tensor_parallel, world)
     p, ll, z = (2 if cfg.dtype == "bfloat16" else 4), largest_layer_params(arch), cfg.zero_stage
     s = model_state_bytes(n, ll, world, g, z, cfg.offload_params and z == 3, cfg.offload_optimizer and z > 0, p)
@@ -351,8 +274,6 @@ def plan_memory(cfg: DAPOConfig,                    # the recipe (load_config(..
     p = _phases(cfg, arch, gpu_memory_gb, sleep)
     s, e, seq, tp = p["states"], p["engine"], cfg.max_prompt_length + cfg.l_max, cfg.vllm_tensor_parallel
     notes = []
-    if cfg.zero_stage < 3 and cfg.offload_params: notes.append(f"offload_params is ZeRO-3 only: ignored under zero_stage={cfg.zero_stage}")
-    if cfg.zero_stage == 0 and cfg.offload_optimizer: notes.append("offload_optimizer needs DeepSpeed: ignored under zero_stage=0")
     if cfg.zero_stage == 0 and p["world"] > 1: notes.append(f"zero_stage=0 is the one-device learner: each of the {p['world']} GPUs holds it whole")
     if cfg.micro_token_budget < seq:
         notes.append(f"micro_token_budget = {cfg.micro_token_budget} < max_prompt_length + l_max = {seq}: a full-length "

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypeVar
 
 import torch
+from fastcore.basics import patch
 from torch import Tensor
 
 # %% auto #0
@@ -155,11 +156,6 @@ class HFRolloutEngine(RolloutEngine):
     @property
     def device(self): return next(self.model.parameters()).device
 
-    def _generator(self, seed: int | None) -> torch.Generator:
-        "A generator on the model's device: seeded by `seed`, or by the next draw of the engine's stream."
-        if seed is None: seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        return torch.Generator(device=self.device).manual_seed(seed)
-
     @torch.inference_mode()
     def generate(self,
                  prompts: list[list[int]],  # P prompts, each a non-empty list of token ids
@@ -182,39 +178,6 @@ class HFRolloutEngine(RolloutEngine):
             out += [Completion(i, t, "stop" if t[-1] in self.eos_ids else "length") for (i, _), t in zip(chunk, ids)]
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator) -> list[list[int]]:
-        "Prefill then decode one chunk of B left-padded prompts; returns each row's response ids (EOS included)."
-        from transformers import DynamicCache  # the only transformers-specific piece
-        dev, B = self.device, len(prompts)
-        L = max(len(p) for p in prompts)
-        ids = torch.full((B, L), self.pad_token_id, dtype=torch.long, device=dev)  # (B, L) left-padded
-        mask = torch.zeros(B, L, dtype=torch.long, device=dev)  # (B, L) 1 on real prompt tokens
-        for b, p in enumerate(prompts):
-            ids[b, L - len(p):] = torch.tensor(p, device=dev)
-            mask[b, L - len(p):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions of real tokens start at 0
-        cache = DynamicCache(config=self.model.config)
-        eos = torch.tensor(self.eos_ids, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) emitted EOS
-        out = []  # one (B,) tensor per step
-        for step in range(params.max_tokens):
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
-            nxt = sample_next(logits, params, gen)  # (B,)
-            nxt = nxt.masked_fill(done, self.pad_token_id)  # finished rows emit pad
-            out.append(nxt)
-            done = done | torch.isin(nxt, eos)
-            if bool(done.all()): break
-            ids = nxt[:, None]  # (B, 1) decode: only the new token
-            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=-1)  # (B, L + step + 1)
-            pos = pos[:, -1:] + 1  # (B, 1) next position of each row
-        toks = torch.stack(out, dim=-1).tolist()  # (B, steps)
-        res = []
-        for row in toks:
-            end = next((t + 1 for t, v in enumerate(row) if v in self.eos_ids), len(row))  # keep EOS, drop what follows
-            res.append(row[:end])
-        return res
-
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         "Copy `(name, tensor)` pairs into the engine's model by name (cast to its dtype and device); unknown names and shape mismatches raise."
@@ -228,3 +191,44 @@ class HFRolloutEngine(RolloutEngine):
                 raise ValueError(f"load_weights: shape mismatch for '{name}': got {tuple(t.shape)}, "
                                  f"the engine's model has {tuple(params[name].shape)}")
             params[name].copy_(t)
+
+# %% ../nbs/07_rollout.ipynb #465da0d5
+@patch
+def _generator(self: HFRolloutEngine, seed: int | None) -> torch.Generator:
+    "A generator on the model's device: seeded by `seed`, or by the next draw of the engine's stream."
+    if seed is None: seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+    return torch.Generator(device=self.device).manual_seed(seed)
+
+@patch
+def _generate_chunk(self: HFRolloutEngine, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator) -> list[list[int]]:
+    "Prefill then decode one chunk of B left-padded prompts; returns each row's response ids (EOS included)."
+    from transformers import DynamicCache  # the only transformers-specific piece
+    dev, B = self.device, len(prompts)
+    L = max(len(p) for p in prompts)
+    ids = torch.full((B, L), self.pad_token_id, dtype=torch.long, device=dev)  # (B, L) left-padded
+    mask = torch.zeros(B, L, dtype=torch.long, device=dev)  # (B, L) 1 on real prompt tokens
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = torch.tensor(p, device=dev)
+        mask[b, L - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions of real tokens start at 0
+    cache = DynamicCache(config=self.model.config)
+    eos = torch.tensor(self.eos_ids, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) emitted EOS
+    out = []  # one (B,) tensor per step
+    for step in range(params.max_tokens):
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
+        nxt = sample_next(logits, params, gen)  # (B,)
+        nxt = nxt.masked_fill(done, self.pad_token_id)  # finished rows emit pad
+        out.append(nxt)
+        done = done | torch.isin(nxt, eos)
+        if bool(done.all()): break
+        ids = nxt[:, None]  # (B, 1) decode: only the new token
+        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=-1)  # (B, L + step + 1)
+        pos = pos[:, -1:] + 1  # (B, 1) next position of each row
+    toks = torch.stack(out, dim=-1).tolist()  # (B, steps)
+    res = []
+    for row in toks:
+        end = next((t + 1 for t, v in enumerate(row) if v in self.eos_ids), len(row))  # keep EOS, drop what follows
+        res.append(row[:end])
+    return res

@@ -18,11 +18,11 @@ from .sampling import DynamicSamplingError
 # %% auto #0
 __all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'STATE_KEYS', 'WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT',
            'read_marker', 'write_marker', 'run_contents', 'check_owned', 'check_writable', 'prepare_output_dir',
-           'clear_run', 'checkpoint_experiment', 'resume_changes', 'read_metrics', 'rng_state', 'set_rng_state',
-           'latest_checkpoint', 'plot_curves', 'safetensors_problem', 'checkpoint_problem',
-           'newest_loadable_checkpoint', 'export_checkpoint', 'export_main', 'CheckpointError', 'checkpoint_error',
-           'export_error', 'max_abs_weight', 'UpdateGuard', 'DivergenceError', 'divergence_error', 'blown_error',
-           'SamplingWatch']
+           'clear_run', 'step_folders', 'checkpoint_experiment', 'resume_changes', 'read_metrics', 'rng_state',
+           'set_rng_state', 'latest_checkpoint', 'plot_curves', 'read_safetensors_header', 'safetensors_problem',
+           'checkpoint_problem', 'newest_loadable_checkpoint', 'export_checkpoint', 'export_main', 'CheckpointError',
+           'checkpoint_error', 'export_error', 'max_abs_weight', 'UpdateGuard', 'DivergenceError', 'divergence_error',
+           'blown_error', 'SamplingWatch']
 
 # %% ../nbs/08a_runs.ipynb #6b6f1360
 MARKER = ".dapo_ref.json"  # written first into every folder a dapo_ref command creates: its kind, command, time, id
@@ -162,7 +162,7 @@ FREE = (  # may change on resume: applied from the next step on, written to conf
 # %% ../nbs/08a_runs.ipynb #50e160a6
 def _show(v): return "null" if v is None else repr(v) if isinstance(v, str) else str(v)
 
-def _step_folders(out: str | Path) -> list[Path]:
+def step_folders(out: str | Path) -> list[Path]:
     "The run's `checkpoints/step-N` folders, newest first (`step-N.tmp`, `step-N.broken-K` are not among them)."
     d = Path(out) / "checkpoints"
     return [p for _, p in sorted(((int(p.name[5:]), p) for p in d.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
@@ -171,7 +171,7 @@ def _step_folders(out: str | Path) -> list[Path]:
 def checkpoint_experiment(out: str | Path,  # a run folder
                          ) -> tuple[Path, dict] | None:
     "`(state.json, {field: value})`: the `FROZEN` fields stored in the newest checkpoint that has them, or None."
-    for p in _step_folders(out):
+    for p in step_folders(out):
         try: s = json.loads((p / "state.json").read_text())
         except (OSError, ValueError): continue  # a broken checkpoint: the resume skips it too
         if isinstance(s, dict) and isinstance(s.get("experiment"), dict): return p / "state.json", s["experiment"]
@@ -222,7 +222,7 @@ def set_rng_state(s: dict):
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     "The `checkpoints/step-N` folder with the largest N (half-written `.tmp` and kept `.broken-K` folders are not among them)."
-    return next(iter(_step_folders(output_dir)), None)
+    return next(iter(step_folders(output_dir)), None)
 
 def plot_curves(rows: list[dict],   # metrics.jsonl rows
                 path: str | Path,   # where to write the png
@@ -247,17 +247,25 @@ def plot_curves(rows: list[dict],   # metrics.jsonl rows
 # %% ../nbs/08a_runs.ipynb #46146b88
 STATE_KEYS = ("step", "grad_updates", "data_pos", "metrics")
 
+def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
+    "`({name: {dtype, shape, data_offsets}}, data_start)` of a safetensors file, read without touching its data; `ValueError` for a short or broken header."
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or n > size - 8: raise ValueError(f"{path.name} is truncated ({size} bytes, shorter than its header)")
+        try: header = json.loads(f.read(n))
+        except ValueError: raise ValueError(f"{path.name} has a broken header") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
 def safetensors_problem(f: Path) -> str | None:
     "Why the safetensors file `f` cannot be loaded (short header, broken header, fewer bytes than it declares), or None; reads the header only."
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or n > size - 8: return f"{f.name} is truncated ({size} bytes, shorter than its header)"
-        try: meta = json.loads(fh.read(n))
-        except ValueError: return f"{f.name} has a broken header"
-    need = 8 + n + max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
-    return None if need == size else f"{f.name} is truncated ({size} of its {need} bytes)"
+    try: header, start = read_safetensors_header(f)
+    except ValueError as e: return str(e)
+    need, size = start + max((v["data_offsets"][1] for v in header.values()), default=0), Path(f).stat().st_size
+    return None if need == size else f"{Path(f).name} is truncated ({size} of its {need} bytes)"
 
 def checkpoint_problem(path: str | Path) -> str | None:
     "Why the checkpoint folder `path` cannot be resumed from (a missing, unparsable or truncated file), or None; reads headers, not tensors."
@@ -286,7 +294,7 @@ def newest_loadable_checkpoint(output_dir: str | Path,  # the run folder
                                log: Callable[[str], None] = print,  # says which checkpoint is skipped and why
                               ) -> Path | None:
     "The newest `checkpoints/step-N` that `checkpoint_problem` passes; a broken newer one is renamed `step-N.broken-K` (kept, never deleted) with a log line."
-    verdicts = [(p, checkpoint_problem(p)) for p in _step_folders(output_dir)]
+    verdicts = [(p, checkpoint_problem(p)) for p in step_folders(output_dir)]
     dist.barrier()  # every rank has read the folders before rank 0 renames any
     found = None
     for p, why in verdicts:

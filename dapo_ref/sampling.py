@@ -5,6 +5,7 @@
 # %% ../nbs/05_sampling.ipynb #ea51cafc
 from __future__ import annotations
 import math
+from fastcore.basics import patch
 
 import torch
 from torch import Tensor
@@ -73,46 +74,51 @@ class DynamicSamplingBuffer:
         "Fraction of the groups seen in this step's rounds that were kept (0.0 before any round)."
         return self.n_kept / self.n_seen if self.n_seen else 0.0
 
-    def add(self,
-            groups: list,  # P opaque group objects (one per prompt, its G responses), in generation order
-            acc: Tensor,  # (P*G,) accuracy of each response, the G of a group contiguous, in the order of `groups`
-           ) -> int:  # number of groups kept
-        "Count one generation round, keep its informative groups (all when disabled); raise past the round bound."
-        groups, acc = list(groups), torch.as_tensor(acc)
-        if acc.ndim != 1 or acc.shape[0] != len(groups) * self.group_size:
-            raise ValueError(f"add() got {len(groups)} groups and acc of shape {tuple(acc.shape)}: expected acc of shape "
-                             f"({len(groups) * self.group_size},) = len(groups) * group_size (group_size = {self.group_size})")
-        keep = informative_groups(acc, self.group_size)  # (P,)
-        g = acc.view(-1, self.group_size).to(torch.float64)  # (P, G)
-        self.n_all_correct += int((~keep & (g[:, 0] > 0)).sum())
-        self.n_all_wrong += int((~keep & (g[:, 0] <= 0)).sum())
-        if not self.enabled: keep = torch.ones_like(keep)
-        self._groups += [grp for grp, k in zip(groups, keep.tolist()) if k]
-        kept = int(keep.sum())
-        self.rounds += 1; self.n_seen += len(groups); self.n_kept += kept
-        if not self.full and self.max_num_gen_batches > 0 and self.rounds >= self.max_num_gen_batches:
-            raise DynamicSamplingError(self._error_message())
-        return kept
+# %% ../nbs/05_sampling.ipynb #303e0212
+@patch
+def add(self: DynamicSamplingBuffer,
+        groups: list,  # P opaque group objects (one per prompt, its G responses), in generation order
+        acc: Tensor,  # (P*G,) accuracy of each response, the G of a group contiguous, in the order of `groups`
+       ) -> int:  # number of groups kept
+    "Count one generation round, keep its informative groups (all when disabled); raise past the round bound."
+    groups, acc = list(groups), torch.as_tensor(acc)
+    if acc.ndim != 1 or acc.shape[0] != len(groups) * self.group_size:
+        raise ValueError(f"add() got {len(groups)} groups and acc of shape {tuple(acc.shape)}: expected acc of shape "
+                         f"({len(groups) * self.group_size},) = len(groups) * group_size (group_size = {self.group_size})")
+    keep = informative_groups(acc, self.group_size)  # (P,)
+    g = acc.view(-1, self.group_size).to(torch.float64)  # (P, G)
+    self.n_all_correct += int((~keep & (g[:, 0] > 0)).sum())
+    self.n_all_wrong += int((~keep & (g[:, 0] <= 0)).sum())
+    if not self.enabled: keep = torch.ones_like(keep)
+    self._groups += [grp for grp, k in zip(groups, keep.tolist()) if k]
+    kept = int(keep.sum())
+    self.rounds += 1; self.n_seen += len(groups); self.n_kept += kept
+    if not self.full and self.max_num_gen_batches > 0 and self.rounds >= self.max_num_gen_batches:
+        raise DynamicSamplingError(self._error_message())
+    return kept
 
-    def _error_message(self) -> str:
-        "What happened, in numbers, and what to change."
-        n, need = len(self._groups), self.prompts_per_step
-        rate = self.n_kept / self.rounds
-        est = f"about {math.ceil(need / rate)} rounds would be needed at this rate" if rate else "no group was informative"
-        easy = self.n_all_correct >= self.n_all_wrong
-        return (f"dynamic sampling found {n} of the prompts_per_step = {need} groups it needs in {self.rounds} generation "
-                f"rounds, the limit set by max_num_gen_batches = {self.max_num_gen_batches}: it kept {self.n_kept} of "
-                f"{self.n_seen} groups ({self.frac_kept:.1%}; {est}); {self.n_all_correct} groups were all correct and "
-                f"{self.n_all_wrong} all wrong (no gradient, Eq. 11). To fix: raise max_num_gen_batches "
-                f"(or set max_num_gen_batches = 0 for unbounded rounds), make the training data "
-                f"{'harder (most dropped groups were all correct)' if easy else 'easier (most dropped groups were all wrong)'}, "
-                f"or increase gen_batch_size so that each round samples more prompts.")
+# %% ../nbs/05_sampling.ipynb #a0744dd5
+@patch
+def _error_message(self: DynamicSamplingBuffer) -> str:
+    "What happened, in numbers, and what to change."
+    n, need = len(self._groups), self.prompts_per_step
+    rate = self.n_kept / self.rounds
+    est = f"about {math.ceil(need / rate)} rounds would be needed at this rate" if rate else "no group was informative"
+    easy = self.n_all_correct >= self.n_all_wrong
+    return (f"dynamic sampling found {n} of the prompts_per_step = {need} groups it needs in {self.rounds} generation "
+            f"rounds, the limit set by max_num_gen_batches = {self.max_num_gen_batches}: it kept {self.n_kept} of "
+            f"{self.n_seen} groups ({self.frac_kept:.1%}; {est}); {self.n_all_correct} groups were all correct and "
+            f"{self.n_all_wrong} all wrong (no gradient, Eq. 11). To fix: raise max_num_gen_batches "
+            f"(or set max_num_gen_batches = 0 for unbounded rounds), make the training data "
+            f"{'harder (most dropped groups were all correct)' if easy else 'easier (most dropped groups were all wrong)'}, "
+            f"or increase gen_batch_size so that each round samples more prompts.")
 
-    def take(self) -> list:
-        "The first `prompts_per_step` groups, in the order they were added; the surplus is dropped and the buffer emptied."
-        if not self.full:
-            raise RuntimeError(f"take() needs prompts_per_step = {self.prompts_per_step} groups but the buffer holds "
-                               f"{len(self._groups)} after {self.rounds} rounds: call add() until .full is True")
-        out, self.n_dropped = self._groups[:self.prompts_per_step], len(self._groups) - self.prompts_per_step
-        self._groups = []
-        return out
+@patch
+def take(self: DynamicSamplingBuffer) -> list:
+    "The first `prompts_per_step` groups, in the order they were added; the surplus is dropped and the buffer emptied."
+    if not self.full:
+        raise RuntimeError(f"take() needs prompts_per_step = {self.prompts_per_step} groups but the buffer holds "
+                           f"{len(self._groups)} after {self.rounds} rounds: call add() until .full is True")
+    out, self.n_dropped = self._groups[:self.prompts_per_step], len(self._groups) - self.prompts_per_step
+    self._groups = []
+    return out

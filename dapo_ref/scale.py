@@ -4,7 +4,7 @@
 
 # %% ../nbs/08d_deepspeed.ipynb #7820a124
 from __future__ import annotations
-import sys, warnings
+import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import dist
-from .core import DAPOConfig
+from .core import DAPOConfig, InputError, combination_problem
 from fastcore.basics import patch
 
 from .learner import Learner, prepare_model, model_path
@@ -31,9 +31,7 @@ def deepspeed_config(cfg: DAPOConfig,      # zero_stage, dtype, offload_*, grad_
     if cfg.zero_stage not in (2, 3):
         raise ValueError(f"zero_stage = {cfg.zero_stage}: the DeepSpeed learner runs ZeRO stage 2 or 3 "
                          "(zero_stage: 0 is the plain PyTorch learner)")
-    if cfg.offload_params and cfg.zero_stage != 3:
-        raise ValueError(f"offload_params = true needs zero_stage = 3 (got {cfg.zero_stage}): ZeRO-2 keeps the full "
-                         "parameters on every GPU; set zero_stage: 3 or offload_params: false")
+    if problem := combination_problem(cfg): raise InputError(problem)  # the rules `core.validate` applies to every config
     zero = {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": not cpu}
     if cfg.offload_optimizer: zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not cpu}
     if cfg.offload_params: zero["offload_param"] = {"device": "cpu", "pin_memory": not cpu}

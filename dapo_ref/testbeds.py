@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .data import PROMPT_TEMPLATE
-from .tiny import MAX_OPS, RESPONSE_PREFIX, _problem_text, _sample_chain, _work, is_heldout
+from .tiny import MAX_OPS, RESPONSE_PREFIX, problem_text, sample_chain, sft_collate, worked_lines, is_heldout
 
 # %% auto #0
 __all__ = ['TESTBED', 'TESTBED_VERSION', 'TESTBED_NAME', 'TESTBEDS', 'TESTBED_SHIP_COMMAND', 'model_fingerprint', 'versions',
@@ -44,17 +44,17 @@ TESTBEDS = {  # `model:` name -> overrides of TESTBED; each is built by `testbed
 }
 
 def testbed_response(rng,              # random.Random: the same state gives the same response
-                     x0: int, ops: list,  # a problem from `_sample_chain`
+                     x0: int, ops: list,  # a problem from `sample_chain`
                      p_guess: float, p_loop: float, p_restate: float, loop_lines: int,
                     ) -> tuple[list[str], bool, str]:
     "(lines, ends with EOS, kind) of one supervised response: a guess, a runaway loop, a restated or a plain solution."
-    lines = _work(x0, ops)[0]                      # correct working + "Answer: N"
+    lines = worked_lines(x0, ops)[0]                      # correct working + "Answer: N"
     u = rng.random()
     if u < p_guess: return [f"Answer: {rng.randint(0, 99)}"], True, "guess"
     if u < p_guess + p_loop:                       # k lines of working, then line k again and again: no answer, no end
         k = rng.randint(1, len(ops))
         return lines[:k] + [lines[k - 1]] * loop_lines, False, "loop"
-    if u < p_guess + p_loop + p_restate: return [_problem_text(x0, ops)] + lines, True, "restated"
+    if u < p_guess + p_loop + p_restate: return [problem_text(x0, ops)] + lines, True, "restated"
     return lines, True, "plain"
 
 def testbed_batches(tokenizer, n_batches: int, batch_size: int = 32, seed: int = 0, **mix):
@@ -63,20 +63,14 @@ def testbed_batches(tokenizer, n_batches: int, batch_size: int = 32, seed: int =
     for _ in range(n_batches):
         seqs = []
         while len(seqs) < batch_size:
-            x0, ops = _sample_chain(rng, rng.randint(1, MAX_OPS))
-            text = _problem_text(x0, ops)
+            x0, ops = sample_chain(rng, rng.randint(1, MAX_OPS))
+            text = problem_text(x0, ops)
             if is_heldout(text): continue          # never train on a held-out problem
             lines, ends, _ = testbed_response(rng, x0, ops, **mix)
             p = tokenizer(PROMPT_TEMPLATE.format(problem=text), add_special_tokens=False)["input_ids"]
             r = tokenizer(RESPONSE_PREFIX + "\n".join(lines), add_special_tokens=False)["input_ids"] + [eos] * ends
             seqs.append((p, r))
-        T = max(len(p) + len(r) for p, r in seqs)
-        ids = torch.full((batch_size, T), eos, dtype=torch.long)      # (b, T) right-padded
-        labels = torch.full((batch_size, T), -100, dtype=torch.long)  # (b, T)
-        for i, (p, r) in enumerate(seqs):
-            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
-        yield ids, labels
+        yield sft_collate(seqs, eos)
 
 
 # %% ../nbs/06a_testbeds.ipynb #ec5d46e8
@@ -94,7 +88,7 @@ def build_testbed(out: str | Path,  # a new folder; it appears complete or not a
                  ) -> Path:
     "The testbed policy: the warm-started tiny model fine-tuned on `testbed_batches`, saved with save_pretrained."
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from dapo_ref.tiny import ensure_tiny_model, _sft
+    from dapo_ref.tiny import ensure_tiny_model, sft
     cfg, out = {**TESTBED, **kw}, Path(out)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
@@ -105,7 +99,7 @@ def build_testbed(out: str | Path,  # a new folder; it appears complete or not a
         torch.set_num_threads(cfg["threads"]); torch.manual_seed(cfg["seed"])
         try:
             mix = {k: cfg[k] for k in ("p_guess", "p_loop", "p_restate", "loop_lines")}
-            losses = _sft(model, testbed_batches(tok, cfg["steps"], cfg["batch_size"], cfg["seed"], **mix),
+            losses = sft(model, testbed_batches(tok, cfg["steps"], cfg["batch_size"], cfg["seed"], **mix),
                           cfg["steps"], cfg["lr"], max(1, cfg["steps"] // 20))
         finally: torch.set_num_threads(old)
         model.save_pretrained(tmp)
@@ -128,11 +122,11 @@ def testbed_model(cache_dir: str | Path | None = None,  # None = the shipped cop
     """The testbed policy folder: the copy shipped in the package when it was built from exactly these settings, this
     source and this tiny model (its folder is named by `_testbed_hash`), else built once (about 2 minutes on one core)
     and cached under that name."""
-    from dapo_ref.tiny import _cache_root
+    from dapo_ref.tiny import cache_root
     name = f"{TESTBED_VERSION}-{_testbed_hash(**kw)}"
     shipped = _shipped_testbeds() / name
     if cache_dir is None and (shipped / "model.safetensors").exists(): return shipped
-    root = Path(cache_dir) if cache_dir is not None else _cache_root()
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
     path = root / name
     if (path / "model.safetensors").exists(): return path
     root.mkdir(parents=True, exist_ok=True)
@@ -150,11 +144,11 @@ def _shipped_testbeds() -> Path:
 
 def ship_testbeds(log=print) -> list[Path]:
     "Build every `TESTBEDS` entry (or take it from the cache) into the package's testbeds/ folder; drop stale ones."
-    from dapo_ref.tiny import _cache_root
+    from dapo_ref.tiny import cache_root
     dest, keep = _shipped_testbeds(), []
     dest.mkdir(exist_ok=True)
     for name, kw in TESTBEDS.items():
-        src = testbed_model(cache_dir=_cache_root(), log=log, **kw)  # the cache: built (or reused) outside the package
+        src = testbed_model(cache_dir=cache_root(), log=log, **kw)  # the cache: built (or reused) outside the package
         keep.append(dest / src.name)
         if not keep[-1].exists(): shutil.copytree(src, keep[-1])
         if log: log(f"{name}: {keep[-1]}")

@@ -4,8 +4,8 @@
 
 # %% ../nbs/06_tiny.ipynb #d7fb47e8
 from __future__ import annotations
-import argparse, ast, hashlib, importlib.util, io, json, math, os, platform, random, re, shutil, sys, tempfile
-import textwrap, time, tokenize
+import ast, hashlib, importlib.util, io, json, math, os, platform, random, shutil, sys, tempfile
+import time, tokenize
 from pathlib import Path
 
 import torch
@@ -18,10 +18,10 @@ from .data import PROMPT_TEMPLATE, MathExample, make_example
 
 # %% auto #0
 __all__ = ['MAX_VALUE', 'MAX_OPS', 'HELDOUT_MOD', 'EOS_TOKEN', 'QWEN2_PRETOKENIZE_REGEX', 'RESPONSE_PREFIX', 'TINY_MODEL_CONFIG',
-           'WARM_START', 'TINY_VERSION', 'TINY_CACHE', 'TINY_SHIPPED', 'TINY_BUILD_COMMAND', 'tiny_problem',
-           'is_heldout', 'tiny_splits', 'build_tiny_tokenizer', 'build_tiny_model', 'sft_batches', 'warm_start',
-           'tiny_source_hash', 'check_cache', 'tiny_model_dir', 'build_tiny', 'shipped_tiny_problem',
-           'ensure_tiny_model', 'main']
+           'WARM_START', 'TINY_VERSION', 'TINY_CACHE', 'TINY_SHIPPED', 'TINY_BUILD_COMMAND', 'sample_chain',
+           'problem_text', 'worked_lines', 'tiny_problem', 'is_heldout', 'tiny_splits', 'build_tiny_tokenizer',
+           'build_tiny_model', 'sft_collate', 'sft_batches', 'sft', 'warm_start', 'tiny_source_hash', 'cache_root',
+           'check_cache', 'tiny_model_dir', 'build_tiny', 'shipped_tiny_problem', 'ensure_tiny_model', 'main']
 
 # %% ../nbs/06_tiny.ipynb #ffa67a1f
 MAX_VALUE = 9    # every number of a problem and of its correct working is one digit, 0..MAX_VALUE
@@ -35,7 +35,7 @@ def _valid_ops(x):
     ops += [("-", d) for d in range(1, 10) if x - d >= 0]
     return ops + [("*", k) for k in (2, 3) if x * k <= MAX_VALUE]
 
-def _sample_chain(rng, n_ops):
+def sample_chain(rng, n_ops):
     "A start value and `n_ops` operations that keep every intermediate value in 0..MAX_VALUE."
     x0 = x = rng.randint(0, MAX_VALUE)
     ops = []
@@ -45,13 +45,13 @@ def _sample_chain(rng, n_ops):
         x = _APPLY[op[0]](x, op[1])
     return x0, ops
 
-def _problem_text(x0, ops):
+def problem_text(x0, ops):
     "'Start at 7. Subtract 3, then multiply by 2, then add 1.'"
     phrases = [f"{_VERBS[s]} {d}" for s, d in ops]
     phrases[0] = phrases[0].capitalize()
     return f"Start at {x0}. " + ", then ".join(phrases) + "."
 
-def _work(x0, ops, rng=None, p_err=0.0):
+def worked_lines(x0, ops, rng=None, p_err=0.0):
     "Lines of working and the value they end on; with `rng`, each step's result is off (±1, or ±10 when MAX_VALUE allows) with probability `p_err`."
     lines, x = [], x0
     for i, (s, d) in enumerate(ops):
@@ -74,9 +74,9 @@ def tiny_problem(rng: random.Random,  # source of randomness: the same state giv
                 ) -> tuple[str, int, str]:
     "A multi-step arithmetic problem: (problem text, integer answer, correct worked solution ending in `Answer: N`)."
     if n_ops < 1: raise ValueError(f"n_ops={n_ops}; a tiny problem needs at least one operation (n_ops >= 1)")
-    x0, ops = _sample_chain(rng, n_ops)
-    lines, answer = _work(x0, ops)
-    return _problem_text(x0, ops), answer, "\n".join(lines)
+    x0, ops = sample_chain(rng, n_ops)
+    lines, answer = worked_lines(x0, ops)
+    return problem_text(x0, ops), answer, "\n".join(lines)
 
 # %% ../nbs/06_tiny.ipynb #c077d32a
 HELDOUT_MOD = 5  # a problem text is held out when sha256(text) % HELDOUT_MOD == 0, i.e. 1 in 5
@@ -170,6 +170,19 @@ def build_tiny_model(tokenizer,            # from build_tiny_tokenizer: vocabula
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
+# %% ../nbs/06_tiny.ipynb #ba5d9228
+def sft_collate(seqs: list[tuple[list[int], list[int]]],  # b (prompt ids, response ids) pairs
+                pad_id: int,  # fills the right padding
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # input_ids (b, T) right-padded; labels (b, T), -100 off the responses
+    "Supervised fine-tuning batch: prompt + response per row; the loss is on response tokens only."
+    T = max(len(p) + len(r) for p, r in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)   # (b, T) right-padded
+    labels = torch.full((len(seqs), T), -100, dtype=torch.long)  # (b, T)
+    for i, (p, r) in enumerate(seqs):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
+    return ids, labels
+
 # %% ../nbs/06_tiny.ipynb #01610b27
 def sft_batches(tokenizer,              # the tiny tokenizer
                 n_batches: int,         # batches to yield
@@ -186,27 +199,21 @@ def sft_batches(tokenizer,              # the tiny tokenizer
     for _ in range(n_batches):
         seqs = []
         while len(seqs) < batch_size:
-            x0, ops = _sample_chain(rng, rng.randint(1, max_ops))
-            text = _problem_text(x0, ops)
+            x0, ops = sample_chain(rng, rng.randint(1, max_ops))
+            text = problem_text(x0, ops)
             if is_heldout(text): continue                      # never train on a held-out problem
-            lines, _ = _work(x0, ops, rng, p_err)
+            lines, _ = worked_lines(x0, ops, rng, p_err)
             if p_lazy and rng.random() < p_lazy: lines = [f"Answer: {rng.randint(0, 99)}"]  # skip the working, guess
             p = tokenizer(PROMPT_TEMPLATE.format(problem=text), add_special_tokens=False)["input_ids"]
             r = tokenizer(RESPONSE_PREFIX + "\n".join(lines), add_special_tokens=False)["input_ids"] + [eos]
             seqs.append((p, r))
-        T = max(len(p) + len(r) for p, r in seqs)
-        ids = torch.full((batch_size, T), eos, dtype=torch.long)        # (b, T) right-padded
-        labels = torch.full((batch_size, T), -100, dtype=torch.long)    # (b, T)
-        for i, (p, r) in enumerate(seqs):
-            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
-        yield ids, labels
+        yield sft_collate(seqs, eos)
 
 # %% ../nbs/06_tiny.ipynb #e105fdeb
 WARM_START = dict(steps=800, batch_size=32, lr=6e-3, p_err=0.25, seed=0, threads=1,  # stage 1: noisy working
                   p_lazy=0.5, lazy_lr=3e-3)                                          # stage 2: lazy guesses
 
-def _sft(model, batches, steps, lr, warm, log_every=0, tag=""):
+def sft(model, batches, steps, lr, warm, log_every=0, tag=""):
     "Next-token cross-entropy on the responses of `batches`: AdamW, linear warm-up over `warm` steps, cosine to 0.1 lr, clip 1."
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -241,10 +248,10 @@ def warm_start(path: str | Path,     # a folder from build_tiny_model; overwritt
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     try:
-        losses = _sft(model, sft_batches(tokenizer, steps, batch_size, p_err, seed=seed), steps, lr,
+        losses = sft(model, sft_batches(tokenizer, steps, batch_size, p_err, seed=seed), steps, lr,
                       max(1, steps // 20), log_every, "1/2")
         if p_lazy:
-            losses += _sft(model, sft_batches(tokenizer, steps, batch_size, 0.0, seed=seed, p_lazy=p_lazy, stream="lazy"),
+            losses += sft(model, sft_batches(tokenizer, steps, batch_size, 0.0, seed=seed, p_lazy=p_lazy, stream="lazy"),
                            steps, lazy_lr, min(20, max(1, steps // 20)), log_every, "2/2")
         model.save_pretrained(path)
     finally:
@@ -257,10 +264,10 @@ TINY_CACHE = Path(os.environ.get("DAPO_REF_CACHE", "~/.cache/dapo_ref")).expandu
 TINY_SHIPPED = Path(importlib.util.find_spec("dapo_ref").origin).parent / "tiny_model"  # shipped with the package
 TINY_BUILD_COMMAND = "make tiny-model"  # = dapo-tiny: rebuilds TINY_SHIPPED from this source
 # What the build's bytes depend on: these functions and constants of this module (comments and blank lines aside)
-_BUILD_NAMES = ("MAX_VALUE", "MAX_OPS", "_VERBS", "_APPLY", "_valid_ops", "_sample_chain", "_problem_text", "_work",
+_BUILD_NAMES = ("MAX_VALUE", "MAX_OPS", "_VERBS", "_APPLY", "_valid_ops", "sample_chain", "problem_text", "worked_lines",
                 "tiny_problem", "HELDOUT_MOD", "is_heldout", "EOS_TOKEN", "QWEN2_PRETOKENIZE_REGEX", "RESPONSE_PREFIX",
                 "_corpus", "build_tiny_tokenizer", "TINY_MODEL_CONFIG", "build_tiny_model", "sft_batches", "WARM_START",
-                "_sft", "warm_start")
+                "sft", "warm_start")
 
 def _code_tokens(src):
     "The tokens of Python source `src` without comments, blank lines and indentation widths, as one string."
@@ -281,7 +288,7 @@ def tiny_source_hash() -> str:
         raise RuntimeError(f"tiny_source_hash: {', '.join(missing)} not found in {m.__file__}; update _BUILD_NAMES")
     return hashlib.sha256(json.dumps([code[n] for n in _BUILD_NAMES] + [PROMPT_TEMPLATE]).encode()).hexdigest()
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     return Path(os.environ.get("DAPO_REF_CACHE", "~/.cache/dapo_ref")).expanduser()
 
 def check_cache() -> None:
@@ -299,7 +306,7 @@ def tiny_model_dir(cache_dir: str | Path | None = None, **warm) -> Path:
     "Where `ensure_tiny_model(cache_dir, **warm)` builds a model it cannot take from the package: named after settings and source."
     settings = {**WARM_START, **warm}
     key = hashlib.sha256((json.dumps(settings, sort_keys=True) + tiny_source_hash()).encode()).hexdigest()[:10]
-    root = Path(cache_dir).expanduser() if cache_dir is not None else _cache_root()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     return root / f"{TINY_VERSION}-{key}"
 
 # %% ../nbs/06_tiny.ipynb #5b1d2e70

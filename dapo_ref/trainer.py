@@ -15,14 +15,14 @@ from tqdm import tqdm
 from fastcore.basics import patch
 
 from . import dist
-from .core import DAPOConfig, InputError, one_line, save_config, validate
+from .core import DAPOConfig, InputError, combination_problem, one_line, save_config, validate
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
 from .sampling import DynamicSamplingBuffer
 from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, checkpoint_error, export_error, divergence_error,
                            newest_loadable_checkpoint, prepare_output_dir, clear_run, read_marker, write_marker, max_abs_weight,
-                           read_metrics, rng_state, set_rng_state, latest_checkpoint, plot_curves)
+                           read_metrics, rng_state, set_rng_state, latest_checkpoint, plot_curves, step_folders)
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
 from .learner import Learner, TorchLearner, RolloutBatch, model_path, stage_model, load_tokenizer
 from .zero import gather_batch, balanced_share
@@ -33,40 +33,21 @@ __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'TIMING_KEYS', 'check_run', 'load_spli
            'global_round', 'make_engine', 'Trainer', 'rollout_gap', 'step_metrics', 'summary_line', 'train']
 
 # %% ../nbs/09_trainer.ipynb #12029f8b
-_VLLM_FIELDS = ("vllm_tensor_parallel", "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager")
-
 def check_run(cfg: DAPOConfig,  # a validated config
               world: int = 1,   # ranks in this launch
              ) -> DAPOConfig:
-    "Raise `ValueError` naming the field when this launch cannot honour `cfg`; return `cfg`."
+    "Raise `ValueError` naming the field when this launch cannot honour `cfg` (the packages here, its ranks); return `cfg`."
+    if problem := combination_problem(cfg): raise InputError(problem)  # the config's own rules (`core.validate` too)
     have = lambda m: importlib.util.find_spec(m) is not None
     if cfg.zero_stage and not have("deepspeed"):
         raise ValueError(f"zero_stage = {cfg.zero_stage} needs DeepSpeed, which is not installed; "
                          "install deepspeed or set zero_stage: 0 (the plain PyTorch learner)")
-    if cfg.offload_params and cfg.zero_stage != 3:
-        raise ValueError(f"offload_params = true needs zero_stage = 3 (got {cfg.zero_stage}): only ZeRO-3 partitions "
-                         "the parameters it could offload; set zero_stage: 3 or offload_params: false")
-    if cfg.offload_optimizer and cfg.zero_stage == 0:
-        raise ValueError("offload_optimizer = true needs a DeepSpeed learner (zero_stage: 2 or 3); the plain PyTorch "
-                         "learner (zero_stage: 0) keeps AdamW on the device: set zero_stage or offload_optimizer: false")
-    if world > 1 and world % cfg.vllm_tensor_parallel:
-        raise ValueError(f"vllm_tensor_parallel = {cfg.vllm_tensor_parallel} with {world} ranks: one vLLM engine spans "
-                         f"vllm_tensor_parallel consecutive ranks, so it must divide {world}; choose a divisor of {world}")
-    if cfg.rollout_backend == "vllm" and world > 1 and cfg.gpus_per_node % cfg.vllm_tensor_parallel:
-        raise ValueError(f"vllm_tensor_parallel = {cfg.vllm_tensor_parallel} does not divide gpus_per_node = "
-                         f"{cfg.gpus_per_node}: an engine's ranks would span two nodes (its all-reduce over the network "
-                         f"every layer); choose a divisor of {cfg.gpus_per_node}")
     if cfg.rollout_backend == "vllm" and not have("vllm"):
         raise ValueError("rollout_backend = vllm: vllm is not installed here; install it (pip install -e '.[scale]') "
                          "or set rollout_backend: hf")
     if cfg.rollout_backend == "vllm" and cfg.vllm_enable_chunked_prefill and not torch.cuda.is_available():
         raise ValueError("vllm_enable_chunked_prefill = true on vLLM's CPU backend: a seeded request whose prefill is "
                          "split fails there (CPU generators have no offset to rewind); set vllm_enable_chunked_prefill: false")
-    if cfg.rollout_backend == "hf":
-        for f in _VLLM_FIELDS:
-            if getattr(cfg, f) != getattr(DAPOConfig, f):
-                raise ValueError(f"{f} = {getattr(cfg, f)!r} configures the vLLM engine, but rollout_backend = hf; "
-                                 f"set rollout_backend: vllm or remove {f}")
     if cfg.nnodes * cfg.gpus_per_node != world:
         raise ValueError(f"nnodes * gpus_per_node = {cfg.nnodes} * {cfg.gpus_per_node} ranks planned, but this launch "
                          f"has {world}; start it with torchrun --nnodes {cfg.nnodes} --nproc_per_node {cfg.gpus_per_node}, "
@@ -348,7 +329,8 @@ def train_on(self: Trainer, batch: RolloutBatch,  # this rank's responses of the
     "Algorithm 1 lines 10-11: old log-probs of every mini-batch, then one optimizer step per mini-batch."
     t0 = time.perf_counter()
     full = gather_batch(batch, owned)  # the step's responses on every rank: token ids and three numbers each
-    share = balanced_share([len(r) for r in full.response_ids], self.cfg.mini_batch_size, self.rank, self.world)
+    share = balanced_share([len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)],  # what a packed pass costs
+                           self.cfg.mini_batch_size, self.rank, self.world)
     minis = [full.select(ix) for ix in share]  # this rank's token-balanced part of each mini-batch
     olds = [self.learner.compute_logprobs(mini) for mini in minis]  # before any update, packed as the update packs them
     t1 = time.perf_counter()
@@ -456,8 +438,7 @@ def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
     if main:
         if final.exists(): shutil.rmtree(final)
         os.replace(tmp, final)
-        old = sorted((int(p.name[5:]), p) for p in d.glob("step-*") if p.name[5:].isdigit())
-        for _, p in old[:-keep]: shutil.rmtree(p, ignore_errors=True)
+        for p in step_folders(self.out)[keep:]: shutil.rmtree(p, ignore_errors=True)  # newest first
     dist.barrier()
     return final
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
+from fastcore.basics import patch
 from torch import Tensor
 
 from .rollout import Completion, RolloutEngine, SamplingParams
@@ -208,54 +209,6 @@ def update_order(sleep_mode: bool = True,  # the engine has vLLM's sleep mode
 # %% ../nbs/07a_vllm.ipynb #04f819c5
 class VLLMRolloutEngine(RolloutEngine):
     "Rollout engine on `vllm.LLM`: token ids in, `Completion`s out, learner weights in through `reload_weights`, sleep/wake on GPUs."
-    def __init__(self,
-                 model: str | Path,                        # checkpoint folder (config, safetensors, tokenizer) or hub name
-                 eos_token_id: int | list[int] | None = None,  # stop exactly on these ids; None = the model's own EOS
-                 tensor_parallel_size: int = 1,            # GPUs per engine (reference 32B run: 4)
-                 gpu_memory_utilization: float = 0.7,      # fraction of GPU memory vLLM may take (reference 0.7-0.8); unused on CPU
-                 enable_chunked_prefill: bool = True,      # split long prefills into chunks batched with decodes
-                 dtype: str = "auto",                      # "float32" | "bfloat16" | "auto" (the checkpoint's)
-                 seed: int = 0,                            # seeds vLLM's own stream (requests without a seed)
-                 enable_sleep_mode: bool | None = None,    # None: on where vLLM supports it (GPU), off on CPU
-                 max_model_len: int | None = None,         # prompt + response tokens at most; None = the model's
-                 weight_bucket_bytes: int = 1 << 30,       # load_weights sends about this many bytes per reload call
-                 seeded_requests: bool = True,             # forward params.seed as per-prompt seeds (reproducible)
-                 **engine_kwargs,                          # anything else `vllm.LLM` takes (enforce_eager, ...)
-                ):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
-        self.vllm_version = check_reload_api()  # before the expensive start: stop on a vLLM that cannot reload weights
-        from vllm import LLM
-        from vllm.platforms import current_platform
-        on_cpu = current_platform.is_cpu()
-        if enable_sleep_mode is None: enable_sleep_mode = not on_cpu
-        if enable_sleep_mode and on_cpu:
-            raise ValueError("enable_sleep_mode=True: vLLM's CPU backend has no sleep mode; leave it None (off on CPU, on on GPUs)")
-        # the stop ids of every request; public: may change between calls (None = the model's own EOS)
-        self.eos_ids = None if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        if self.eos_ids == []: raise ValueError("eos_token_id: got an empty list; give at least one token id, or None for the model's own EOS")
-        self.sleep_mode, self.weight_bucket_bytes, self.seeded_requests = enable_sleep_mode, weight_bucket_bytes, seeded_requests
-        self._asleep = self._weights_awake = False
-        # load_format="dummy": random weights until the first load_weights (which must then cover every parameter)
-        self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
-        self._shapes = checkpoint_shapes(model)
-        self.llm = LLM(model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, enable_chunked_prefill=enable_chunked_prefill,
-                       enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len, **engine_kwargs)
-        self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
-        # the memory order around an update this vLLM can do (`update_order`); say once what it lacks
-        self.update_order, self.missing_steps = update_order(enable_sleep_mode, True, "tags" in inspect.signature(LLM.wake_up).parameters)
-        for note in self.missing_steps: logging.getLogger(__name__).warning("vLLM %s: %s", self.vllm_version, note)
-
-    @classmethod
-    def from_config(cls,
-                    cfg,                              # a `DAPOConfig`
-                    model_path: str | Path | None = None,  # the policy's checkpoint; None = cfg.model
-                    world: int = 1,                   # ranks in the job (external_launcher when vllm_tensor_parallel > 1)
-                    **kwargs,                         # overrides (eos_token_id, enforce_eager, ...)
-                   ) -> "VLLMRolloutEngine":
-        "An engine configured by `cfg` (`vllm_engine_kwargs`): tensor parallel, memory fraction, chunked prefill, dtype, seed, max_model_len, launcher."
-        return cls(model_path if model_path is not None else cfg.model, **{**vllm_engine_kwargs(cfg, world), **kwargs})
-
     def generate(self,
                  prompts: list[list[int]],  # P prompts, each a non-empty list of token ids
                  params: SamplingParams,     # n, temperature, top_p, top_k, max_tokens, seed
@@ -288,57 +241,115 @@ class VLLMRolloutEngine(RolloutEngine):
         self.loaded = True
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
 
-    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]],
-                discarded: bool = False,  # the weights were dropped (sleep level 2): a parameter left out holds no values
-               ) -> None:
-        "The load itself: checked buckets of about `weight_bucket_bytes`, one `reload_weights` call each; warn about parameters no call updated (raise after level 2 or over dummy weights)."
-        calls = 0
-        with _reload_log() as log:
-            for bucket in weight_buckets(named_tensors, self.weight_bucket_bytes):
-                if self._shapes is not None: check_weights(bucket, self._shapes, self._tied)
-                self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=bucket, is_checkpoint_format=True))
-                calls += 1
-        if (missing := log.never_loaded(calls)) and discarded:
-            raise RuntimeError(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor while holding no "
-                               f"policy values (discarded by sleep(level=2), or random from load_format='dummy'): "
-                               f"{sorted(missing)[:4]}; send every tensor the engine's model has")
-        if missing:
-            warnings.warn(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor and keep their old values: "
-                          f"{sorted(missing)[:4]}{' ...' if len(missing) > 4 else ''}")
+# %% ../nbs/07a_vllm.ipynb #2f6562fa
+@patch
+def __init__(self: VLLMRolloutEngine,
+             model: str | Path,                        # checkpoint folder (config, safetensors, tokenizer) or hub name
+             eos_token_id: int | list[int] | None = None,  # stop exactly on these ids; None = the model's own EOS
+             tensor_parallel_size: int = 1,            # GPUs per engine (reference 32B run: 4)
+             gpu_memory_utilization: float = 0.7,      # fraction of GPU memory vLLM may take (reference 0.7-0.8); unused on CPU
+             enable_chunked_prefill: bool = True,      # split long prefills into chunks batched with decodes
+             dtype: str = "auto",                      # "float32" | "bfloat16" | "auto" (the checkpoint's)
+             seed: int = 0,                            # seeds vLLM's own stream (requests without a seed)
+             enable_sleep_mode: bool | None = None,    # None: on where vLLM supports it (GPU), off on CPU
+             max_model_len: int | None = None,         # prompt + response tokens at most; None = the model's
+             weight_bucket_bytes: int = 1 << 30,       # load_weights sends about this many bytes per reload call
+             seeded_requests: bool = True,             # forward params.seed as per-prompt seeds (reproducible)
+             **engine_kwargs,                          # anything else `vllm.LLM` takes (enforce_eager, ...)
+            ):
+    "Start `vllm.LLM` on `model` (the interface's two methods are in the class statement above; the constructor is here)."
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+    self.vllm_version = check_reload_api()  # before the expensive start: stop on a vLLM that cannot reload weights
+    from vllm import LLM
+    from vllm.platforms import current_platform
+    on_cpu = current_platform.is_cpu()
+    if enable_sleep_mode is None: enable_sleep_mode = not on_cpu
+    if enable_sleep_mode and on_cpu:
+        raise ValueError("enable_sleep_mode=True: vLLM's CPU backend has no sleep mode; leave it None (off on CPU, on on GPUs)")
+    # the stop ids of every request; public: may change between calls (None = the model's own EOS)
+    self.eos_ids = None if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    if self.eos_ids == []: raise ValueError("eos_token_id: got an empty list; give at least one token id, or None for the model's own EOS")
+    self.sleep_mode, self.weight_bucket_bytes, self.seeded_requests = enable_sleep_mode, weight_bucket_bytes, seeded_requests
+    self._asleep = self._weights_awake = False
+    # load_format="dummy": random weights until the first load_weights (which must then cover every parameter)
+    self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
+    self._shapes = checkpoint_shapes(model)
+    self.llm = LLM(model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+                   gpu_memory_utilization=gpu_memory_utilization, enable_chunked_prefill=enable_chunked_prefill,
+                   enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len, **engine_kwargs)
+    self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+    # the memory order around an update this vLLM can do (`update_order`); say once what it lacks
+    self.update_order, self.missing_steps = update_order(enable_sleep_mode, True, "tags" in inspect.signature(LLM.wake_up).parameters)
+    for note in self.missing_steps: logging.getLogger(__name__).warning("vLLM %s: %s", self.vllm_version, note)
 
-    def _release(self) -> None:
-        "Return PyTorch's cached device blocks to the device (nothing to return on CPU)."
-        gc.collect()
-        if torch.cuda.is_available(): torch.cuda.empty_cache()
+# %% ../nbs/07a_vllm.ipynb #0e65c6b6
+@patch(cls_method=True)
+def from_config(cls: VLLMRolloutEngine,
+                cfg,                              # a `DAPOConfig`
+                model_path: str | Path | None = None,  # the policy's checkpoint; None = cfg.model
+                world: int = 1,                   # ranks in the job (external_launcher when vllm_tensor_parallel > 1)
+                **kwargs,                         # overrides (eos_token_id, enforce_eager, ...)
+               ) -> "VLLMRolloutEngine":
+    "An engine configured by `cfg` (`vllm_engine_kwargs`): tensor parallel, memory fraction, chunked prefill, dtype, seed, max_model_len, launcher."
+    return cls(model_path if model_path is not None else cfg.model, **{**vllm_engine_kwargs(cfg, world), **kwargs})
 
-    def around_update(self,
-                      update: Callable,    # the learner's update; its result is returned
-                      weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it, streamed
-                     ):
-        "Run `update()` and load `weights()` in `self.update_order` (`FULL_ORDER` where vLLM has every step): sleep(2), update, release, wake weights, load, release, wake KV cache, reset prefix cache."
-        out, self._asleep = None, self.sleep_mode
-        for step in self.update_order:
-            if step == "update": out = update()
-            elif step.startswith("sleep"): self.llm.sleep(level=int(step[6]))
-            elif step == "release": self._release()
-            elif step == "wake(weights)": self.llm.wake_up(tags=["weights"])
-            elif step == "wake(kv_cache)": self.llm.wake_up(tags=["kv_cache"])
-            elif step == "wake": self.llm.wake_up()
-            elif step == "load": self._stream(weights(), discarded="sleep(2)" in self.update_order or not self.loaded)
-            elif step == "reset_prefix_cache": self.llm.reset_prefix_cache()
-            else: raise AssertionError(step)
-        self._asleep = self._weights_awake = False
-        self.loaded = True
-        return out
+@patch
+def _stream(self: VLLMRolloutEngine, named_tensors: Iterable[tuple[str, Tensor]],
+            discarded: bool = False,  # the weights were dropped (sleep level 2): a parameter left out holds no values
+           ) -> None:
+    "The load itself: checked buckets of about `weight_bucket_bytes`, one `reload_weights` call each; warn about parameters no call updated (raise after level 2 or over dummy weights)."
+    calls = 0
+    with _reload_log() as log:
+        for bucket in weight_buckets(named_tensors, self.weight_bucket_bytes):
+            if self._shapes is not None: check_weights(bucket, self._shapes, self._tied)
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=bucket, is_checkpoint_format=True))
+            calls += 1
+    if (missing := log.never_loaded(calls)) and discarded:
+        raise RuntimeError(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor while holding no "
+                           f"policy values (discarded by sleep(level=2), or random from load_format='dummy'): "
+                           f"{sorted(missing)[:4]}; send every tensor the engine's model has")
+    if missing:
+        warnings.warn(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor and keep their old values: "
+                      f"{sorted(missing)[:4]}{' ...' if len(missing) > 4 else ''}")
 
-    def sleep(self, level: int = 1) -> None:
-        "Free the engine's GPU memory for the update: level 1 offloads weights to CPU and drops the KV cache, level 2 drops both. No-op without sleep mode (CPU)."
-        if not self.sleep_mode or self._asleep: return
-        self.llm.sleep(level=level)
-        self._asleep, self._weights_awake = True, False
+@patch
+def _release(self: VLLMRolloutEngine) -> None:
+    "Return PyTorch's cached device blocks to the device (nothing to return on CPU)."
+    gc.collect()
+    if torch.cuda.is_available(): torch.cuda.empty_cache()
 
-    def wake(self) -> None:
-        "Bring back what `sleep` freed (the KV cache, and the weights unless `load_weights` already did). No-op when awake."
-        if not self._asleep: return
-        self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
-        self._asleep = self._weights_awake = False
+# %% ../nbs/07a_vllm.ipynb #04301ec2
+@patch
+def around_update(self: VLLMRolloutEngine,
+                  update: Callable,    # the learner's update; its result is returned
+                  weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it, streamed
+                 ):
+    "Run `update()` and load `weights()` in `self.update_order` (`FULL_ORDER` where vLLM has every step): sleep(2), update, release, wake weights, load, release, wake KV cache, reset prefix cache."
+    out, self._asleep = None, self.sleep_mode
+    for step in self.update_order:
+        if step == "update": out = update()
+        elif step.startswith("sleep"): self.llm.sleep(level=int(step[6]))
+        elif step == "release": self._release()
+        elif step == "wake(weights)": self.llm.wake_up(tags=["weights"])
+        elif step == "wake(kv_cache)": self.llm.wake_up(tags=["kv_cache"])
+        elif step == "wake": self.llm.wake_up()
+        elif step == "load": self._stream(weights(), discarded="sleep(2)" in self.update_order or not self.loaded)
+        elif step == "reset_prefix_cache": self.llm.reset_prefix_cache()
+        else: raise AssertionError(step)
+    self._asleep = self._weights_awake = False
+    self.loaded = True
+    return out
+
+@patch
+def sleep(self: VLLMRolloutEngine, level: int = 1) -> None:
+    "Free the engine's GPU memory for the update: level 1 offloads weights to CPU and drops the KV cache, level 2 drops both. No-op without sleep mode (CPU)."
+    if not self.sleep_mode or self._asleep: return
+    self.llm.sleep(level=level)
+    self._asleep, self._weights_awake = True, False
+
+@patch
+def wake(self: VLLMRolloutEngine) -> None:
+    "Bring back what `sleep` freed (the KV cache, and the weights unless `load_weights` already did). No-op when awake."
+    if not self._asleep: return
+    self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+    self._asleep = self._weights_awake = False

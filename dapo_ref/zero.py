@@ -4,7 +4,7 @@
 
 # %% ../nbs/08c_zero.ipynb #210e0dca
 from __future__ import annotations
-import contextlib, ctypes, heapq, json, os, re, shutil, struct
+import contextlib, ctypes, heapq, json, re, struct
 from pathlib import Path
 from typing import Iterable
 
@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .dist import rank as this_rank
+from .runs import read_safetensors_header
+
 # %% auto #0
-__all__ = ['PeakRSS', 'read_safetensors_header', 'read_tensor_into', 'SafetensorsWriter', 'zero3_enabled', 'checkpoint_folder',
-           'module_tensors', 'full_shape', 'gathered', 'load_checkpoint_streamed', 'returned_large_blocks',
-           'from_pretrained_zero3', 'plain_from_pretrained', 'balance_by_tokens', 'gather_batch', 'balanced_share',
-           'save_pretrained_streamed']
+__all__ = ['PeakRSS', 'read_tensor_into', 'SafetensorsWriter', 'zero3_enabled', 'checkpoint_folder', 'module_tensors',
+           'full_shape', 'gathered', 'load_checkpoint_streamed', 'returned_large_blocks', 'from_pretrained_zero3',
+           'plain_from_pretrained', 'balance_by_tokens', 'gather_batch', 'balanced_share', 'save_pretrained_streamed']
 
 # %% ../nbs/08c_zero.ipynb #8c53a515
 def _status_kib(field: str) -> int:
@@ -38,14 +40,6 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
 _ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
-
-def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
-    "`({name: {dtype, shape, data_offsets}}, data_start)` of a safetensors file, read without touching its data."
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
 
 @torch.no_grad()
 def read_tensor_into(f,                  # the safetensors file, opened "rb"
@@ -140,7 +134,7 @@ def gathered(params: list[Tensor], modifier_rank: int | None = None):
     import deepspeed
     return deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")], modifier_rank=modifier_rank)
 
-def _rank() -> int: return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
 
 # %% ../nbs/08c_zero.ipynb #047f4d03
 @torch.no_grad()
@@ -160,7 +154,7 @@ def load_checkpoint_streamed(model: torch.nn.Module,   # possibly ZeRO-3 partiti
             e = headers[weight_map[k]][0][k]
             if tuple(e["shape"]) != full_shape(t):
                 raise ValueError(f"{folder}: {k} has shape {tuple(e['shape'])} in the checkpoint, {full_shape(t)} in the model")
-    files, rank = {}, _rank()
+    files, rank = {}, this_rank()
     try:
         for _, items in plan:
             params = [t for _, t in items if isinstance(t, torch.nn.Parameter)]
@@ -305,7 +299,7 @@ def save_pretrained_streamed(module: torch.nn.Module,     # a transformers model
                              overwrite: bool = False,      # replace the model files of a non-empty out_dir
                             ) -> Path | None:
     "Write `module` as an HF folder, gathering one module at a time; rank 0 writes (a collective: call it on every rank)."
-    out, rank = Path(out_dir), _rank()
+    out, rank = Path(out_dir), this_rank()
     plan = list(module_tensors(module))
     shards = _shard_layout(plan, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else

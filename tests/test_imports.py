@@ -51,3 +51,29 @@ def test_imports_follow_the_reading_order():
     upward = {(m, d) for m, ds in graph.items() for d in ds if order[d] > order[m]}
     assert upward - UPWARD == set(), f"new imports up the reading order: {sorted(upward - UPWARD)}"
     assert UPWARD - upward == set(), f"these are gone: remove them from UPWARD {sorted(UPWARD - upward)}"
+
+
+def test_no_private_imports_across_modules():
+    "A module uses another's public names only: `from .x import _name` would tie it to what x may change freely."
+    bad = []
+    for p in (ROOT / "dapo_ref").glob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.ImportFrom) and (n.level == 1 or (n.module or "").startswith("dapo_ref")):
+                bad += [f"{p.name}: {a.name}" for a in n.names if a.name.startswith("_") and a.name != "__version__"]
+    assert bad == [], bad
+
+
+MAX_MODULE_LINES, MAX_EXPORT_CELL_LINES = 600, 60
+
+
+def test_modules_and_export_cells_stay_short():
+    "No module over 600 lines (nbdev's `_modidx` aside) and no `#| export` cell over 60: a file and a cell a reader can hold."
+    long_mods = {p.name: n for p in (ROOT / "dapo_ref").glob("*.py") if p.name != "_modidx.py"
+                 for n in [len(p.read_text().splitlines())] if n > MAX_MODULE_LINES}
+    long_cells = []
+    for nb in sorted((ROOT / "nbs").glob("*.ipynb")):
+        for i, c in enumerate(json.loads(nb.read_text())["cells"]):
+            src = "".join(c["source"])
+            if c["cell_type"] == "code" and re.match(r"#\|\s*export", src) and len(src.splitlines()) > MAX_EXPORT_CELL_LINES:
+                long_cells.append(f"{nb.name} cell {i}: {len(src.splitlines())} lines")
+    assert long_mods == {} and long_cells == [], (long_mods, long_cells)

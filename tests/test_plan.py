@@ -9,8 +9,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dapo_ref.core import load_config, parse_overrides
-from dapo_ref.plan import (QWEN25, ModelArch, n_params, layer_params, largest_layer_params, resolve_arch, model_state_bytes,
-                           load_bytes, activation_bytes, engine_bytes, sync_bytes, valid_tensor_parallel, plan_memory,
+from dapo_ref.arch import QWEN25, ModelArch, n_params, layer_params, largest_layer_params, resolve_arch
+from dapo_ref.plan import (model_state_bytes, load_bytes, activation_bytes, engine_bytes, sync_bytes, valid_tensor_parallel, plan_memory,
                            advise, format_plan, main, SLEEP_KEEPS, BUCKET_BYTES)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -242,10 +242,12 @@ def test_math_verify_in_forked_workers_do_not_share_parent_pipes():
     assert res == [1.0] * 4
     assert R.math_verify_equal("2", "4/2")  # the parent's worker still answers correctly
 
-def test_server_start_failures(monkeypatch):
+def test_server_start_failures(monkeypatch, tmp_path):
     with pytest.raises(TimeoutError, match="did not start within"):
         R._VerifyPool(start_timeout=0.001)  # no interpreter starts and imports math-verify in 1 ms, on any machine
-    monkeypatch.setattr(R, "_POOL_SRC", "import math_verify_missing_module")
+    (tmp_path / "math_verify").mkdir()  # a math_verify ahead of the installed one that fails to import, as a missing one
+    (tmp_path / "math_verify" / "__init__.py").write_text("raise ImportError('No module named math_verify')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="pip install math-verify"):
         R._VerifyPool()
 
