@@ -1,14 +1,14 @@
 """The learner at DAPO's lengths: packed vs padded micro-batches, fused vs unfused log-probs, the 32B step's balance.
 
-    .venv/bin/python benchmarks/bench_learner.py            # about 3 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_learner.py            # about 8 minutes on 2 cores, most of it (b)
     .venv/bin/python benchmarks/bench_learner.py --quick    # a smoke run (seconds)
 
 Three measurements, side by side in one run:
 
 (a) One `TorchLearner.update` (forward + backward + AdamW) on a small Qwen2 model (built here, saved with
-    `save_pretrained`, loaded with `from_pretrained`) and one batch of DAPO-like lengths: responses lognormal
-    (median L_max / 8, sigma 1) cut at L_max, plus 5% of them exactly L_max long (the truncated ones), prompts
-    lognormal around 100 tokens. The same batch and token budget through the packed layout (the learner's) and
+    `save_pretrained`, loaded with `from_pretrained`) and one batch of DAPO-like lengths: (c)'s first setting scaled
+    to L_max = 2048 (responses lognormal, median L_max / 51.2, sigma 1, cut at L_max, plus 5% of them exactly L_max
+    long, the truncated ones; prompts lognormal around 15 tokens; micro_token_budget 1.1 L_max, as 22528 / 20480). The same batch and token budget through the packed layout (the learner's) and
     the padded one (`collate`, `pack_micro_batches(padded=True)`); real tokens per second of each, the best of
     4 runs each, interleaved, and the two losses (the same mini-batch loss up to float32 rounding).
 (b) Peak memory above the start (this process's VmHWM, Linux) of log-probs forward + backward at V = 152064 for T
@@ -23,7 +23,7 @@ Three measurements, side by side in one run:
 The last line is the summary:
     bench_learner: packed X.XXx the padded tokens/s; log-prob peak Y MiB fused vs Z MiB unfused; 32B recipe learner step W.WWx ideal
 """
-import argparse, json, math, os, platform, subprocess, sys, tempfile, time
+import argparse, math, os, platform, subprocess, sys, tempfile, time
 from pathlib import Path
 
 import torch
@@ -54,14 +54,15 @@ def bench_update(a) -> dict:
     from dapo_ref.learner import RolloutBatch, TorchLearner, collate, pack_micro_batches
     torch.set_num_threads(a.threads)
     folder = small_qwen2(Path(tempfile.mkdtemp()) / "qwen2-small", 4096, a.hidden, a.layers)
-    resp = lengths(a.batch, a.l_max, a.l_max / 8, 1.0, 0.05, seed=0)
-    prm = lengths(a.batch, 400, 100, 0.5, 0.0, seed=1)
+    scale = a.l_max / 20480  # (c)'s first setting (median response 400 of L_max 20480, prompts around 150) scaled down
+    resp = lengths(a.batch, a.l_max, 400 * scale, 1.0, 0.05, seed=0)
+    prm = lengths(a.batch, 2048, 150 * scale, 0.5, 0.0, seed=1)
     g = torch.Generator().manual_seed(2)
     P = [torch.randint(5, 4096, (n,), generator=g).tolist() for n in prm]
     R = [torch.randint(5, 4096, (n,), generator=g).tolist() for n in resp]
     adv = torch.randn(a.batch, generator=g)
     batch = RolloutBatch(P, R, adv, torch.tensor([n == a.l_max for n in resp]), torch.zeros(a.batch))
-    budget = a.l_max + 400
+    budget = int(1.1 * a.l_max)  # the 32B recipe's micro_token_budget / L_max = 22528 / 20480
     cfg = DAPOConfig(model=str(folder), micro_token_budget=budget, l_max=a.l_max, l_cache=a.l_max // 4, lr=1e-6,
                      warmup_steps=0)
     out, real = {}, sum(prm) + sum(resp)
@@ -88,11 +89,11 @@ def bench_update(a) -> dict:
     return out
 
 
-def child_peak(mode: str, T: int, V: int, H: int) -> int:
+def child_peak(mode: str, T: int, V: int, H: int, threads: int) -> int:
     "(b), in a fresh process: peak bytes above the start of log-prob forward + backward."
     from dapo_ref.loss import fused_token_logprobs, token_logprobs
     from dapo_ref.zero import PeakRSS
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(T, H, generator=g, dtype=torch.bfloat16).requires_grad_()
     W = (torch.randn(V, H, generator=g, dtype=torch.bfloat16) / H**0.5).requires_grad_()
@@ -132,16 +133,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--child", nargs=4, metavar=("MODE", "T", "V", "H"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=5, metavar=("MODE", "T", "V", "H", "THREADS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print(child_peak(a.child[0], *map(int, a.child[1:]))); return
-    a.batch, a.l_max, a.hidden, a.layers, a.repeats = (16, 256, 64, 2, 1) if a.quick else (32, 1024, 256, 4, 2)
-    T, V, H = (512, 152064, 64) if a.quick else (2048, 152064, 256)
+    a.batch, a.l_max, a.hidden, a.layers, a.repeats = (16, 512, 64, 2, 1) if a.quick else (64, 2048, 256, 4, 2)
+    T, V, H = (512, 152064, 64) if a.quick else (2048, 152064, 64)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{a.threads} threads")
     u = bench_update(a)
-    sp = u["packed"]["tokens_per_s"] / u["padded"]["tokens_per_s"]
+    speedup = u["packed"]["tokens_per_s"] / u["padded"]["tokens_per_s"]
     print(f"(a) update, {a.batch} responses (mean {u['mean_response']:.0f} tokens, L_max {a.l_max}), "
           f"{u['real_tokens']} real tokens, {u['padded_tokens']} in the padded layout:")
     for k in ("packed", "padded"):
@@ -149,21 +150,21 @@ def main(argv=None):
         print(f"    {k}: {r['passes']} micro-batches, {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} real tokens/s, loss {r['loss']:.6f}")
     peaks = {}
     for mode in ("fused", "unfused"):
-        res = subprocess.run([sys.executable, __file__, "--child", mode, str(T), str(V), str(H)], capture_output=True,
+        res = subprocess.run([sys.executable, __file__, "--child", mode, str(T), str(V), str(H), str(a.threads)], capture_output=True,
                              text=True, check=True)
         peaks[mode] = int(res.stdout.split()[-1]) / 2**20
     print(f"(b) log-prob forward + backward, T = {T}, V = {V}, H = {H}, bf16: peak above start "
           f"{peaks['fused']:.0f} MiB fused, {peaks['unfused']:.0f} MiB unfused ({peaks['unfused'] / peaks['fused']:.1f}x)")
     sims = []
     for med in ((400, 2400) if not a.quick else (400,)):
-        for sp in (1, 2, 4, 8):
-            s = simulate_32b(med, seed=3, sp=sp)
-            if sp == 1: sims.append(s)
+        for n_sp in (1, 2, 4, 8):
+            s = simulate_32b(med, seed=3, sp=n_sp)
+            if n_sp == 1: sims.append(s)
             print(f"(c) 32B recipe, 128 ranks, mean response {s['mean_response']:.0f} tokens (longest sequence "
-                  f"{s['longest']}), {'no sequence parallelism' if sp == 1 else f'Ulysses SP {sp}'}: learner step "
+                  f"{s['longest']}), {'no sequence parallelism' if n_sp == 1 else f'Ulysses SP {n_sp}'}: learner step "
                   f"{s['ratio']:.2f}x the ideal balanced step, {s['dummy_frac']:.1%} dummy passes")
     w = max(s["ratio"] for s in sims)  # the recipe as it is (no sequence parallelism), the worse length setting
-    print(f"bench_learner: packed {sp:.2f}x the padded tokens/s; log-prob peak {peaks['fused']:.0f} MiB fused vs "
+    print(f"bench_learner: packed {speedup:.2f}x the padded tokens/s; log-prob peak {peaks['fused']:.0f} MiB fused vs "
           f"{peaks['unfused']:.0f} MiB unfused; 32B recipe learner step {w:.2f}x ideal")
 
 

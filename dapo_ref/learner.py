@@ -20,9 +20,10 @@ from .loss import fused_token_logprobs, policy_loss, token_entropy, token_logpro
 from .runs import UpdateGuard
 
 # %% auto #0
-__all__ = ['METRIC_KEYS', 'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy', 'RolloutBatch',
-           'pack_micro_batches', 'collate', 'pack', 'head_logprobs', 'forward_logprobs', 'warmup_factor',
-           'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators', 'Learner', 'TorchLearner']
+__all__ = ['VARLEN_LOOP_FROM', 'METRIC_KEYS', 'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy',
+           'RolloutBatch', 'pack_micro_batches', 'collate', 'pack', 'varlen_sdpa', 'use_varlen_attention',
+           'head_logprobs', 'forward_logprobs', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model',
+           'loss_denominators', 'Learner', 'TorchLearner']
 
 # %% ../nbs/08b_learner.ipynb #a17cddde
 _STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model`)
@@ -133,15 +134,63 @@ def pack(prompts: list[list[int]],    # b prompts' token ids
         off += n
     lens = torch.tensor([len(r) for r in responses])
     mask = torch.arange(max(1, int(lens.max()))) < lens[:, None]  # (b, T) response tokens of each row
+    seq = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
     return dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),   # (1, N) (1, N)
+                cu_seqlens=torch.cat([seq.new_zeros(1), seq.cumsum(0)]),           # (b + 1,) where each sequence starts
                 logit_index=torch.tensor(idx, dtype=torch.long),                     # (M,) M = sum of response lengths
                 labels=torch.tensor([t for r in responses for t in r], dtype=torch.long), response_mask=mask)
 
+# %% ../nbs/08b_learner.ipynb #f046eb82
+VARLEN_LOOP_FROM = 512  # tokens: a packed sequence at least this long gets its own attention call; shorter ones share one
+
+def varlen_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
+                scaling: float | None = None, **kwargs):
+    "Attention of a packed row one sequence at a time (`cu_seq_lens_q`), causal in each: the sum of their squared lengths, not the row's."
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:  # not a packed call: transformers' sdpa
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+    rep = query.shape[1] // key.shape[1]  # K/V heads repeated for the query heads: the fused kernels (flash on CPU) take no GQA
+    q, k, v = query[0], key[0].repeat_interleave(rep, 0), value[0].repeat_interleave(rep, 0)  # (heads, N, d) each
+    out = q.new_zeros(q.shape)            # (heads, N, d)
+    starts, lens = cu[:-1].tolist(), cu.diff().tolist()
+    for i in (i for i, n in enumerate(lens) if n >= VARLEN_LOOP_FROM):  # a long sequence: its own call
+        s, e = starts[i], starts[i] + lens[i]
+        out[:, s:e] = sdpa(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e])[0]  # 4-D: the CPU flash kernel, not math
+    buckets = {}  # short sequences by length class (lengths within 2x): one call each, padded to the class's longest
+    for i, n in enumerate(lens):
+        if 0 < n < VARLEN_LOOP_FROM: buckets.setdefault(n.bit_length(), []).append(i)
+    for short in buckets.values():  # right-padded: causal attention never reaches a query's padding
+        Ls = max(lens[i] for i in short)
+        j = torch.arange(Ls, device=q.device)
+        idx = torch.tensor([starts[i] for i in short], device=q.device)[:, None] + j  # (n, Ls) row positions
+        ok = j < torch.tensor([lens[i] for i in short], device=q.device)[:, None]   # (n, Ls) real tokens
+        idx = torch.where(ok, idx, idx[:, :1])                                      # padding reads a real row
+        pad = lambda x: x[:, idx].transpose(0, 1)                                   # (n, heads, Ls, d)
+        o = sdpa(pad(q), pad(k), pad(v)).transpose(0, 1)                            # (heads, n, Ls, d)
+        out[:, idx[ok]] = o[:, ok]
+    return out.transpose(0, 1)[None].contiguous(), None  # (1, N, heads, d)
+
+def _varlen_mask(*args, **kwargs):
+    "No mask for a packed row (cu_seq_lens cut it; the 2-D mask is None there); sdpa's mask for a padded batch."
+    from transformers.masking_utils import sdpa_mask
+    return None if kwargs.get("attention_mask") is None else sdpa_mask(*args, **kwargs)
+
+def use_varlen_attention(model) -> str:
+    "Switch a model on sdpa to `varlen_sdpa` (registered as 'dapo_varlen'): the same results, a packed row costs what its sequences cost; returns the implementation in use."
+    if model.config._attn_implementation != "sdpa": return model.config._attn_implementation  # flash_attention_2: varlen itself
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register("dapo_varlen", varlen_sdpa); AttentionMaskInterface.register("dapo_varlen", _varlen_mask)
+    model.set_attn_implementation("dapo_varlen")
+    return "dapo_varlen"
+
 # %% ../nbs/08b_learner.ipynb #a3ca12e6
-def head_logprobs(head: torch.nn.Module, h: Tensor, labels: Tensor, temperature: float, entropy: bool):
-    "`fused_token_logprobs` run as the lm head's forward, so that a ZeRO-3 engine gathers the head's weight around it as around any forward."
-    head.forward = lambda x: fused_token_logprobs(x, head.weight, labels, temperature, entropy=entropy)
-    try: return head(h)
+def head_logprobs(head: torch.nn.Module, labels: Tensor, temperature: float, entropy: bool, run: Callable):
+    "Run `run()` (a model forward) with the lm head computing `fused_token_logprobs` of its (1, M, H) input instead of logits; return them."
+    head.forward = lambda x: fused_token_logprobs(x[0], head.weight, labels, temperature, entropy=entropy)
+    try: return run()  # a ZeRO-3 engine gathers the head's weight around this forward (and its backward) as for logits
     finally: del head.forward  # the class's forward again
 
 def forward_logprobs(model,                 # causal LM, or an engine wrapping one (DeepSpeed)
@@ -161,12 +210,15 @@ def forward_logprobs(model,                 # causal LM, or an engine wrapping o
         logits, labels = out.logits[:, :-1], mb["input_ids"][:, -T:].to(dev)  # (b, T, V): column Lp-1+t predicts token t
         return token_logprobs(logits, labels, temperature), token_entropy(logits.detach() / temperature) if entropy else None
     net = getattr(model, "module", model)  # the transformers model inside a DeepSpeed engine
-    base = getattr(net, net.base_model_prefix)  # the decoder without its lm head
-    hidden = base(input_ids=mb["input_ids"].to(dev), position_ids=mb["position_ids"].to(dev), use_cache=False).last_hidden_state
-    h, labels = hidden[0, mb["logit_index"].to(dev)], mb["labels"].to(dev)  # (M, H) (M,)
-    if fused: logp, ent = head_logprobs(net.get_output_embeddings(), h, labels, temperature, entropy)
+    cu, longest = mb["cu_seqlens"].to(dev), int(mb["cu_seqlens"].diff().max())
+    kw = dict(input_ids=mb["input_ids"].to(dev), position_ids=mb["position_ids"].to(dev), use_cache=False,
+              logits_to_keep=mb["logit_index"].to(dev),  # the lm head sees only the positions that predict a response token
+              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # attention per sequence
+    labels = mb["labels"].to(dev)  # (M,)
+    if fused:  # the model's own forward (a DeepSpeed engine's hooks as in any pass), its lm head computing log-probs
+        logp, ent = head_logprobs(net.get_output_embeddings(), labels, temperature, entropy, lambda: model(**kw).logits)
     else:
-        logits = net.get_output_embeddings()(h)[None]  # (1, M, V)
+        logits = model(**kw).logits  # (1, M, V)
         logp = token_logprobs(logits, labels[None], temperature)[0]
         ent = token_entropy(logits.detach() / temperature)[0] if entropy else None
     unflat = lambda x: x.new_zeros(mask.shape).masked_scatter(mask, x)  # (M,) -> (b, T), row i's tokens first in row i
@@ -187,8 +239,9 @@ def enable_gradient_checkpointing(model) -> int:
     return len(layers)
 
 def prepare_model(model, gradient_checkpointing: bool = False):
-    "Eval mode (no dropout: old and new log-probs of the first mini-batch agree exactly), plus gradient checkpointing when asked."
+    "Eval mode (no dropout: old and new log-probs of the first mini-batch agree exactly), attention per packed sequence, gradient checkpointing when asked."
     model.eval()
+    use_varlen_attention(model)
     if gradient_checkpointing: enable_gradient_checkpointing(model)
     return model
 

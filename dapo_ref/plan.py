@@ -10,7 +10,7 @@ from .arch import ModelArch, kv_bytes_per_token, largest_layer_params, layer_par
 from .core import ArgParser, DAPOConfig, InputError, cli_errors, combination_problem, load_config, parse_overrides
 
 # %% auto #0
-__all__ = ['BYTES', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
+__all__ = ['BYTES', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
            'model_state_bytes', 'load_bytes', 'activation_bytes', 'engine_bytes', 'sync_bytes', 'advise',
            'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'format_plan', 'main']
 
@@ -87,16 +87,20 @@ def load_bytes(n: int,               # N: total parameters
     return dict(gpu=gpu, cpu_per_node=cpu)
 
 # %% ../nbs/12_plan.ipynb #67bc2495
+FUSED_CHUNK = 2**24  # logits per chunk of `loss.fused_token_logprobs` (its default chunk_rows = 2**24 // V)
+
 def activation_bytes(arch: ModelArch,       # the model
                      tokens: int,           # T: tokens in one micro-batch on one GPU
                      checkpointing: bool,   # gradient checkpointing at every decoder layer
+                     fused: bool = True,    # the learner's fused log-probs (one chunk of logits); False: the whole logits
                     ) -> dict:
-    "Activation bytes kept for backward on one GPU: hidden states (per layer), one layer's full set, logits."
+    "Activation bytes kept for backward on one GPU: hidden states (per layer), one layer's full set, the log-probs' logits."
     h, L = arch.hidden_size, arch.num_hidden_layers
     layer = 12 * h + 4 * arch.kv_dim + 8 * arch.intermediate_size   # bytes per token per layer, bf16
     if checkpointing: hidden, full = tokens * L * 2 * h, tokens * layer
     else: hidden, full = 0, tokens * L * layer
-    return dict(hidden=hidden, layers=full, logits=tokens * arch.vocab_size * (2 + 4))
+    logits = 16 * FUSED_CHUNK + tokens * (2 * h + 12) if fused else tokens * arch.vocab_size * (2 + 4)
+    return dict(hidden=hidden, layers=full, logits=logits)
 
 # %% ../nbs/12_plan.ipynb #d5cfae25
 SLEEP_KEEPS = 0.10   # fraction of the engine's share still held while asleep (vLLM docs: sleep frees "90%+")
@@ -302,7 +306,7 @@ def plan_memory(cfg: DAPOConfig,                    # the recipe (load_config(..
 # %% ../nbs/12_plan.ipynb #a2751b93
 _ROWS = [("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
          ("gathered", "gathered module (ZeRO-3)"), ("act_hidden", "activations: layer inputs"),
-         ("act_layers", "activations: recomputed layer(s)"), ("logits", "logits (bf16 + fp32)"),
+         ("act_layers", "activations: recomputed layer(s)"), ("logits", "log-probs (one chunk of logits)"),
          ("bucket", "weight-sync bucket"), ("vllm_weights", "vLLM weights (2N / TP)"),
          ("vllm_rest", "vLLM KV cache / context")]
 

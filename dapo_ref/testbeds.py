@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .data import PROMPT_TEMPLATE
-from .tiny import MAX_OPS, RESPONSE_PREFIX, problem_text, sample_chain, sft_collate, worked_lines, is_heldout
+from .tiny import MAX_OPS, RESPONSE_PREFIX, problem_text, sample_problem, sft_collate, worked_lines
 
 # %% auto #0
 __all__ = ['TESTBED', 'TESTBED_VERSION', 'TESTBED_NAME', 'TESTBEDS', 'TESTBED_SHIP_COMMAND', 'model_fingerprint', 'versions',
@@ -63,9 +63,7 @@ def testbed_batches(tokenizer, n_batches: int, batch_size: int = 32, seed: int =
     for _ in range(n_batches):
         seqs = []
         while len(seqs) < batch_size:
-            x0, ops = sample_chain(rng, rng.randint(1, MAX_OPS))
-            text = problem_text(x0, ops)
-            if is_heldout(text): continue          # never train on a held-out problem
+            x0, ops, text = sample_problem(rng, MAX_OPS)
             lines, ends, _ = testbed_response(rng, x0, ops, **mix)
             p = tokenizer(PROMPT_TEMPLATE.format(problem=text), add_special_tokens=False)["input_ids"]
             r = tokenizer(RESPONSE_PREFIX + "\n".join(lines), add_special_tokens=False)["input_ids"] + [eos] * ends

@@ -20,8 +20,9 @@ from .data import PROMPT_TEMPLATE, MathExample, make_example
 __all__ = ['MAX_VALUE', 'MAX_OPS', 'HELDOUT_MOD', 'EOS_TOKEN', 'QWEN2_PRETOKENIZE_REGEX', 'RESPONSE_PREFIX', 'TINY_MODEL_CONFIG',
            'WARM_START', 'TINY_VERSION', 'TINY_CACHE', 'TINY_SHIPPED', 'TINY_BUILD_COMMAND', 'sample_chain',
            'problem_text', 'worked_lines', 'tiny_problem', 'is_heldout', 'tiny_splits', 'build_tiny_tokenizer',
-           'build_tiny_model', 'sft_collate', 'sft_batches', 'sft', 'warm_start', 'tiny_source_hash', 'cache_root',
-           'check_cache', 'tiny_model_dir', 'build_tiny', 'shipped_tiny_problem', 'ensure_tiny_model', 'main']
+           'build_tiny_model', 'sample_problem', 'sft_collate', 'sft_batches', 'sft', 'warm_start', 'tiny_source_hash',
+           'cache_root', 'check_cache', 'tiny_model_dir', 'build_tiny', 'shipped_tiny_problem', 'ensure_tiny_model',
+           'main']
 
 # %% ../nbs/06_tiny.ipynb #ffa67a1f
 MAX_VALUE = 9    # every number of a problem and of its correct working is one digit, 0..MAX_VALUE
@@ -170,6 +171,14 @@ def build_tiny_model(tokenizer,            # from build_tiny_tokenizer: vocabula
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
+# %% ../nbs/06_tiny.ipynb #0401132f
+def sample_problem(rng: random.Random, max_ops: int = MAX_OPS) -> tuple[int, list, str]:
+    "A training problem: (start value, operations, text), drawn until it is not one of the held-out problems."
+    while True:
+        x0, ops = sample_chain(rng, rng.randint(1, max_ops))
+        text = problem_text(x0, ops)
+        if not is_heldout(text): return x0, ops, text  # never train on a held-out problem
+
 # %% ../nbs/06_tiny.ipynb #ba5d9228
 def sft_collate(seqs: list[tuple[list[int], list[int]]],  # b (prompt ids, response ids) pairs
                 pad_id: int,  # fills the right padding
@@ -199,9 +208,7 @@ def sft_batches(tokenizer,              # the tiny tokenizer
     for _ in range(n_batches):
         seqs = []
         while len(seqs) < batch_size:
-            x0, ops = sample_chain(rng, rng.randint(1, max_ops))
-            text = problem_text(x0, ops)
-            if is_heldout(text): continue                      # never train on a held-out problem
+            x0, ops, text = sample_problem(rng, max_ops)
             lines, _ = worked_lines(x0, ops, rng, p_err)
             if p_lazy and rng.random() < p_lazy: lines = [f"Answer: {rng.randint(0, 99)}"]  # skip the working, guess
             p = tokenizer(PROMPT_TEMPLATE.format(problem=text), add_special_tokens=False)["input_ids"]
@@ -265,7 +272,7 @@ TINY_SHIPPED = Path(importlib.util.find_spec("dapo_ref").origin).parent / "tiny_
 TINY_BUILD_COMMAND = "make tiny-model"  # = dapo-tiny: rebuilds TINY_SHIPPED from this source
 # What the build's bytes depend on: these functions and constants of this module (comments and blank lines aside)
 _BUILD_NAMES = ("MAX_VALUE", "MAX_OPS", "_VERBS", "_APPLY", "_valid_ops", "sample_chain", "problem_text", "worked_lines",
-                "tiny_problem", "HELDOUT_MOD", "is_heldout", "EOS_TOKEN", "QWEN2_PRETOKENIZE_REGEX", "RESPONSE_PREFIX",
+                "tiny_problem", "HELDOUT_MOD", "is_heldout", "sample_problem", "EOS_TOKEN", "QWEN2_PRETOKENIZE_REGEX", "RESPONSE_PREFIX",
                 "_corpus", "build_tiny_tokenizer", "TINY_MODEL_CONFIG", "build_tiny_model", "sft_batches", "WARM_START",
                 "sft", "warm_start")
 

@@ -414,7 +414,7 @@ def evaluate(self: Trainer) -> dict:
 # %% ../nbs/09_trainer.ipynb #634c99a2
 @patch
 def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
-    "Write checkpoints/step-N atomically (every rank its part; rank 0 renames); keep the newest `keep`."
+    "Write checkpoints/step-N atomically (every rank its part; rank 0 renames); keep the newest `keep` (0: all)."
     d, main = self.out / "checkpoints", dist.is_main()
     final, tmp = d / f"step-{self.step_idx}", d / f"step-{self.step_idx}.tmp"
     prev = latest_checkpoint(self.out)
@@ -438,7 +438,7 @@ def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
     if main:
         if final.exists(): shutil.rmtree(final)
         os.replace(tmp, final)
-        for p in step_folders(self.out)[keep:]: shutil.rmtree(p, ignore_errors=True)  # newest first
+        for p in step_folders(self.out)[keep:] if keep else []: shutil.rmtree(p, ignore_errors=True)  # newest first; 0 = keep all
     dist.barrier()
     return final
 

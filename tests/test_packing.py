@@ -27,7 +27,7 @@ def batch(seed=0, n=6):
     return RolloutBatch(P, R, adv, trunc, torch.zeros(n))
 
 
-def grads(tiny64, cfg, b, layout, monkeypatch, old):
+def grads(tiny64, cfg, b, layout, monkeypatch, old, undo=True):
     "Loss and gradient of one mini-batch through the learner's own micro-batch loop, in the given layout, at old log-probs `old`."
     model = __import__("copy").deepcopy(tiny64)
     lrn = TorchLearner.build(cfg, 0, model=model)
@@ -39,7 +39,7 @@ def grads(tiny64, cfg, b, layout, monkeypatch, old):
     total = 0.0
     for loss, _, _ in lrn.micro_losses(b, old, mbs, *lrn.denominators(b)):
         loss.backward(); total += float(loss.detach())
-    monkeypatch.undo()
+    if undo: monkeypatch.undo()
     return total, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
@@ -55,6 +55,23 @@ def test_packed_loss_and_gradient_equal_padded(tiny64, monkeypatch, agg, overlon
     ld, gd = grads(tiny64, cfg, b, "padded", monkeypatch, old)
     assert abs(lp - ld) <= 1e-10 * max(1.0, abs(ld))
     assert (gp - gd).abs().max() <= 1e-10 * max(1.0, gd.abs().max())
+
+
+@pytest.mark.parametrize("ckpt,loop_from", [(False, 0), (False, 10), (True, 10), (False, 10**9)])
+def test_learner_attends_per_sequence_with_and_without_checkpointing(tiny64, monkeypatch, ckpt, loop_from):
+    "The learner's model attends per packed sequence (`varlen_sdpa`: long ones one by one, short ones together); recomputed layers do the same."
+    monkeypatch.setattr(L, "VARLEN_LOOP_FROM", loop_from)  # 0: every sequence alone; 10: both kinds; 10**9: all together
+    cfg = DAPOConfig(model="tiny", micro_token_budget=40, l_max=64, l_cache=16, gradient_checkpointing=ckpt)
+    b, g = batch(2), torch.Generator().manual_seed(3)
+    old = [-3 + 0.3 * torch.randn(len(r), generator=g) for r in b.response_ids]
+    lp, gp = grads(tiny64, cfg, b, "packed", monkeypatch, old, undo=False)
+    ld, gd = grads(tiny64, DAPOConfig(model="tiny", micro_token_budget=40, l_max=64, l_cache=16), b, "padded", monkeypatch, old)
+    assert abs(lp - ld) <= 1e-10 * max(1.0, abs(ld)) and (gp - gd).abs().max() <= 1e-10 * max(1.0, gd.abs().max())
+
+
+def test_varlen_is_the_learners_attention(tiny64):
+    lrn = TorchLearner.build(DAPOConfig(model="tiny"), 0, model=__import__("copy").deepcopy(tiny64))
+    assert lrn.net.config._attn_implementation == "dapo_varlen"
 
 
 def test_fused_equals_unfused_on_the_model(tiny64):

@@ -156,15 +156,18 @@ def test_activations_by_hand_7b():
     act = activation_bytes(a, 1000, checkpointing=True)
     assert act["hidden"] == 1000 * 28 * 2 * 3584
     assert act["layers"] == 1000 * (12 * 3584 + 4 * 512 + 8 * 18944)
-    assert act["logits"] == 1000 * 152064 * 6
+    assert act["logits"] == 16 * 2**24 + 1000 * (2 * 3584 + 12)  # fused: one chunk of 2**24 logits, 16 bytes each
+    assert activation_bytes(a, 1000, checkpointing=True, fused=False)["logits"] == 1000 * 152064 * 6  # the whole logits
     full = activation_bytes(a, 1000, checkpointing=False)
     assert full["hidden"] == 0 and full["layers"] == 28 * act["layers"]
 
 def test_activations_linear_in_tokens():
     a = QWEN25["1.5B"]
     for ck in (True, False):
-        one, three = activation_bytes(a, 777, ck), activation_bytes(a, 3 * 777, ck)
+        one, three = activation_bytes(a, 777, ck, fused=False), activation_bytes(a, 3 * 777, ck, fused=False)
         assert all(three[k] == 3 * one[k] for k in one)
+        f1, f3 = activation_bytes(a, 777, ck), activation_bytes(a, 3 * 777, ck)  # fused: a constant chunk + linear
+        assert f3["logits"] - f1["logits"] == 2 * 777 * (2 * a.hidden_size + 12)
 
 def test_kv_cache_splits_over_tp_only_up_to_kv_heads():
     a = QWEN25["0.5B"]   # 2 K/V heads: TP 4 replicates them, so per-GPU KV bytes per token stop halving at TP 2
