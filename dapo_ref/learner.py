@@ -145,7 +145,7 @@ VARLEN_LOOP_FROM = 512  # tokens: a packed sequence at least this long gets its 
 
 def varlen_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
                 scaling: float | None = None, **kwargs):
-    "Attention of a packed row one sequence at a time (`cu_seq_lens_q`), causal in each: the sum of their squared lengths, not the row's."
+    "Attention of a packed row within each sequence (`cu_seq_lens_q`), causal: long ones alone, short ones together by length class; not the row's N^2."
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:  # not a packed call: transformers' sdpa
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
