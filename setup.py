@@ -18,6 +18,7 @@ py_versions = '3.10 3.11 3.12'.split()
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 scale_requirements = shlex.split(cfg.get('scale_requirements', ''))
+trackers = {t: shlex.split(cfg.get(f'{t}_requirements', '')) for t in ('tensorboard', 'wandb')}  # report_to's backends
 lic = licenses[cfg['license'].lower()]
 min_python = cfg['min_python']
 lib_path = cfg['lib_path']
@@ -40,7 +41,7 @@ setuptools.setup(
                             'testbeds/*/*'],          # the shipped testbed policies (dapo_ref.testbeds.ship_testbeds)
                   lib_path + '.recipes': ['*.yaml']},  # recipes/*.yaml, found by dapo_ref.core.find_recipe
     install_requires=requirements,
-    extras_require={'dev': dev_requirements, 'scale': scale_requirements},
+    extras_require={'dev': dev_requirements, 'scale': scale_requirements, **trackers},
     dependency_links=cfg.get('dep_links', '').split(),
     python_requires='>=' + cfg['min_python'],
     long_description=open('README.md', encoding='utf-8').read(),

@@ -1,6 +1,6 @@
 """The learner at DAPO's lengths: packed vs padded micro-batches, fused vs unfused log-probs, the 32B step's balance.
 
-    .venv/bin/python benchmarks/bench_learner.py            # about 8 minutes on 2 cores, most of it (b)
+    .venv/bin/python benchmarks/bench_learner.py            # about 2.5 minutes on 2 cores
     .venv/bin/python benchmarks/bench_learner.py --quick    # a smoke run (seconds)
 
 Three measurements, side by side in one run:
@@ -12,13 +12,15 @@ Three measurements, side by side in one run:
     the padded one (`collate`, `pack_micro_batches(padded=True)`); real tokens per second of each, the best of
     4 runs each, interleaved, and the two losses (the same mini-batch loss up to float32 rounding).
 (b) Peak memory above the start (this process's VmHWM, Linux) of log-probs forward + backward at V = 152064 for T
-    response positions: the logits then `token_logprobs` vs `fused_token_logprobs`, each in a fresh process.
+    = 4096 response positions: the logits then `token_logprobs` vs `fused_token_logprobs`, each in a fresh process.
 (c) The 32B recipe's learner step on 128 ranks, simulated with the project's own balancing (`zero.balanced_share`,
     by prompt + response tokens) and packing (`learner.pack_micro_batches`): 512 x 16 responses, mini-batches of
     512, micro_token_budget 22528. A pass costs its tokens plus one all-gather of the weights (every rank waits for
     the slowest at each pass, and a rank with fewer micro-batches runs dummy passes that still gather); the ideal
     step spreads every mini-batch's tokens evenly in the fewest passes. Two length settings (mean response about
-    1.7k and 4.8k tokens, 5% at L_max = 20480); the summary reports the worse.
+    1.7k and 4.8k tokens, 5% at L_max = 20480), without and with Ulysses sequence parallelism (groups of SP ranks
+    share every sequence, each holding 1/SP of its tokens; the budget is per rank); the summary reports the worse
+    setting at the recipe's own `sequence_parallel_size` (8).
 
 The last line is the summary:
     bench_learner: packed X.XXx the padded tokens/s; log-prob peak Y MiB fused vs Z MiB unfused; 32B recipe learner step W.WWx ideal
@@ -138,7 +140,7 @@ def main(argv=None):
     if a.child:
         print(child_peak(a.child[0], *map(int, a.child[1:]))); return
     a.batch, a.l_max, a.hidden, a.layers, a.repeats = (16, 512, 64, 2, 1) if a.quick else (64, 2048, 256, 4, 2)
-    T, V, H = (512, 152064, 64) if a.quick else (2048, 152064, 64)
+    T, V, H = (512, 152064, 64) if a.quick else (4096, 152064, 64)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{a.threads} threads")
     u = bench_update(a)
@@ -155,15 +157,17 @@ def main(argv=None):
         peaks[mode] = int(res.stdout.split()[-1]) / 2**20
     print(f"(b) log-prob forward + backward, T = {T}, V = {V}, H = {H}, bf16: peak above start "
           f"{peaks['fused']:.0f} MiB fused, {peaks['unfused']:.0f} MiB unfused ({peaks['unfused'] / peaks['fused']:.1f}x)")
+    from dapo_ref.core import load_config
+    recipe_sp = load_config(Path(__file__).resolve().parents[1] / "recipes/dapo-qwen2.5-32b.yaml").sequence_parallel_size
     sims = []
     for med in ((400, 2400) if not a.quick else (400,)):
         for n_sp in (1, 2, 4, 8):
             s = simulate_32b(med, seed=3, sp=n_sp)
-            if n_sp == 1: sims.append(s)
+            if n_sp == recipe_sp: sims.append(s)
             print(f"(c) 32B recipe, 128 ranks, mean response {s['mean_response']:.0f} tokens (longest sequence "
                   f"{s['longest']}), {'no sequence parallelism' if n_sp == 1 else f'Ulysses SP {n_sp}'}: learner step "
                   f"{s['ratio']:.2f}x the ideal balanced step, {s['dummy_frac']:.1%} dummy passes")
-    w = max(s["ratio"] for s in sims)  # the recipe as it is (no sequence parallelism), the worse length setting
+    w = max(s["ratio"] for s in sims)  # the recipe as it is (its sequence_parallel_size), the worse length setting
     print(f"bench_learner: packed {speedup:.2f}x the padded tokens/s; log-prob peak {peaks['fused']:.0f} MiB fused vs "
           f"{peaks['unfused']:.0f} MiB unfused; 32B recipe learner step {w:.2f}x ideal")
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #bb6d6cbb
 from __future__ import annotations
-import argparse, contextlib, difflib, math, os, sys
+import argparse, contextlib, difflib, math, os, re, sys
 from dataclasses import dataclass, fields, asdict
 from pathlib import Path
 from typing import Any
@@ -12,13 +12,15 @@ from typing import Any
 import yaml
 
 # %% auto #0
-__all__ = ['REWARD_MODES', 'LOSS_AGGS', 'VLLM_FIELDS', 'PATH_FIELDS', 'USER_ERRORS', 'DAPOHyperparams', 'DAPOConfig',
-           'InputError', 'combination_problem', 'short', 'validate', 'find_recipe', 'read_yaml', 'config_from_dict',
-           'load_config', 'save_config', 'parse_overrides', 'strict_bool', 'one_line', 'cli_errors', 'interrupts',
-           'ArgParser']
+__all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'VLLM_FIELDS', 'PATH_FIELDS', 'USER_ERRORS',
+           'DAPOHyperparams', 'DAPOConfig', 'InputError', 'combination_problem', 'short', 'validate', 'find_recipe',
+           'read_yaml', 'config_from_dict', 'load_config', 'save_config', 'parse_overrides', 'strict_bool', 'one_line',
+           'cli_errors', 'interrupts', 'ArgParser']
 
 # %% ../nbs/00_core.ipynb #6a2a6c54
 REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
+REWARD_PLUGIN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # or your own: `reward: package.module:function`
+REPORT_TO = ("none", "tensorboard", "wandb")  # experiment trackers `report_to` may name (TRL's field)
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 @dataclass
@@ -77,12 +79,16 @@ class DAPOConfig(DAPOHyperparams):
     export_every: int = 0           # rollout steps between HF exports (exports/step-N, for evaluation); 0 = only final/
     output_dir: str = "runs/dapo"   # metrics.jsonl, curves.png and checkpoints go here
     dtype: str = "float32"          # learner dtype: float32 | bfloat16
+    report_to: str = "none"         # trackers beside metrics.jsonl: none | tensorboard | wandb, or several: "tensorboard,wandb"
+    samples_per_step: int = 2       # training groups per rollout step whose responses go to samples.jsonl (with every eval response)
+    samples_max_mb: float = 256.0   # samples.jsonl + samples.1.jsonl stay under this (the older half is dropped); 0 = no samples
     # --- scale-out (dapo_ref.trainer, dapo_ref.scale; the paper's run: 16 nodes x 8 GPUs) ---
     rollout_backend: str = "hf"     # rollout engine: "hf" (transformers, one device) | "vllm"
     nnodes: int = 1                 # nodes (paper run 16)
     gpus_per_node: int = 1          # GPUs per node (paper run 8)
     zero_stage: int = 0             # learner: 0 = plain PyTorch AdamW | 2, 3 = DeepSpeed ZeRO stage (reference: FSDP, all sharded)
     gradient_checkpointing: bool = False  # recompute activations in backward (reference script: on)
+    sequence_parallel_size: int = 1 # Ulysses: ranks sharing each packed row, 1/size of its tokens each (reference run 8)
     offload_params: bool = False    # ZeRO-3 parameter offload to CPU (reference script: on)
     offload_optimizer: bool = False # ZeRO optimizer-state offload to CPU (reference script: on)
     vllm_tensor_parallel: int = 1   # vLLM tensor-parallel size per engine (reference script 4 for 32B)
@@ -109,7 +115,8 @@ _RANGES = {  # field: (check, allowed range in words)
     "max_num_gen_batches": (lambda v: v >= 0, "max_num_gen_batches >= 0 (0 = unbounded)"),
     "l_max": (lambda v: v >= 1, "l_max >= 1"),
     "l_cache": (lambda v: v >= 0, "0 <= l_cache < l_max"),
-    "reward": (lambda v: v in REWARD_MODES, "one of " + ", ".join(REWARD_MODES)),
+    "reward": (lambda v: v in REWARD_MODES or REWARD_PLUGIN.fullmatch(v) is not None,
+               "one of " + ", ".join(REWARD_MODES) + ", or a plug-in package.module:function"),
     "reward_timeout": (lambda v: v > 0, "reward_timeout > 0 (seconds)"),
     "overlong_penalty_factor": (lambda v: v >= 0, "overlong_penalty_factor >= 0"),
     "max_prompt_length": (lambda v: v >= 1, "max_prompt_length >= 1"),
@@ -137,6 +144,11 @@ _RANGES = {  # field: (check, allowed range in words)
     "gpus_per_node": (lambda v: v >= 1, "gpus_per_node >= 1"),
     "zero_stage": (lambda v: v in (0, 2, 3), "0 (plain PyTorch learner), 2 or 3 (DeepSpeed ZeRO)"),
     "vllm_tensor_parallel": (lambda v: v >= 1, "vllm_tensor_parallel >= 1"),
+    "sequence_parallel_size": (lambda v: v >= 1, "sequence_parallel_size >= 1 (1 = off)"),
+    "report_to": (lambda v: bool(v.strip()) and all(s.strip() in REPORT_TO for s in v.split(",") if s.strip()),
+                  "none, or one or more of " + ", ".join(REPORT_TO[1:]) + " separated by commas"),
+    "samples_per_step": (lambda v: v >= 0, "samples_per_step >= 0 (0 = no training samples)"),
+    "samples_max_mb": (lambda v: v >= 0, "samples_max_mb >= 0 (0 = no samples.jsonl)"),
     "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "0 < vllm_gpu_memory_utilization < 1"),
     "dist_timeout": (lambda v: v > 0, "dist_timeout > 0 (seconds)"),
 }
@@ -153,6 +165,14 @@ def combination_problem(cfg: DAPOConfig) -> str | None:
     if cfg.offload_optimizer and cfg.zero_stage == 0:
         return ("offload_optimizer = true needs a DeepSpeed learner (zero_stage: 2 or 3); the plain PyTorch learner "
                 "(zero_stage: 0) keeps AdamW on the device: set zero_stage or offload_optimizer: false")
+    if cfg.sequence_parallel_size > 1 and cfg.zero_stage == 0:
+        return (f"sequence_parallel_size = {cfg.sequence_parallel_size} needs a DeepSpeed learner (zero_stage: 2 or 3): "
+                "Ulysses runs inside DeepSpeed's attention wrapper; set zero_stage or sequence_parallel_size: 1")
+    sp, per = cfg.sequence_parallel_size, cfg.gpus_per_node
+    if sp > 1 and per % sp:
+        ok = ", ".join(str(s) for s in range(1, per + 1) if per % s == 0)
+        return (f"sequence_parallel_size = {sp} does not divide gpus_per_node = {per}: a group's ranks would span two nodes "
+                f"(its all-to-all over the network in every layer); use one of {ok}")
     if cfg.rollout_backend == "hf":
         for f in VLLM_FIELDS:
             if getattr(cfg, f) != getattr(DAPOConfig, f):
@@ -200,6 +220,8 @@ def _check_type(name, value, tp):
             raise InputError(f"{name} = {x} is not a finite number: allowed {allowed}")
     if want is int and isinstance(value, int) and not isinstance(value, bool): return value
     if want is int and isinstance(value, float) and value.is_integer(): return int(value)
+    if want is str and name == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value) or "none"  # report_to: [tensorboard, wandb] in YAML
     if want is str and isinstance(value, str):
         if name not in PATH_FIELDS: return value
         if not value.strip():  # `train_data=$UNSET`: an empty path is never what was meant
@@ -208,6 +230,7 @@ def _check_type(name, value, tp):
         return os.path.expanduser(value)  # `~/models/x`: the shell expands ~ only at the start of a word
     raise InputError(f"{name}: got {short(value)} ({type(value).__name__}), expected {tp}")
 
+# %% ../nbs/00_core.ipynb #764a0250
 def validate(cfg: DAPOConfig) -> DAPOConfig:
     "Check every field of `cfg` against its type and allowed range; return `cfg` or raise `InputError`."
     for f in fields(cfg):

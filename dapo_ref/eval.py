@@ -19,8 +19,9 @@ from .rollout import RolloutEngine, SamplingParams
 
 # %% auto #0
 __all__ = ['INVALID', 'WRITTEN_BY', 'LOAD_ERRORS', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k',
-           'generate_checked', 'evaluate', 'check_output_file', 'check_device', 'resolve_model', 'load_model_config',
-           'check_model', 'weights_problem', 'generation_memory', 'available_memory', 'check_generation_memory', 'main']
+           'generate_checked', 'response_rows', 'evaluate', 'check_output_file', 'check_device', 'resolve_model',
+           'load_model_config', 'check_model', 'weights_problem', 'generation_memory', 'available_memory',
+           'check_generation_memory', 'main']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
@@ -112,6 +113,24 @@ def generate_checked(engine: RolloutEngine, prompts: list[list[int]], params: Sa
                                "the engine must return the n completions of each prompt contiguously, in prompt order")
     return outs
 
+# %% ../nbs/08_eval.ipynb #d406a4f9
+def response_rows(prompts: list[str],   # P prompt texts
+                  texts: list[str],     # P*k responses, prompt q's k responses at rows q*k .. q*k+k-1
+                  truths: list,         # P*k ground truths
+                  preds: list[str],     # P*k extracted answers
+                  accs: Tensor,         # (P*k,) correct
+                  lengths: Tensor,      # (P, k) response tokens
+                  truncated: Tensor,    # (P, k)
+                  reward: str,          # the reward mode
+                 ) -> list[dict]:
+    "samples.jsonl rows (`track.SampleLog`) of one evaluation batch, one per response."
+    k = lengths.shape[1]
+    return [dict(split="eval", prompt=prompts[i // k], response=t, pred=p, ground_truth=str(g), score=1.0 if a else -1.0,
+                 length=int(n), truncated=bool(tr), reward_mode=reward)
+            for i, (t, g, p, a, n, tr) in enumerate(zip(texts, truths, preds, accs.tolist(), lengths.flatten().tolist(),
+                                                       truncated.flatten().tolist()))]
+
+
 # %% ../nbs/08_eval.ipynb #d39b40de
 def evaluate(engine: RolloutEngine,        # generates k completions per prompt
              tokenizer,                     # the policy's tokenizer (chat template, decode)
@@ -127,6 +146,7 @@ def evaluate(engine: RolloutEngine,        # generates k completions per prompt
              use_math_verify: bool = False, # the older spelling of reward="math-verify"
              return_per_prompt: bool = False, # add "per_prompt": per-problem predictions and counts
              progress: bool = False,        # pass use_tqdm=True to the engine (a progress bar per call)
+             samples: list | None = None,   # when a list: one row per response appended (samples.jsonl, `track`)
             ) -> dict:
     "Sample k responses per prompt and report avg@k, pass@k (any of k correct), maj@k, length and truncation."
     if not examples: raise ValueError("evaluate needs at least one example, got none")
@@ -152,6 +172,8 @@ def evaluate(engine: RolloutEngine,        # generates k completions per prompt
                 texts.append(tokenizer.decode(out.token_ids, skip_special_tokens=True)); truths.append(ex.ground_truth)
                 lengths[start + q, j], truncated[start + q, j] = len(out.token_ids), out.truncated
         _, accs, m, batch_preds = score_batch(texts, truths, mode=reward, return_preds=True)  # (len(batch) * k,)
+        if samples is not None: samples += response_rows([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], texts,
+                                                          truths, batch_preds, accs, lengths[start:start + len(batch)], truncated[start:start + len(batch)], reward)
         timeouts += m["reward_timeouts"]
         correct[start:start + len(batch)] = accs.view(len(batch), k)
         preds += [batch_preds[q * k:(q + 1) * k] for q in range(len(batch))]

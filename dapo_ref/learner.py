@@ -22,8 +22,8 @@ from .runs import UpdateGuard
 # %% auto #0
 __all__ = ['VARLEN_LOOP_FROM', 'METRIC_KEYS', 'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy',
            'RolloutBatch', 'pack_micro_batches', 'collate', 'pack', 'varlen_sdpa', 'use_varlen_attention',
-           'head_logprobs', 'forward_logprobs', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model',
-           'loss_denominators', 'Learner', 'TorchLearner']
+           'head_logprobs', 'forward_logprobs', 'SeqParallel', 'shard_packed', 'SeqGather', 'warmup_factor',
+           'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators', 'Learner', 'TorchLearner']
 
 # %% ../nbs/08b_learner.ipynb #a17cddde
 _STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model`)
@@ -146,6 +146,8 @@ VARLEN_LOOP_FROM = 512  # tokens: a packed sequence at least this long gets its 
 def varlen_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
                 scaling: float | None = None, **kwargs):
     "Attention of a packed row within each sequence (`cu_seq_lens_q`), causal: long ones alone, short ones together by length class; not the row's N^2."
+    if kwargs.get("ulysses") is not None:  # never silently attend within one rank's piece only
+        raise RuntimeError("a sequence-parallel forward reached varlen_sdpa without DeepSpeed's wrapper (scale.ulysses_group)")
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:  # not a packed call: transformers' sdpa
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -199,6 +201,7 @@ def forward_logprobs(model,                 # causal LM, or an engine wrapping o
                      entropy: bool = False, # also return the token entropy
                      device: torch.device | None = None,  # where the inputs go; None = the model's first parameter's
                      fused: bool = True,    # packed: log-probs fused with the lm head (no logits tensor); False: through the logits
+                     sp: SeqParallel | None = None,  # packed: this rank's piece of the row (Ulysses), the group's log-probs gathered
                     ) -> tuple[Tensor, Tensor | None]:
     "Log-probs (b, T) of the response tokens under softmax(logits / temperature), and optionally their entropy (b, T)."
     dev = device if device is not None else next(model.parameters()).device
@@ -210,10 +213,12 @@ def forward_logprobs(model,                 # causal LM, or an engine wrapping o
         logits, labels = out.logits[:, :-1], mb["input_ids"][:, -T:].to(dev)  # (b, T, V): column Lp-1+t predicts token t
         return token_logprobs(logits, labels, temperature), token_entropy(logits.detach() / temperature) if entropy else None
     net = getattr(model, "module", model)  # the transformers model inside a DeepSpeed engine
+    if sp is not None: mb = shard_packed(mb, sp.rank, sp.size)  # the model sees this rank's piece; attention the whole row
     cu, longest = mb["cu_seqlens"].to(dev), int(mb["cu_seqlens"].diff().max())
     kw = dict(input_ids=mb["input_ids"].to(dev), position_ids=mb["position_ids"].to(dev), use_cache=False,
               logits_to_keep=mb["logit_index"].to(dev),  # the lm head sees only the positions that predict a response token
               cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # attention per sequence
+    if sp is not None: kw["ulysses"] = sp.attn  # the attention function hands the call to DeepSpeed's wrapper (`scale`)
     labels = mb["labels"].to(dev)  # (M,)
     if fused:  # the model's own forward (a DeepSpeed engine's hooks as in any pass), its lm head computing log-probs
         logp, ent = head_logprobs(net.get_output_embeddings(), labels, temperature, entropy, lambda: model(**kw).logits)
@@ -221,8 +226,53 @@ def forward_logprobs(model,                 # causal LM, or an engine wrapping o
         logits = model(**kw).logits  # (1, M, V)
         logp = token_logprobs(logits, labels[None], temperature)[0]
         ent = token_entropy(logits.detach() / temperature)[0] if entropy else None
+    if sp is not None:  # (M_rank,) -> (M,): every rank of the group holds the micro-batch's log-probs
+        logp = SeqGather.apply(logp, mb["counts"], sp.rank, sp.group)
+        ent = SeqGather.apply(ent, mb["counts"], sp.rank, sp.group) if entropy else None
     unflat = lambda x: x.new_zeros(mask.shape).masked_scatter(mask, x)  # (M,) -> (b, T), row i's tokens first in row i
     return unflat(logp), (unflat(ent) if entropy else None)
+
+# %% ../nbs/08b_learner.ipynb #9744c3f5
+@dataclass
+class SeqParallel:
+    "This rank's place in a Ulysses sequence-parallel group: `size` ranks share every packed row, 1/size of its tokens each."
+    group: object     # the torch process group of the `size` ranks (consecutive ranks: one node)
+    rank: int         # this rank's index in the group: tokens [rank N/size, (rank+1) N/size) of each row are its piece
+    size: int         # ranks in the group
+    attn: Callable    # DeepSpeed's UlyssesSPAttentionHF: all-to-all to heads, the attention of the whole row, back
+
+def shard_packed(mb: dict[str, Tensor],  # from `pack`
+                 rank: int,              # this rank's index in its group
+                 size: int,              # ranks in the group
+                ) -> dict[str, Tensor]:
+    "Rank `rank`'s piece of a packed row padded to a multiple of `size` (one more sequence of token 0); `counts`: response tokens each piece predicts."
+    N = mb["input_ids"].shape[1]
+    pad = -N % size
+    n, L = N + pad, (N + pad) // size
+    ids = torch.nn.functional.pad(mb["input_ids"], (0, pad))                                      # (1, n)
+    pos = torch.cat([mb["position_ids"], torch.arange(pad)[None]], 1)              # (1, n) the padding: a sequence of its own
+    cu = torch.cat([mb["cu_seqlens"], mb["cu_seqlens"].new_tensor([n])]) if pad else mb["cu_seqlens"]  # whole row
+    piece = mb["logit_index"].div(L, rounding_mode="floor")                        # (M,) which rank predicts each token
+    mine = piece == rank
+    return dict(input_ids=ids[:, rank * L:(rank + 1) * L], position_ids=pos[:, rank * L:(rank + 1) * L],  # (1, L) each
+                cu_seqlens=cu, logit_index=mb["logit_index"][mine] - rank * L, labels=mb["labels"][mine],
+                response_mask=mb["response_mask"], counts=torch.bincount(piece, minlength=size).tolist())
+
+class SeqGather(torch.autograd.Function):
+    "The group's pieces (M_r,) concatenated in rank order; backward: this rank's slice of the gradient (every rank computes the same loss)."
+    @staticmethod
+    def forward(ctx, x: Tensor, counts: list[int], rank: int, group) -> Tensor:
+        buf = x.new_zeros(max(1, max(counts)))                    # equal sizes for all_gather
+        buf[:x.shape[0]] = x
+        parts = [torch.empty_like(buf) for _ in counts]
+        torch.distributed.all_gather(parts, buf, group=group)
+        ctx.start, ctx.n = sum(counts[:rank]), counts[rank]
+        return torch.cat([p[:c] for p, c in zip(parts, counts)])  # (M,)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad[ctx.start:ctx.start + ctx.n], None, None, None
+
 
 # %% ../nbs/08b_learner.ipynb #46a2e433
 def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
@@ -269,6 +319,7 @@ class Learner:
                  net=None):                  # what forward passes call (a DeepSpeed engine); None = model
         self.model, self.cfg, self.pad_id, self.device = model, cfg, pad_token_id, device
         self.net = model if net is None else net
+        self.sp: SeqParallel | None = None  # Ulysses group (`scale.DeepSpeedLearner` sets it when sequence_parallel_size > 1)
         for g in optimizer.param_groups: g.setdefault("initial_lr", g["lr"])
         self.sched = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(cfg.warmup_steps))
         self.guard = UpdateGuard(optimizer, grad_norm=self.clip_norm)  # runs: skips non-finite steps, flags blow-ups
@@ -293,9 +344,19 @@ class Learner:
 # %% ../nbs/08b_learner.ipynb #77ee1df8
 @patch
 def micro_batches(self: Learner, batch: RolloutBatch) -> list[list[int]]:
-    "This rank's token-budget micro-batches of `batch`."
+    "This rank's token-budget micro-batches of `batch` (a sequence-parallel group's: `size` ranks' budgets)."
     return pack_micro_batches([(len(p), len(r)) for p, r in zip(batch.prompt_ids, batch.response_ids)],
-                              self.cfg.micro_token_budget)
+                              self.cfg.micro_token_budget * self.copies)
+
+@patch(as_prop=True)
+def copies(self: Learner) -> int:
+    "Ranks that hold the same micro-batches: the sequence-parallel group's size (1 without)."
+    return 1 if self.sp is None else self.sp.size
+
+@patch
+def data_rank(self: Learner) -> tuple[int, int]:
+    "(index, count) of this rank's data-parallel group: a sequence-parallel group trains one share of each mini-batch."
+    return dist.rank() // self.copies, dist.world_size() // self.copies
 
 @patch
 def passes(self: Learner, batch: RolloutBatch) -> tuple[list[list[int]], int]:
@@ -320,7 +381,7 @@ def denominators(self: Learner, batch: RolloutBatch) -> tuple[int, int]:
     keep = (~batch.truncated).tolist() if self.cfg.overlong_filter else [True] * len(batch)
     lens = [len(r) for r, k in zip(batch.response_ids, keep) if k]
     n_tok, n_seq = dist.all_reduce([sum(lens), sum(1 for n in lens if n > 0)])
-    return int(n_tok), int(n_seq)
+    return int(n_tok) // self.copies, int(n_seq) // self.copies  # a sequence-parallel group counted once
 
 @patch
 @torch.no_grad()
@@ -331,7 +392,7 @@ def compute_logprobs(self: Learner, batch: RolloutBatch) -> tuple[list[Tensor], 
     for idx in mbs:
         sub = batch.select(idx)
         logp, ent = forward_logprobs(self.net, pack(sub.prompt_ids, sub.response_ids),
-                                     self.cfg.temperature, entropy=True, device=self.device)
+                                     self.cfg.temperature, entropy=True, device=self.device, sp=self.sp)
         for j, i in enumerate(idx):
             k = len(batch.response_ids[i])
             logps[i], ents[i] = logp[j, :k].float().cpu(), ent[j, :k].float().cpu()
@@ -351,7 +412,7 @@ def micro_losses(self: Learner, batch: RolloutBatch, old_logp: list[Tensor], mbs
         mask = mb["response_mask"]  # (b, T)
         old = torch.zeros(mask.shape)  # (b, T)
         for j, i in enumerate(idx): old[j, :len(old_logp[i])] = old_logp[i]
-        logp, _ = forward_logprobs(self.net, mb, cfg.temperature, device=self.device)  # (b, T)
+        logp, _ = forward_logprobs(self.net, mb, cfg.temperature, device=self.device, sp=self.sp)  # (b, T)
         lmask = self.loss_mask(sub, mask).to(logp.device)  # (b, T) overlong filtering applied
         dt = torch.promote_types(logp.dtype, torch.float32)  # float32 for a bf16 policy; a float64 one stays float64
         loss, m = policy_loss(logp.to(dt), old.to(logp.device, dt), sub.advantages.to(logp.device, dt), lmask,
@@ -371,7 +432,7 @@ def update(self: Learner, batch: RolloutBatch,  # this rank's share of one mini-
     for k in range(n):
         loss, m, w = next(micro, None) or (self.dummy_loss(), {}, 0)  # the forward pass of micro-batch k runs here
         self.backward(loss, last=k == n - 1)
-        total += float(loss.detach()); weight += w
+        total += float(loss.detach()) / self.copies; weight += w  # a sequence-parallel group's ranks: the same loss
         if w: rmin, rmax = min(rmin, m["ratio_min"]), max(rmax, m["ratio_max"])
         for key in METRIC_KEYS: sums[key] += m.get(key, 0.0) * w  # token-weighted means over micro-batches
     self.guard.loss, self.guard.reason, self.guard.blown = total, None, None  # the guard inside optimizer_step reads the loss
@@ -392,7 +453,7 @@ def update(self: Learner, batch: RolloutBatch,  # this rank's share of one mini-
 def eval_loss(self: Learner, batch: RolloutBatch, old_logp: list[Tensor]) -> float:
     "The mini-batch's loss at the current weights (summed over ranks), without a gradient."
     mbs, n = self.passes(batch)
-    local = sum(float(l) for l, _, _ in self.micro_losses(batch, old_logp, mbs, *self.denominators(batch)))
+    local = sum(float(l) for l, _, _ in self.micro_losses(batch, old_logp, mbs, *self.denominators(batch))) / self.copies
     for _ in range(n - len(mbs)): self.dummy_loss()
     return dist.all_reduce([local])[0]
 

@@ -96,10 +96,10 @@ def activation_bytes(arch: ModelArch,       # the model
                     ) -> dict:
     "Activation bytes kept for backward on one GPU: hidden states (per layer), one layer's full set, the log-probs' logits."
     h, L = arch.hidden_size, arch.num_hidden_layers
-    layer = 12 * h + 4 * arch.kv_dim + 8 * arch.intermediate_size   # bytes per token per layer, bf16
+    layer = 22 * h + 4 * arch.kv_dim + 8 * arch.intermediate_size   # bytes per token per layer, bf16
     if checkpointing: hidden, full = tokens * L * 2 * h, tokens * layer
     else: hidden, full = 0, tokens * L * layer
-    logits = 16 * FUSED_CHUNK + tokens * (2 * h + 12) if fused else tokens * arch.vocab_size * (2 + 4)
+    logits = 16 * FUSED_CHUNK + tokens * (10 * h + 12) if fused else tokens * arch.vocab_size * (2 + 4)
     return dict(hidden=hidden, layers=full, logits=logits)
 
 # %% ../nbs/12_plan.ipynb #d5cfae25

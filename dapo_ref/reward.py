@@ -4,19 +4,19 @@
 
 # %% ../nbs/02_reward.ipynb #27e61774
 from __future__ import annotations
-import atexit, importlib.util, json, os, re, selectors, subprocess, sys, threading, time, warnings
+import atexit, importlib, importlib.util, inspect, json, os, re, selectors, subprocess, sys, threading, time, warnings
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from .core import REWARD_MODES
+from .core import REWARD_MODES, REWARD_PLUGIN, InputError
 
 # %% auto #0
 __all__ = ['REFERENCE_WINDOW', 'MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'extract_answer', 'extract_answer_reference',
-           'normalize_reference', 'normalize_answer', 'score_response', 'default_workers', 'verify_pairs',
-           'math_verify_equal', 'score_batch', 'overlong_penalty']
+           'normalize_reference', 'normalize_answer', 'is_plugin', 'score_response', 'default_workers', 'verify_pairs',
+           'math_verify_equal', 'score_batch', 'overlong_penalty', 'check_plugin', 'plugin_batch']
 
 # %% ../nbs/02_reward.ipynb #68537a9e
 _ANSWER_RE = re.compile(r"answer[ \t]*:", re.IGNORECASE)
@@ -104,9 +104,14 @@ def normalize_answer(s: str,  # a final answer, e.g. the output of `extract_answ
 # %% ../nbs/02_reward.ipynb #cbce2a3e
 MATH_VERIFY_TIMEOUT = 5.0  # seconds one math-verify comparison may take before it scores -1 (DAPOConfig.reward_timeout)
 
+def is_plugin(mode: str) -> bool:
+    "Whether a reward mode names a plug-in, `package.module:function`, rather than a built-in mode."
+    return REWARD_PLUGIN.fullmatch(mode) is not None
+
 def _check_mode(mode: str):
-    if mode not in REWARD_MODES:
-        raise ValueError(f"reward mode = {mode!r}: use one of {', '.join(REWARD_MODES)} (the `reward:` field of a recipe)")
+    if mode not in REWARD_MODES and not is_plugin(mode):
+        raise ValueError(f"reward mode = {mode!r}: use one of {', '.join(REWARD_MODES)}, or a plug-in "
+                         "package.module:function (the `reward:` field of a recipe)")
 
 def score_response(response: str,  # the decoded response (EOS text stripped)
                    ground_truth,  # the reference answer (str, or a number)
@@ -119,6 +124,9 @@ def score_response(response: str,  # the decoded response (EOS text stripped)
     "Eq. 7: +1.0 if the response's final answer is equivalent to the ground truth under `mode`, else -1.0."
     mode = "math-verify" if use_math_verify else mode
     _check_mode(mode)
+    if is_plugin(mode):  # the plug-in in its bounded worker pool, like a whole round of one
+        s, a, _, p = score_batch([response], [ground_truth], mode, timeout_s, window=window, return_preds=True)
+        return {"score": float(s[0]), "acc": bool(a[0]), "pred": p[0]}
     if window is not None and window < 1:
         raise ValueError(f"window = {window}: the number of trailing characters searched must be >= 1, or None for all")
     tail = response if window is None else response[-window:]
@@ -138,9 +146,10 @@ SLOW_AFTER = 0.05  # seconds a math-verify call may hold a worker's slot while o
 
 class _VerifyPool:
     "Client of one math-verify server process: it imports math-verify once and forks its workers from itself."
-    def __init__(self, start_timeout: float = 60.0):  # seconds the server may take to import math-verify
+    def __init__(self, start_timeout: float = 60.0,  # seconds the server may take to import math-verify
+                 plugin: str | None = None):          # a reward plug-in `package.module:function` instead of math-verify
         server = Path(importlib.util.find_spec("dapo_ref.verify_server").origin).read_text()  # torch-free program
-        self.proc = subprocess.Popen([sys.executable, "-c", server], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", server, *([plugin] if plugin else [])], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -151,6 +160,7 @@ class _VerifyPool:
             self.proc.kill(); self.close()
             if slow:
                 raise TimeoutError(f"math-verify server did not start within {start_timeout} s")
+            if plugin: raise RuntimeError(f"reward plug-in {plugin} did not start in its server ({line!r})")
             raise RuntimeError(f"math-verify server did not start ({line!r}); the math-verify reward "
                                f"needs `pip install math-verify` for {sys.executable}")
 
@@ -193,30 +203,34 @@ def default_workers() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
-_POOL = {"pid": None, "pool": None}  # this process's server; a forked child starts its own
+_POOL = {"pid": None, "pools": {}}  # this process's servers: "math-verify" and one per reward plug-in; a fork starts its own
 _POOL_LOCK = threading.Lock()
 
 def _shutdown_pool():
     "Stop this process's math-verify server and its workers (registered with atexit)."
     with _POOL_LOCK:
-        if _POOL["pid"] == os.getpid() and _POOL["pool"] is not None: _POOL["pool"].close()
-        _POOL["pool"] = None
+        if _POOL["pid"] == os.getpid():
+            for pool in _POOL["pools"].values(): pool.close()
+        _POOL["pools"] = {}
 
 atexit.register(_shutdown_pool)
 
 def verify_pairs(pairs: list,  # (gold, pred) LaTeX strings, `$`-wrapped as math-verify parses them
                  timeout: float = MATH_VERIFY_TIMEOUT,  # per-call limit in seconds, from the call's start in a worker
                  workers: int | None = None,  # parallel calls; None = default_workers()
+                 plugin: str | None = None,   # a reward plug-in: pairs are (ground truth, response), verdicts its scores
                 ) -> list:  # 1 (equivalent), 0 (not), "timeout" or "error" (worker died), one per pair
-    "math-verify on many pairs at once, in a pool of worker processes started once and reused."
+    "math-verify (or a reward plug-in) on many pairs at once, in a pool of worker processes started once and reused."
     if not pairs: return []
+    key = plugin or "math-verify"
     with _POOL_LOCK:
-        if _POOL["pid"] != os.getpid(): _POOL.update(pid=os.getpid(), pool=None)  # never reuse a parent's pipes
+        if _POOL["pid"] != os.getpid(): _POOL.update(pid=os.getpid(), pools={})  # never reuse a parent's pipes
+        pools = _POOL["pools"]
         for attempt in (0, 1):  # a dead server is replaced once
-            if _POOL["pool"] is None: _POOL["pool"] = _VerifyPool()
-            try: return _POOL["pool"].run([list(p) for p in pairs], timeout, workers or default_workers())
+            if key not in pools: pools[key] = _VerifyPool(plugin=plugin)
+            try: return pools[key].run([list(p) for p in pairs], timeout, workers or default_workers())
             except BaseException as e:  # died, or interrupted mid-call (its reply would come out of turn): discard
-                _POOL["pool"].close(); _POOL["pool"] = None
+                pools.pop(key).close()
                 if attempt or not isinstance(e, (RuntimeError, OSError)): raise
 
 def math_verify_equal(gold: str,  # normalised ground truth
@@ -244,6 +258,7 @@ def score_batch(responses: Sequence[str],  # B decoded responses of one generati
     if len(responses) != len(ground_truths):
         raise ValueError(f"score_batch got {len(responses)} responses and {len(ground_truths)} ground truths; "
                          "pass one ground truth per response (repeat each G times)")
+    if is_plugin(mode): return plugin_batch(responses, ground_truths, mode, timeout, window, workers, return_preds)
     string_mode = "dapo-strict" if mode == "math-verify" else mode
     memo = {}  # (response tail, ground truth) -> verdict: a group often repeats both
     res = [memo.get(k) or memo.setdefault(k, score_response(*k, mode=string_mode, window=None))
@@ -282,3 +297,33 @@ def overlong_penalty(lengths,  # (B,) response lengths in tokens, EOS included (
     if l_cache == 0: pen = torch.where(L > l_max, -1.0, 0.0).double()  # (B,)
     else: pen = ((l_max - l_cache - L) / l_cache).clamp(-1.0, 0.0)  # (B,)
     return pen.float()
+
+# %% ../nbs/02_reward.ipynb #790eedff
+def check_plugin(spec: str):
+    "Refuse, naming it and the fix, a reward plug-in that does not import, is not a function, or cannot take (response, ground_truth)."
+    module, _, name = spec.partition(":")
+    try: fn = getattr(importlib.import_module(module), name)
+    except Exception as e:
+        raise InputError(f"reward = {spec}: cannot load it ({type(e).__name__}: {e}); give package.module:function of a "
+                         "module importable here (on PYTHONPATH), or one of " + ", ".join(REWARD_MODES)) from None
+    if not callable(fn): raise InputError(f"reward = {spec}: {name} is a {type(fn).__name__}, not a function")
+    try: inspect.signature(fn).bind("response", "ground truth")
+    except TypeError:
+        raise InputError(f"reward = {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(response, ground_truth); "
+                         "define it as def " + name + "(response, ground_truth, **kw)") from None
+    except ValueError: pass  # a builtin without a signature: called as it is
+
+def plugin_batch(responses: Sequence[str], ground_truths: Sequence, spec: str, timeout: float,
+                 window: int | None = REFERENCE_WINDOW, workers: int | None = None, return_preds: bool = False):
+    "`score_batch` for a plug-in: its scores from the bounded worker pool; -1 for a call out of time or failing (counted)."
+    t = time.perf_counter()
+    verdicts = verify_pairs([(str(g), r) for r, g in zip(responses, ground_truths)], timeout, workers, plugin=spec)
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    scores = torch.tensor([float(v) if num(v) else -1.0 for v in verdicts], dtype=torch.float32)  # (B,)
+    metrics = {"reward_timeouts": sum(v == "timeout" for v in verdicts), "reward_errors": sum(v == "error" for v in verdicts),
+               "reward_math_verify_calls": 0, "reward_math_verify_s": time.perf_counter() - t}
+    out = (scores, scores > 0, metrics)
+    if not return_preds: return out
+    preds = [extract_answer(r if window is None else r[-window:]) or "[INVALID]" for r in responses]
+    return (*out, preds)
+

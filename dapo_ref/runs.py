@@ -27,7 +27,7 @@ __all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'STATE_KEYS', 'WEIGHT_GROW
 # %% ../nbs/08a_runs.ipynb #6b6f1360
 MARKER = ".dapo_ref.json"  # written first into every folder a dapo_ref command creates: its kind, command, time, id
 RUN_ENTRIES = (MARKER, "config.yaml", "metrics.jsonl", "metrics.dropped.jsonl", "summary.json", "curves.png", "tb",
-               "checkpoints", "final", "exports")  # all that dapo-train writes in output_dir: --overwrite removes these only
+               "wandb", "wandb_run_id", "samples.jsonl", "samples.1.jsonl", "checkpoints", "final", "exports")  # all that dapo-train writes in output_dir: --overwrite removes these only
 
 def read_marker(folder: str | Path) -> dict | None:
     "The marker of `folder` (a dict with its `kind`: 'run', 'model', 'ablation'), or None when it has none."
@@ -155,7 +155,8 @@ FROZEN = (  # change the experiment: a resumed run must keep them
     "offload_params", "offload_optimizer", "vllm_tensor_parallel")
 FREE = (  # may change on resume: applied from the next step on, written to config.yaml, one log line
     "total_steps", "eval_every", "save_every", "export_every", "eval_k", "output_dir",     # length, cadence, output
-    "micro_token_budget", "gradient_checkpointing",                                        # memory, not the maths
+    "micro_token_budget", "gradient_checkpointing", "sequence_parallel_size",              # memory, not the maths
+    "report_to", "samples_per_step", "samples_max_mb",                                     # what is recorded
     "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager",
     "dist_timeout")                                                                        # how long ranks wait
 

@@ -15,11 +15,11 @@ from . import dist
 from .core import DAPOConfig, InputError, combination_problem
 from fastcore.basics import patch
 
-from .learner import Learner, prepare_model, model_path
+from .learner import Learner, SeqParallel, prepare_model, model_path
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
 
 # %% auto #0
-__all__ = ['deepspeed_config', 'gathered_named_weights', 'DeepSpeedLearner']
+__all__ = ['deepspeed_config', 'gathered_named_weights', 'ulysses_group', 'DeepSpeedLearner']
 
 # %% ../nbs/08d_deepspeed.ipynb #b3d0089c
 def deepspeed_config(cfg: DAPOConfig,      # zero_stage, dtype, offload_*, grad_clip, lr, betas, weight_decay
@@ -64,6 +64,33 @@ def gathered_named_weights(module: torch.nn.Module,  # a model whose parameters 
             # copies: the gathered storage is released when the context exits, and engines may batch tensors
             for n, t in names: yield n, t.detach().clone()
 
+# %% ../nbs/08d_deepspeed.ipynb #c0d63200
+def ulysses_group(model,     # the transformers model (its attention implementation already chosen: `prepare_model`)
+                  size: int, # ranks per group (divides the world size and gpus_per_node)
+                 ) -> SeqParallel:
+    "This rank's Ulysses group: consecutive ranks of `size`, DeepSpeed's `UlyssesSPAttentionHF` around the model's attention."
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # its all-to-all runs on deepspeed.comm
+    rank, world = dist.rank(), dist.world_size()
+    if world % size: raise InputError(f"sequence_parallel_size = {size} does not divide the {world} ranks of this launch")
+    groups = [torch.distributed.new_group(list(range(g, g + size))) for g in range(0, world, size)]  # every rank makes every group
+    name = model.config._attn_implementation
+    core = getattr(ALL_ATTENTION_FUNCTIONS[name], "without_ulysses", ALL_ATTENTION_FUNCTIONS[name])  # a second learner here
+    c = model.config.get_text_config()
+    wrapper = UlyssesSPAttentionHF(attn=core, batch_size=1, attn_head_count=c.num_attention_heads,
+                                   attn_head_size=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                                   kv_head_count=c.num_key_value_heads, num_hidden_layers=c.num_hidden_layers,
+                                   process_group=groups[rank // size], seq_length_is_variable=True)
+    def attention(module, query, key, value, attention_mask, *args, ulysses=None, **kwargs):
+        if ulysses is None: return core(module, query, key, value, attention_mask, *args, **kwargs)
+        return ulysses(module, query, key, value, None, *args, **kwargs)  # the packed row's mask is its positions
+    attention.without_ulysses = core
+    ALL_ATTENTION_FUNCTIONS[name] = attention  # under the same name: transformers' branches for that name still apply
+    return SeqParallel(groups[rank // size], rank % size, size, wrapper)
+
+
 # %% ../nbs/08d_deepspeed.ipynb #11620a61
 class DeepSpeedLearner(Learner):
     "The DeepSpeed ZeRO-2/3 learner (`zero_stage: 2 | 3`, optional CPU offload): partitions over the ranks, one engine step per mini-batch."
@@ -83,6 +110,7 @@ class DeepSpeedLearner(Learner):
         self.engine, self.opt = engine, opt
         torch_opt = getattr(opt, "optimizer", opt)  # the torch optimizer inside ZeRO's wrapper: the warm-up sets its lr
         super().__init__(engine.module, cfg, pad_token_id, engine.device, torch_opt, net=engine)
+        if cfg.sequence_parallel_size > 1: self.sp = ulysses_group(engine.module, cfg.sequence_parallel_size)
 
     def backward(self, loss: Tensor, last: bool):
         self.engine.set_gradient_accumulation_boundary(last)  # reduce (ZeRO-2) / reduce-scatter (ZeRO-3) after the last

@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from . import dist
 from .core import DAPOConfig, InputError, combination_problem, one_line, save_config, validate
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
-from .reward import score_batch, overlong_penalty
+from .reward import check_plugin, is_plugin, score_batch, overlong_penalty
 from .advantage import group_advantages
 from .sampling import DynamicSamplingBuffer
 from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, checkpoint_error, export_error, divergence_error,
@@ -26,11 +26,13 @@ from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blo
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
 from .learner import Learner, TorchLearner, RolloutBatch, model_path, stage_model, load_tokenizer
 from .zero import gather_batch, balanced_share
+from .track import SampleLog, Trackers, check_trackers
 
 # %% auto #0
 __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'TIMING_KEYS', 'check_run', 'load_splits', 'PromptSampler', 'seed_of', 'round_seed',
            'Group', 'score_groups', 'generate_groups', 'make_batch', 'learner_class', 'strip_timing', 'Remote',
-           'global_round', 'make_engine', 'Trainer', 'rollout_gap', 'step_metrics', 'summary_line', 'train']
+           'global_round', 'make_engine', 'Trainer', 'rollout_gap', 'sample_rows', 'step_metrics', 'summary_line',
+           'train']
 
 # %% ../nbs/09_trainer.ipynb #12029f8b
 def check_run(cfg: DAPOConfig,  # a validated config
@@ -38,6 +40,8 @@ def check_run(cfg: DAPOConfig,  # a validated config
              ) -> DAPOConfig:
     "Raise `ValueError` naming the field when this launch cannot honour `cfg` (the packages here, its ranks); return `cfg`."
     if problem := combination_problem(cfg): raise InputError(problem)  # the config's own rules (`core.validate` too)
+    check_trackers(cfg.report_to)  # a tracker asked for and not installed: refused before the model loads
+    if is_plugin(cfg.reward): check_plugin(cfg.reward)  # a reward plug-in that does not load: the same
     have = lambda m: importlib.util.find_spec(m) is not None
     if cfg.zero_stage and not have("deepspeed"):
         raise ValueError(f"zero_stage = {cfg.zero_stage} needs DeepSpeed, which is not installed; "
@@ -274,7 +278,7 @@ class Trainer:
         main = self.rank == 0
         self.log = (log or (lambda s: None)) if main else (lambda s: None)
         self._bars = main and (sys.stderr.isatty() if progress is None else bool(progress))  # tqdm bars only on a terminal by default
-        self._tb = None
+        self.trackers = self.samples = None  # rank 0's, from `_start`
 
 # %% ../nbs/09_trainer.ipynb #6b348b2d
 @patch
@@ -330,7 +334,7 @@ def train_on(self: Trainer, batch: RolloutBatch,  # this rank's responses of the
     t0 = time.perf_counter()
     full = gather_batch(batch, owned)  # the step's responses on every rank: token ids and three numbers each
     share = balanced_share([len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)],  # what a packed pass costs
-                           self.cfg.mini_batch_size, self.rank, self.world)
+                           self.cfg.mini_batch_size, *self.learner.data_rank())  # a sequence-parallel group: one share
     minis = [full.select(ix) for ix in share]  # this rank's token-balanced part of each mini-batch
     olds = [self.learner.compute_logprobs(mini) for mini in minis]  # before any update, packed as the update packs them
     t1 = time.perf_counter()
@@ -351,6 +355,14 @@ def train_on(self: Trainer, batch: RolloutBatch,  # this rank's responses of the
 
 # %% ../nbs/09_trainer.ipynb #922286cd
 def _mean(xs): xs = list(xs); return sum(xs) / len(xs) if xs else 0.0
+
+def sample_rows(groups: list[Group], tokenizer, examples: list[MathExample], step: int, mode: str) -> list[dict]:
+    "samples.jsonl rows (`track.SampleLog`) of training groups: one per response, its text, answer, score and reward."
+    dec = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return [dict(step=step, split="train", prompt=dec(g.prompt_ids), response=dec(r), pred=p,
+                 ground_truth=str(examples[g.index].ground_truth), score=s, reward=w, length=len(r), truncated=t,
+                 reward_mode=mode)
+            for g in groups for r, p, s, w, t in zip(g.responses, g.preds, g.scores, g.rewards, g.truncated)]
 
 def _light(g: Group) -> Group:
     "A group stripped to what the step's metrics read (lengths, rewards, flags): cheap to gather."
@@ -377,6 +389,9 @@ def step(self: Trainer) -> dict:
     self.step_idx += 1
     timer, lr = {}, self.learner.lr
     taken, seen, gstats = self.collect(self.step_idx, timer)                             # lines 2, 4-8
+    if self.samples is not None and cfg.samples_per_step:  # rank 0: the responses of its first kept groups
+        mine = [h for h in taken if not isinstance(h, Remote)][:cfg.samples_per_step]
+        self.samples.write(sample_rows(mine, self.tokenizer, self.train_examples, self.step_idx, cfg.reward))
     batch = make_batch([h for h in taken if not isinstance(h, Remote)], cfg.group_size)  # line 9
     owned = [not isinstance(h, Remote) for h in taken for _ in range(cfg.group_size)]
     updates, bstats = self.engine.around_update(lambda: self.train_on(batch, owned, timer),  # lines 10-11 ...
@@ -403,9 +418,12 @@ def evaluate(self: Trainer) -> dict:
     d, D, t = rollout_groups(self.rank, self.world, cfg.vllm_tensor_parallel if self.world > 1 else 1)
     mine = dist.shard(self.eval_examples, d, D)  # the ranks of one engine evaluate the same share with the same seed
     seed = seed_of(cfg.seed, "eval") if D == 1 else seed_of(cfg.seed, "eval", d)
+    rows = [] if cfg.samples_max_mb > 0 else None  # samples.jsonl: every response of the evaluation
     r = evaluate(self.engine, self.tokenizer, mine, k=cfg.eval_k, temperature=cfg.eval_temperature,
-                 top_p=cfg.eval_top_p, max_tokens=cfg.l_max, seed=seed, reward=cfg.reward) if mine else None
-    parts = [p for p in dist.all_gather(r if t == 0 else None) if p]
+                 top_p=cfg.eval_top_p, max_tokens=cfg.l_max, seed=seed, reward=cfg.reward, samples=rows) if mine else None
+    got = dist.all_gather((r, rows) if t == 0 and r else None)
+    if self.samples is not None: self.samples.write([dict(step=self.step_idx, **x) for g in got if g and g[1] for x in g[1]])
+    parts = [g[0] for g in got if g]
     n = sum(p["n_prompts"] for p in parts)
     mean = lambda key: sum(p[key] * p["n_prompts"] for p in parts) / n
     return dict(eval_acc=mean("avg@k"), eval_pass=mean("pass@k"), eval_maj=mean("maj@k"), eval_len=mean("mean_length"),
@@ -476,9 +494,7 @@ def _write(self: Trainer, row: dict):
     self.rows.append(row)
     if not dist.is_main(): return
     with open(self.out / "metrics.jsonl", "a") as f: f.write(json.dumps(row) + "\n")
-    if self._tb is not None:
-        for k, v in row.items():
-            if isinstance(v, (int, float)) and k not in ("step", "grad_updates"): self._tb.add_scalar(k, v, row["grad_updates"])
+    if self.trackers is not None: self.trackers.log(row, row["step"])
 
 @patch
 def _start(self: Trainer, resume: bool, overwrite: bool = False):
@@ -506,10 +522,8 @@ def _start(self: Trainer, resume: bool, overwrite: bool = False):
             self.log(f"resume: {len(dropped)} metrics rows written after {ck.name if ck else 'the start'} (steps "
                      f"{dropped[0].get('step')}..{dropped[-1].get('step')}) moved to metrics.dropped.jsonl")
         (self.out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # needs the optional `tensorboard` package
-            self._tb = SummaryWriter(str(self.out / "tb"))
-        except Exception: self._tb = None
+        self.trackers = Trackers(cfg.report_to, self.out, self.out.name, dataclasses.asdict(cfg), self.log)
+        self.samples = SampleLog(self.out, int(cfg.samples_max_mb * 2**20))
     dist.barrier()  # no rank reads the checkpoint folder after this point until rank 0 has cleared it
     if ck is None:
         torch.manual_seed(cfg.seed); random.seed(cfg.seed)
@@ -551,7 +565,7 @@ def fit(self: Trainer, resume: bool = False, keep_checkpoints: int = 2,
                    output_dir=str(self.out), world_size=self.world)
     if main:
         plot_curves(self.rows, self.out / "curves.png")
-        if self._tb is not None: self._tb.close()
+        self.trackers.summary(summary); self.trackers.close()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
     dist.barrier()
     return summary

@@ -97,13 +97,20 @@ def trainer_update(cfg, model, tok, engine=None):
     from dapo_ref import dist
     from dapo_ref.tiny import tiny_splits
     from dapo_ref.trainer import Trainer
+    from dapo_ref.zero import balanced_share
     trainer = Trainer(cfg, train_examples=tiny_splits(8, 1, seed=0)[0], eval_examples=[], model=model, tokenizer=tok,
                       engine=engine, progress=False, log=None)
     mine = set(dist.shard(list(range(N_GROUPS)), dist.rank(), dist.world_size()))  # groups stay whole on one rank
     owned = [k in mine for k in range(N_GROUPS) for _ in range(G)]  # (B,) responses this rank trains on
-    batch = fixed_batch().select([i for i, o in enumerate(owned) if o])
-    n_micro = len(trainer.learner.micro_batches(batch))
-    old, _ = trainer.learner.compute_logprobs(batch)
+    full = fixed_batch()
+    batch = full.select([i for i, o in enumerate(owned) if o])
+    # old log-probs of this rank's groups, or with sequence parallelism (the group's ranks computing together) of its
+    # data-parallel group's share of the mini-batch, as `train_on` gives it
+    trainer.logprob_indices = ([i for i, o in enumerate(owned) if o] if trainer.learner.sp is None else balanced_share(
+        [len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)], cfg.mini_batch_size, *trainer.learner.data_rank())[0])
+    lp_batch = full.select(trainer.logprob_indices)
+    n_micro = len(trainer.learner.micro_batches(lp_batch))
+    old, _ = trainer.learner.compute_logprobs(lp_batch)
     set_adam_eps(trainer.learner)
     grads = capture_grads(trainer.learner)
     updates, _ = trainer.train_on(batch, owned, {})
@@ -118,6 +125,7 @@ def run_stage(name: str, out: Path):
     rank, world = dist.rank(), dist.world_size()
     cfg = test_cfg(); cfg.zero_stage = stage = int(name[0]); cfg.gradient_checkpointing = name.endswith("gc")
     cfg.gpus_per_node = world
+    cfg.sequence_parallel_size = 2 if name.endswith("sp") else 1
     model, tok = load_policy("tiny")
     engine = HFRolloutEngine(copy.deepcopy(model), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     trainer, old, metrics, n_micro, grads = trainer_update(cfg, model, tok, engine)
@@ -132,10 +140,13 @@ def run_stage(name: str, out: Path):
                     else {n: t.clone() for n, t in learner.model.state_dict().items()})  # the learner's own weights
     engines = dist.all_gather(eng_sd)
     olds, n_micros = dist.all_gather(old), dist.all_gather(n_micro)
+    sp = learner.sp and dict(size=learner.sp.size, rank=learner.sp.rank, data_rank=learner.data_rank(), idx=trainer.logprob_indices,
+                             local=learner.sp.attn.local_seq_length, whole=learner.sp.attn.global_seq_length)  # last row's
+    sps = dist.all_gather(sp)
     if rank == 0:
         torch.save(dict(streamed=streamed, consolidated=consolidated, engines=engines, old=olds, n_micro=n_micros,
                         metrics=metrics, world=world, checkpointed_layers=ckpt, learner=type(learner).__name__,
-                        grads=grads),
+                        grads=grads, sp=sps),
                    out / f"stage{name}.pt")
     dist.barrier()
 

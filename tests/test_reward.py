@@ -311,18 +311,18 @@ def _alive(pid):
 
 def test_shutdown_leaves_no_process():
     score_batch(["Answer: 0.5"], ["\\frac12"], mode="math-verify")
-    server = R._POOL["pool"].proc.pid
+    server = R._POOL["pools"]["math-verify"].proc.pid
     procs = _descendants(server) | {server}
     assert len(procs) >= 2  # the server and at least one worker
     R._shutdown_pool()
-    assert R._POOL["pool"] is None and not any(_alive(p) for p in procs)
+    assert R._POOL["pools"] == {} and not any(_alive(p) for p in procs)
     assert score_batch(["Answer: 0.5"], ["\\frac12"], mode="math-verify")[0].tolist() == [1.0]  # starts again
 
 _CLIENT = """
 import os, sys, time
 from dapo_ref.reward import score_batch, _POOL
 score_batch(["Answer: 0.5"], ["\\\\frac12"], mode="math-verify")
-print(_POOL["pool"].proc.pid, flush=True)
+print(_POOL["pools"]["math-verify"].proc.pid, flush=True)
 score_batch(["Answer: 9^{9^{9^{9}}}"], ["1"], mode="math-verify", timeout=600)  # killed in the middle of this
 """
 

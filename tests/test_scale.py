@@ -58,10 +58,11 @@ def _port() -> str:
         s.bind(("127.0.0.1", 0)); return str(s.getsockname()[1])
 
 
-def _torchrun(args, timeout):
+def _torchrun(args, timeout, nproc: int = 2):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    p = subprocess.run([*TORCHRUN, _port(), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [*TORCHRUN[:-2], str(nproc), TORCHRUN[-1]]  # --nproc_per_node nproc --master_port
+    p = subprocess.run([*cmd, _port(), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return p, time.perf_counter() - t0
 
 
@@ -341,6 +342,45 @@ def test_weight_sync_from_shards_is_bit_identical(stage, two_rank_update):
 
 
 # --- two processes: the ZeRO-3 learner as dapo-train builds it (57M Qwen2), balanced ranks, streamed export ---
+
+# --- Ulysses sequence parallelism: 2 ranks (one group) and 4 ranks (two groups of 2), against one device ---
+
+@pytest.fixture(scope="module", params=[2, 4])
+def sp_update(request, tmp_path_factory):
+    "ZeRO-3 with sequence_parallel_size 2 on `param` ranks (scale_worker stage `3sp`)."
+    out = tmp_path_factory.mktemp(f"sp{request.param}")
+    p, dt = _torchrun(["tests/scale_worker.py", str(out), "3sp"], timeout=900, nproc=request.param)
+    assert p.returncode == 0, p.stderr[-4000:]
+    print(f"\n{request.param}-process sequence-parallel update launch: {dt:.1f} s")
+    return torch.load(out / "stage3sp.pt", weights_only=False)
+
+
+def test_sequence_parallel_update_matches_one_device(sp_update, one_device_update):
+    """Each group of 2 ranks holds half of every packed row (DeepSpeed's all-to-all ran: the last row's pieces are half of
+    it), trains its data-parallel share of the mini-batch; old log-probs, loss, full gradients and the weights after one
+    update match the one-device plain learner at the same derived bounds as the ZeRO stages above."""
+    ds, one, world = sp_update, one_device_update, sp_update["world"]
+    G, n = scale_worker.G, scale_worker.N_GROUPS
+    assert [s["size"] for s in ds["sp"]] == [2] * world and [s["rank"] for s in ds["sp"]] == [0, 1] * (world // 2)
+    assert [s["data_rank"] for s in ds["sp"]] == [(r // 2, world // 2) for r in range(world)]
+    assert all(s["whole"] == 2 * s["local"] > 0 for s in ds["sp"])  # every rank ran half a row through the all-to-all
+    for r in range(0, world, 2):  # a group's two ranks: the same share, the same micro-batches, the same old log-probs
+        assert ds["sp"][r]["idx"] == ds["sp"][r + 1]["idx"] and ds["n_micro"][r] == ds["n_micro"][r + 1]
+        for a, b in zip(ds["old"][r], ds["old"][r + 1]): assert torch.equal(a, b)
+    assert sorted(i for r in range(0, world, 2) for i in ds["sp"][r]["idx"]) == list(range(n * G))  # each response once
+    for r in range(world):  # the old log-probs of each response = the one-device ones (packed differently)
+        for a, i in zip(ds["old"][r], ds["sp"][r]["idx"]):
+            torch.testing.assert_close(a, one["old"][i], rtol=0, atol=LOGP_ULPS * ulp(float(one["old"][i].abs().max())))
+    m, m1 = ds["metrics"], one["metrics"]
+    assert m["num_tokens"] == m1["num_tokens"] and m["num_seqs"] == m1["num_seqs"]  # a group counted once
+    check_loss(m, world)
+    g = check_grads(ds["grads"], one["grads"], m, m1, world, scale_worker.test_cfg().grad_clip)
+    lr = scale_worker.test_cfg().lr
+    tol = weight_tol(lr, g["dgc"], g["gcmax"], max(float(w.abs().max()) for w in one["init"].values()))
+    diff = max(float((ds["streamed"][k] - w).abs().max()) for k, w in one["weights"].items())
+    print(f"\nsequence parallel, {world} ranks: gradients {g['grad_u']:.1f} u (bound {g['grad_tol_u']} u), weights {diff:.2e} (bound {tol:.2e})")
+    assert diff <= tol, (diff, tol)
+
 
 @pytest.fixture(scope="module")
 def build_run(tmp_path_factory):
