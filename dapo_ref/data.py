@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_data.ipynb #499c86e1
 from __future__ import annotations
-import json, warnings
+import hashlib, json, os, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -12,11 +12,12 @@ from typing import Iterable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .core import InputError, one_line
+from .core import ArgParser, InputError, cli_errors, one_line
 
 # %% auto #0
-__all__ = ['PROMPT_TEMPLATE', 'DEFAULT_STYLE', 'MathExample', 'make_example', 'example_from_row', 'example_to_row',
-           'dedup_examples', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids', 'check_prompt_lengths']
+__all__ = ['PROMPT_TEMPLATE', 'DEFAULT_STYLE', 'HUB_DATASETS', 'MathExample', 'make_example', 'example_from_row',
+           'example_to_row', 'dedup_examples', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids',
+           'check_prompt_lengths', 'sha256', 'fetch_dataset', 'main']
 
 # %% ../nbs/01_data.ipynb #793c5e71
 PROMPT_TEMPLATE = (
@@ -261,3 +262,61 @@ def check_prompt_lengths(examples: Sequence[MathExample],  # the problems, in or
     where = examples[i].source or f"example {i}"
     raise InputError(f"{setting} = {limit}: {len(too_long)} of {len(examples)} prompts are longer (first: {where}, "
                      f"{len(prompt_ids[i])} tokens; longest: {longest}); raise {setting} or drop those rows")
+
+# %% ../nbs/01_data.ipynb #53591f59
+HUB_DATASETS = {  # name: (hub dataset repository, file in it), as the reference recipe's prepare script fetches them
+    "dapo-math-17k": ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet"),
+    "aime-2024": ("BytedTsinghua-SIA/AIME-2024", "data/aime-2024.parquet"),
+}
+
+def sha256(path: str | Path) -> str:
+    "Hex SHA-256 of a file, read in 1 MiB blocks."
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""): h.update(block)
+    return h.hexdigest()
+
+def fetch_dataset(name: str,                 # a key of HUB_DATASETS
+                  out_dir: str | Path,       # where <name>.parquet goes
+                  revision: str | None = None,  # a branch, tag or commit of the hub repository; None: main
+                 ) -> dict:
+    "Fetch `name` (the hub or its cache), validate and deduplicate it, write out_dir/<name>.parquet; return counts and checksums."
+    repo, fname = HUB_DATASETS[name]
+    from huggingface_hub import hf_hub_download
+    try: src = Path(hf_hub_download(repo, fname, repo_type="dataset", revision=revision))
+    except Exception as e:
+        raise InputError(f"cannot fetch {fname} of {repo} ({type(e).__name__}: {one_line(e)[:200]}); check the network, "
+                         "or unset HF_HUB_OFFLINE (with it only the local cache is read)") from None
+    rows = pq.ParquetFile(src).metadata.num_rows
+    examples = load_math_dataset(src, verbose=False)              # validated, first row of each prompt kept
+    dest = Path(out_dir) / f"{name}.parquet"
+    tmp = dest.with_name(f".{name}.tmp.parquet")
+    save_math_dataset(examples, tmp); os.replace(tmp, dest)       # never a half-written file under the recipe's name
+    return dict(name=name, repo=repo, file=fname, rows=rows, unique=len(examples), source_sha256=sha256(src),
+                out=str(dest), sha256=sha256(dest))
+
+
+# %% ../nbs/01_data.ipynb #fe51b69f
+def main(argv: list[str] | None = None) -> int:
+    "The `dapo-data` command: fetch, check, deduplicate and write the files the recipes name; one line per file."
+    ap = ArgParser(prog="dapo-data", description="Fetch DAPO-Math-17k and AIME-2024 from the hub into the files the "
+                   "recipes name (data/dapo-math-17k.parquet, data/aime-2024.parquet), deduplicated, with checksums.")
+    ap.add_argument("--out", default="data", help="folder for <name>.parquet (default: data, as the recipes name them)")
+    ap.add_argument("--only", choices=sorted(HUB_DATASETS), action="append", help="fetch only this one (repeatable)")
+    ap.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of both repositories")
+    ap.add_argument("--overwrite", action="store_true", help="replace <name>.parquet files that exist")
+    args = ap.parse(argv)
+    names = args.only or list(HUB_DATASETS)
+    with cli_errors("dapo-data"):
+        out = Path(args.out).expanduser()
+        if out.exists() and not out.is_dir(): raise InputError(f"--out {args.out} is a file; give a folder")
+        there = [out / f"{n}.parquet" for n in names if (out / f"{n}.parquet").exists()]
+        if there and not args.overwrite:
+            raise InputError(f"{there[0]} exists; pass --overwrite to replace it, or --out another folder")
+        out.mkdir(parents=True, exist_ok=True)
+        for n in names:
+            r = fetch_dataset(n, out, args.revision)
+            print(f"{n}: {r['rows']} rows of {r['repo']}/{r['file']} (sha256 {r['source_sha256'][:16]}), {r['unique']} "
+                  f"unique prompts -> {r['out']} (sha256 {r['sha256']})", flush=True)
+    return 0
+

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_eval.ipynb #8a19df05
 from __future__ import annotations
-import argparse, json, math, os, sys, tempfile, time
+import argparse, importlib.util, json, math, os, sys, tempfile, time
 from pathlib import Path
 from typing import Sequence
 
@@ -21,7 +21,7 @@ from .rollout import RolloutEngine, SamplingParams
 __all__ = ['INVALID', 'WRITTEN_BY', 'LOAD_ERRORS', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k',
            'generate_checked', 'response_rows', 'evaluate', 'check_output_file', 'check_device', 'resolve_model',
            'load_model_config', 'check_model', 'weights_problem', 'generation_memory', 'available_memory',
-           'check_generation_memory', 'main']
+           'check_generation_memory', 'main', 'vllm_engine']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
@@ -214,7 +214,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="how a response is judged correct (Eq. 7; default: %(default)s)")
     ap.add_argument("--math-verify", action="store_true", help="same as --reward math-verify")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="(default: %(default)s)")
-    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available; --backend hf)")
+    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                    help="generate with transformers on one device, or with vLLM (the trainer's engine) (default: %(default)s)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="GPUs of the vLLM engine (--backend vllm; default: %(default)s)")
     ap.add_argument("--out", default="results.json", help="JSON file to write (default: %(default)s)")
     ap.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier dapo-eval result (default: refuse)")
     return ap
@@ -282,11 +285,16 @@ def _check_args(args) -> None:
                               ("--batch-prompts", args.batch_prompts >= 1, ">= 1"),
                               ("--max-batch-size", args.max_batch_size >= 1, ">= 1"),
                               ("--limit", args.limit is None or args.limit >= 1, ">= 1"),
-                              ("--seed", 0 <= args.seed < 2**31, "0 <= seed < 2**31")]:
+                              ("--seed", 0 <= args.seed < 2**31, "0 <= seed < 2**31"),
+                              ("--tensor-parallel", args.tensor_parallel >= 1, ">= 1")]:
         if not ok: raise InputError(f"{flag} = {getattr(args, flag[2:].replace('-', '_'))} is out of range: allowed {allowed}")
     if args.math_verify and args.reward not in ("dapo-reference", "math-verify"):
         raise InputError(f"--math-verify and --reward {args.reward} disagree; pass one of them")
     if args.math_verify: args.reward = "math-verify"
+    if args.backend == "hf" and args.tensor_parallel != 1:
+        raise InputError(f"--tensor-parallel {args.tensor_parallel} needs --backend vllm (transformers generates on one device)")
+    if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise InputError("--backend vllm: vllm is not installed here; pip install -e '.[scale]', or use --backend hf")
     check_device(args.device)
     check_output_file(args.out, args.overwrite, inputs={"--data": args.data, "--model": args.model})
 
@@ -413,6 +421,7 @@ def _prepare(args):
     ids = [prompt_token_ids(ex, tokenizer) for ex in examples]
     check_prompt_lengths(examples, ids, args.max_prompt_length, "--max-prompt-length")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.backend == "vllm": return examples, name, tokenizer, device  # vLLM sizes its own KV cache
     rows = min(args.max_batch_size, args.batch_prompts * args.k, len(examples) * args.k)
     longest = max(len(i) for i in ids)
     need = generation_memory(config, rows, longest, args.max_tokens, 4 if args.dtype == "float32" else 2)
@@ -438,24 +447,17 @@ def _main(args) -> int:
     t0 = time.time()
     with cli_errors("dapo-eval"):  # bad input: one line on stderr, exit status 2, nothing loaded or generated yet
         examples, name, tokenizer, device = _prepare(args)
-        from transformers import AutoModelForCausalLM
-        try: model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, args.dtype)).to(device).eval()
-        except LOAD_ERRORS as e: raise InputError(f"--model {args.model}: cannot load its weights ({one_line(e)[:300]})") from None
-        if (why := weights_problem(model)):
-            raise InputError(f"--model {args.model}: {why}; the model is damaged: export it again, or evaluate another one")
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos = gen_eos if gen_eos is not None else tokenizer.eos_token_id
-        if eos is None: raise InputError(f"--model {args.model}: neither the generation config nor the tokenizer names an EOS token")
-    from dapo_ref.rollout import HFRolloutEngine
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
-    engine = HFRolloutEngine(model, eos_token_id=eos, pad_token_id=pad, max_batch_size=args.max_batch_size)
+        engine = (vllm_engine(args, name, tokenizer, examples) if args.backend == "vllm"
+                  else _hf_engine(args, name, tokenizer, device))
     res = evaluate(engine, tokenizer, examples, k=args.k, temperature=args.temperature, top_p=args.top_p,
                    max_tokens=args.max_tokens, seed=args.seed, batch_prompts=args.batch_prompts,
                    reward=args.reward, return_per_prompt=True, progress=True)
     seconds = time.time() - t0
     settings = {"written_by": WRITTEN_BY, "model": args.model, "data": args.data, "temperature": args.temperature, "top_p": args.top_p,
                 "max_tokens": args.max_tokens, "seed": args.seed, "limit": args.limit, "dedup": args.dedup,
-                "math_verify": args.reward == "math-verify", "dtype": args.dtype, "device": device, "seconds": round(seconds, 3)}
+                "math_verify": args.reward == "math-verify", "dtype": args.dtype, "backend": args.backend,
+                "tensor_parallel": args.tensor_parallel, "device": device if args.backend == "hf" else "vllm",
+                "seconds": round(seconds, 3)}
     out = Path(args.out).expanduser()
     _write_json(out, {**{k: v for k, v in res.items() if k != "per_prompt"}, **settings, "per_prompt": res["per_prompt"]})
     k = args.k
@@ -463,6 +465,34 @@ def _main(args) -> int:
           f"maj@{k} {res['maj@k']:.4f}  ({res['n_prompts']} problems x {k} samples, mean length "
           f"{res['mean_length']:.1f} tokens, {res['truncated_frac']:.1%} truncated, {seconds:.1f} s) -> {out}")
     return 0
+
+# %% ../nbs/08_eval.ipynb #68cade6d
+def _hf_engine(args, name, tokenizer, device):
+    "dapo-eval's transformers engine: the model on `device`, checked for damaged weights."
+    from transformers import AutoModelForCausalLM
+    try: model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, args.dtype)).to(device).eval()
+    except LOAD_ERRORS as e: raise InputError(f"--model {args.model}: cannot load its weights ({one_line(e)[:300]})") from None
+    if (why := weights_problem(model)):
+        raise InputError(f"--model {args.model}: {why}; the model is damaged: export it again, or evaluate another one")
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = gen_eos if gen_eos is not None else tokenizer.eos_token_id
+    if eos is None: raise InputError(f"--model {args.model}: neither the generation config nor the tokenizer names an EOS token")
+    from dapo_ref.rollout import HFRolloutEngine
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    return HFRolloutEngine(model, eos_token_id=eos, pad_token_id=pad, max_batch_size=args.max_batch_size)
+
+def vllm_engine(args, name: str, tokenizer, examples: Sequence[MathExample]):
+    "dapo-eval's vLLM engine: the trainer's `VLLMRolloutEngine` on the checkpoint, over `--tensor-parallel` GPUs."
+    from transformers import GenerationConfig
+    try: eos = GenerationConfig.from_pretrained(name).eos_token_id
+    except OSError: eos = None  # no generation_config.json: the tokenizer's
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    if eos is None: raise InputError(f"--model {args.model}: neither the generation config nor the tokenizer names an EOS token")
+    from dapo_ref.vllm_rollout import VLLMRolloutEngine
+    cpu = not torch.cuda.is_available()  # vLLM's CPU build: eager, and no chunked prefill with seeded requests
+    return VLLMRolloutEngine(name, eos_token_id=eos, tensor_parallel_size=args.tensor_parallel, dtype=args.dtype,
+                             seed=args.seed, max_model_len=max(len(prompt_token_ids(e, tokenizer)) for e in examples) + args.max_tokens,
+                             enable_chunked_prefill=not cpu, enforce_eager=cpu)
 
 # %% ../nbs/08_eval.ipynb #5090135f
 if __name__ == "__main__" and "get_ipython" not in globals():  # `python -m dapo_ref.eval`; not when run in a notebook

@@ -498,3 +498,31 @@ def test_four_ranks_two_independent_tp2_engines(tmp_path):
     assert len(evals(r[0])) == 2 and evals(r[2]) == []  # engine 1 had nothing to evaluate: it never called generate
     assert r[0]["update_order"] == ["update", "release", "load", "release", "reset_prefix_cache"]
     assert "no sleep mode" in r[0]["missing_steps"][0]
+
+
+# ---------------------------------------------------------------- dapo-eval --backend vllm --tensor-parallel 2
+def test_dapo_eval_vllm_tp2_matches_transformers_greedy(tmp_path):
+    """`dapo-eval --backend vllm --tensor-parallel 2` (one process; vLLM starts its two workers) on the tiny model and 8
+    held-out problems, greedy: every problem's predictions, and so avg@k / pass@k / maj@k, equal `--backend hf`'s."""
+    import json, subprocess, sys
+    from pathlib import Path
+    from dapo_ref.data import save_math_dataset
+    from dapo_ref.tiny import tiny_splits
+    root = Path(__file__).resolve().parents[1]
+    data = save_math_dataset(tiny_splits(64, 16, seed=0)[1][:8], tmp_path / "held.jsonl")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           **({} if CUDA else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})}  # vLLM's CPU workers: one core each
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # two workers: vLLM's multiprocessing executor
+    res = {}
+    for backend in ("vllm", "hf"):
+        out = tmp_path / f"{backend}.json"
+        p = subprocess.run([sys.executable, "-m", "dapo_ref.eval", "--backend", backend, "--model", "tiny", "--data", str(data),
+                            "--k", "2", "--temperature", "0", "--max-tokens", "48", "--out", str(out),
+                            *(["--tensor-parallel", "2"] if backend == "vllm" else [])],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        res[backend] = json.loads(out.read_text())
+    v, h = res["vllm"], res["hf"]
+    assert v["backend"] == "vllm" and v["tensor_parallel"] == 2 and v["n_prompts"] == 8
+    assert [q["preds"] for q in v["per_prompt"]] == [q["preds"] for q in h["per_prompt"]]
+    assert (v["avg@k"], v["pass@k"], v["maj@k"]) == (h["avg@k"], h["pass@k"], h["maj@k"])
