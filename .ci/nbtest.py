@@ -1,16 +1,16 @@
-"""`make nbtest`: every notebook top to bottom with nbdev_test, each in a fresh process, `os.cpu_count()` at a time.
+"""`make nbtest`: every notebook top to bottom as nbdev_test runs it, each in a fresh process (`.ci/nbcheck.py`: it
+also checks that every cell's saved output is what the cell shows now), `os.cpu_count()` at a time.
 
 nbdev_test's own pool reuses worker processes across notebooks, so one notebook's global state (a DeepSpeed ZeRO-3
 config that transformers keeps a reference to, torch's thread settings, a process group) can reach the next one;
 a process per notebook cannot leak. Each notebook runs on one thread (OMP_NUM_THREADS=1): two notebooks on two cores
 without oversubscription. The longest notebooks start first. Prints one line per notebook, then the timing table
-(slowest first); exits 1 if any notebook failed. Arguments are passed to nbdev_test (e.g. `--flags slow`)."""
+(slowest first); exits 1 if any notebook failed. Arguments are passed to nbcheck (`--write`: save fresh outputs)."""
 import json, os, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NBDEV_TEST = Path(sys.executable).parent / "nbdev_test"
 
 
 def weight(nb: Path) -> int:
@@ -24,7 +24,8 @@ def weight(nb: Path) -> int:
 def run(nb: Path, extra: list[str]) -> tuple[Path, bool, float, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    p = subprocess.run([str(NBDEV_TEST), "--path", str(nb), *extra], cwd=ROOT, env=env, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, str(ROOT / ".ci" / "nbcheck.py"), str(nb), *extra], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
     dt = time.perf_counter() - t0
     ok = p.returncode == 0
     print(f"{'ok  ' if ok else 'FAIL'} {nb.name} {dt:5.1f} s", flush=True)

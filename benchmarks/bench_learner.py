@@ -10,7 +10,7 @@ Three measurements, side by side in one run:
     to L_max = 2048 (responses lognormal, median L_max / 51.2, sigma 1, cut at L_max, plus 5% of them exactly L_max
     long, the truncated ones; prompts lognormal around 15 tokens; micro_token_budget 1.1 L_max, as 22528 / 20480). The same batch and token budget through the packed layout (the learner's) and
     the padded one (`collate`, `pack_micro_batches(padded=True)`); real tokens per second of each, the best of
-    4 runs each, interleaved, and the two losses (the same mini-batch loss up to float32 rounding).
+    6 runs each, interleaved, and the two losses (the same mini-batch loss up to float32 rounding).
 (b) Peak memory above the start (this process's VmHWM, Linux) of log-probs forward + backward at V = 152064 for T
     = 4096 response positions: the logits then `token_logprobs` vs `fused_token_logprobs`, each in a fresh process.
 (c) The 32B recipe's learner step on 128 ranks, simulated with the project's own balancing (`zero.balanced_share`,
@@ -139,7 +139,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.child:
         print(child_peak(a.child[0], *map(int, a.child[1:]))); return
-    a.batch, a.l_max, a.hidden, a.layers, a.repeats = (16, 512, 64, 2, 1) if a.quick else (64, 2048, 256, 4, 2)
+    a.batch, a.l_max, a.hidden, a.layers, a.repeats = (16, 512, 64, 2, 1) if a.quick else (64, 2048, 256, 4, 3)
     T, V, H = (512, 152064, 64) if a.quick else (4096, 152064, 64)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{a.threads} threads")
