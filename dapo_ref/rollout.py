@@ -46,7 +46,7 @@ class Completion:
 
     @property
     def truncated(self) -> bool:
-        "True when the response hit `max_tokens` without EOS (the responses Eq. 13 punishes and overlong filtering masks)."
+        "True when the response hit `max_tokens` without EOS (the responses overlong filtering masks; Eq. 13 gives them its full -1)."
         return self.finish_reason == "length"
 
 # %% ../nbs/07_rollout.ipynb #a3af651a
