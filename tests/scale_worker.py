@@ -1,6 +1,6 @@
 """One rank of the two-process learner checks in tests/test_scale.py (run it with torchrun, not pytest).
 
-    torchrun --nproc_per_node 2 tests/scale_worker.py OUT_DIR [3,2,3gc,0]
+    torchrun --nproc_per_node 2 tests/scale_worker.py OUT_DIR [3,2,3gc,0,3sp]   (3sp: ZeRO-3, sequence_parallel_size 2)
     torchrun --nproc_per_node 2 tests/scale_worker.py OUT_DIR build MODEL   (or python tests/scale_worker.py ...: one rank)
 
 
@@ -243,7 +243,7 @@ if __name__ == "__main__":
     out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
     if sys.argv[2:3] == ["build"]: run_build(sys.argv[3], out, *sys.argv[4:5])
     else:
-        for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc", "0"]): run_stage(s, out)
+        for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc", "0", "3sp"]): run_stage(s, out)
     import torch.distributed
     torch.distributed.destroy_process_group()
     # several DeepSpeed engines were built in this process: leave without the interpreter's teardown, where a native

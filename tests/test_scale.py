@@ -159,10 +159,10 @@ def test_gather_batch_on_one_rank_is_the_batch():
 @pytest.fixture(scope="module")
 def two_rank_update(tmp_path_factory):
     out = tmp_path_factory.mktemp("scale_update")
-    p, dt = _torchrun(["tests/scale_worker.py", str(out), "3,2,3gc,0"], timeout=900)
+    p, dt = _torchrun(["tests/scale_worker.py", str(out), "3,2,3gc,0,3sp"], timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
-    print(f"\ntwo-process update/sync launch (ZeRO-3, ZeRO-2, ZeRO-3 + gradient checkpointing, plain): {dt:.1f} s")
-    return {s: torch.load(out / f"stage{s}.pt", weights_only=False) for s in ("3", "2", "3gc", "0")}
+    print(f"\ntwo-process update/sync launch (ZeRO-3, ZeRO-2, ZeRO-3 + gradient checkpointing, plain, ZeRO-3 + SP 2): {dt:.1f} s")
+    return {s: torch.load(out / f"stage{s}.pt", weights_only=False) for s in ("3", "2", "3gc", "0", "3sp")}
 
 
 @contextlib.contextmanager
@@ -347,7 +347,8 @@ def test_weight_sync_from_shards_is_bit_identical(stage, two_rank_update):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def sp_update(request, tmp_path_factory):
-    "ZeRO-3 with sequence_parallel_size 2 on `param` ranks (scale_worker stage `3sp`)."
+    "ZeRO-3 with sequence_parallel_size 2 on `param` ranks (scale_worker stage `3sp`; 2 ranks: in the launch above)."
+    if request.param == 2: return request.getfixturevalue("two_rank_update")["3sp"]
     out = tmp_path_factory.mktemp(f"sp{request.param}")
     p, dt = _torchrun(["tests/scale_worker.py", str(out), "3sp"], timeout=900, nproc=request.param)
     assert p.returncode == 0, p.stderr[-4000:]
