@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from .arch import arch_from_config, kv_bytes_per_token, n_params
-from .core import DAPOConfig, REWARD_MODES, ArgParser, InputError, cli_errors, interrupts, one_line
+from .core import DAPOConfig, REWARD_MODES, REWARD_PLUGIN, ArgParser, InputError, cli_errors, interrupts, one_line
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
-from .reward import normalize_answer, score_batch
+from .reward import check_plugin, normalize_answer, score_batch
 from .rollout import RolloutEngine, SamplingParams
 
 # %% auto #0
@@ -210,8 +210,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="drop repeated problems when loading (default: on)")
     ap.add_argument("--batch-prompts", type=int, default=64, help="prompts per generation call (default: %(default)s)")
     ap.add_argument("--max-batch-size", type=int, default=64, help="sequences per forward pass (default: %(default)s)")
-    ap.add_argument("--reward", choices=REWARD_MODES, default="dapo-reference",
-                    help="how a response is judged correct (Eq. 7; default: %(default)s)")
+    ap.add_argument("--reward", default="dapo-reference", metavar="MODE",
+                    help="how a response is judged correct (Eq. 7): " + ", ".join(REWARD_MODES) +
+                         ", or a plug-in package.module:function (default: %(default)s)")
     ap.add_argument("--math-verify", action="store_true", help="same as --reward math-verify")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="(default: %(default)s)")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available; --backend hf)")
@@ -288,6 +289,9 @@ def _check_args(args) -> None:
                               ("--seed", 0 <= args.seed < 2**31, "0 <= seed < 2**31"),
                               ("--tensor-parallel", args.tensor_parallel >= 1, ">= 1")]:
         if not ok: raise InputError(f"{flag} = {getattr(args, flag[2:].replace('-', '_'))} is out of range: allowed {allowed}")
+    if args.reward not in REWARD_MODES and REWARD_PLUGIN.fullmatch(args.reward) is None:
+        raise InputError(f"--reward {args.reward}: use one of {', '.join(REWARD_MODES)}, or a plug-in package.module:function")
+    if REWARD_PLUGIN.fullmatch(args.reward): check_plugin(args.reward)  # imports and signature, before the model loads
     if args.math_verify and args.reward not in ("dapo-reference", "math-verify"):
         raise InputError(f"--math-verify and --reward {args.reward} disagree; pass one of them")
     if args.math_verify: args.reward = "math-verify"
