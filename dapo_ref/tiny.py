@@ -14,7 +14,7 @@ from tokenizers.models import BPE
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from .core import ArgParser, InputError, cli_errors, interrupts
-from .data import PROMPT_TEMPLATE, MathExample, make_example
+from .data import PROMPT_TEMPLATE, MathExample, make_example, sha256
 
 # %% auto #0
 __all__ = ['MAX_VALUE', 'MAX_OPS', 'HELDOUT_MOD', 'EOS_TOKEN', 'QWEN2_PRETOKENIZE_REGEX', 'RESPONSE_PREFIX', 'TINY_MODEL_CONFIG',
@@ -317,8 +317,6 @@ def tiny_model_dir(cache_dir: str | Path | None = None, **warm) -> Path:
     return root / f"{TINY_VERSION}-{key}"
 
 # %% ../nbs/06_tiny.ipynb #5b1d2e70
-def _sha256(path): return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
 def _versions():
     import tokenizers, transformers
     return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
@@ -336,7 +334,7 @@ def build_tiny(out_dir: str | Path,   # a new folder (its parent must exist); it
         tokenizer = build_tiny_tokenizer()
         build_tiny_model(tokenizer, tmp, seed=settings["seed"])
         losses = warm_start(tmp, **settings, log_every=100 if verbose else 0)
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
         info = dict(version=TINY_VERSION, command=command, seed=settings["seed"], warm_start=settings,
                     source_hash=tiny_source_hash(), versions=_versions(), files=files,
                     final_loss=sum(losses[-20:]) / len(losses[-20:]), build_seconds=round(time.time() - t0, 1))
@@ -357,7 +355,7 @@ def shipped_tiny_problem(path: str | Path = TINY_SHIPPED,  # a folder written by
     if not (path / "tiny_build.json").exists(): return f"{path} has no tiny_build.json"
     info = json.loads((path / "tiny_build.json").read_text())
     for name, digest in info.get("files", {}).items():
-        if not (path / name).exists() or _sha256(path / name) != digest: return f"{path / name} differs from its recorded sha256"
+        if not (path / name).exists() or sha256(path / name) != digest: return f"{path / name} differs from its recorded sha256"
     if info.get("source_hash") != tiny_source_hash():
         return (f"{path} was built from other source than dapo_ref.tiny has now (source_hash {info.get('source_hash', '?')[:12]} "
                 f"!= {tiny_source_hash()[:12]}): run `{TINY_BUILD_COMMAND}` and commit {path.name}/")
@@ -420,14 +418,14 @@ def _check_out(out: Path, overwrite: bool):
                          "the whole folder: move them out first, or pick a new folder")
 
 def _build(out: Path, argv) -> int:
-    old = _sha256(out / "model.safetensors") if (out / "model.safetensors").exists() else None
+    old = sha256(out / "model.safetensors") if (out / "model.safetensors").exists() else None
     print(f"dapo-tiny: building the tiny model for {out} (about 7 minutes on 2 cores)", flush=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as d:
         new = build_tiny(Path(d) / out.name, command=" ".join(["dapo-tiny", *(sys.argv[1:] if argv is None else argv)]))
         if out.exists(): os.rename(out, Path(d) / "replaced")   # swapped, then the old copy goes with the temp folder
         os.rename(new, out)
-    new_sha = _sha256(out / "model.safetensors")
+    new_sha = sha256(out / "model.safetensors")
     same = "the same bytes as before" if new_sha == old else ("new" if old is None else "different bytes from before")
     print(f"dapo-tiny: built {out} in {time.time() - t0:.0f} s; model.safetensors sha256 {new_sha[:12]} ({same})")
     return 0

@@ -10,8 +10,8 @@ from pathlib import Path
 from .core import REPORT_TO, InputError
 
 # %% auto #0
-__all__ = ['BACKEND_MODULE', 'TRACKERS', 'report_targets', 'check_trackers', 'numbers', 'Tracker', 'TensorBoardTracker',
-           'WandbTracker', 'Trackers', 'SampleLog', 'read_samples']
+__all__ = ['BACKEND_MODULE', 'TRACKERS', 'report_targets', 'check_trackers', 'numbers', 'Tracker', 'code_block',
+           'TensorBoardTracker', 'WandbTracker', 'Trackers', 'SampleLog', 'read_samples']
 
 # %% ../nbs/08e_track.ipynb #a9f0b4df
 BACKEND_MODULE = {"tensorboard": "tensorboard", "wandb": "wandb"}  # what each tracker imports (and the extra that installs it)
@@ -42,17 +42,21 @@ class Tracker:
     def summary(self, s: dict): pass
     def close(self): pass
 
+def code_block(d: dict) -> str:
+    "`d` as indented JSON: a Markdown code block in TensorBoard's text tab."
+    return "    " + json.dumps(d, indent=1).replace("\n", "\n    ")
+
 class TensorBoardTracker(Tracker):
     "Event files in `output_dir/tb` (`tensorboard --logdir output_dir/tb`)."
     name = "tensorboard"
     def __init__(self, out: Path, run_name: str, config: dict):
         from torch.utils.tensorboard import SummaryWriter
         self.w = SummaryWriter(str(Path(out) / "tb"))
-        self.w.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))  # a code block
+        self.w.add_text("config", code_block(config))
     def log(self, row: dict, step: int):
         for k, v in numbers(row).items(): self.w.add_scalar(k, v, step)
         self.w.flush()
-    def summary(self, s: dict): self.w.add_text("summary", "    " + json.dumps(s, indent=1).replace("\n", "\n    "))
+    def summary(self, s: dict): self.w.add_text("summary", code_block(s))
     def close(self): self.w.close()
 
 # %% ../nbs/08e_track.ipynb #55bc2f42

@@ -369,7 +369,7 @@ def test_sequence_parallel_update_matches_one_device(sp_update, one_device_updat
         assert ds["sp"][r]["idx"] == ds["sp"][r + 1]["idx"] and ds["n_micro"][r] == ds["n_micro"][r + 1]
         for a, b in zip(ds["old"][r], ds["old"][r + 1]): assert torch.equal(a, b)
     assert sorted(i for r in range(0, world, 2) for i in ds["sp"][r]["idx"]) == list(range(n * G))  # each response once
-    for r in range(world):  # the old log-probs of each response = the one-device ones (packed differently)
+    for r in range(world):  # the old log-probs of each response = the one-device ones (packed differently; LOGP_ULPS above)
         for a, i in zip(ds["old"][r], ds["sp"][r]["idx"]):
             torch.testing.assert_close(a, one["old"][i], rtol=0, atol=LOGP_ULPS * ulp(float(one["old"][i].abs().max())))
     m, m1 = ds["metrics"], one["metrics"]
