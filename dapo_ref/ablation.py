@@ -28,7 +28,7 @@ ROWS = [  # (name, Table 1 label, what this row adds): the rows are cumulative
                                   soft_overlong_punishment=False, dynamic_sampling=False)),
     ("2-overlong-filter", "+ Overlong Filtering", dict(overlong_filter=True)),
     ("3-clip-higher", "+ Clip-Higher", dict(eps_high=0.28)),
-    ("4-soft-punish", "+ Soft Overlong Punishment", dict(soft_overlong_punishment=True)),
+    ("4-soft-punish", "+ Soft Overlong Punishment", dict(soft_overlong_punishment=True, overlong_filter=False)),
     ("5-token-loss", "+ Token-level Loss", dict(loss_agg="token-mean")),
     ("6-dynamic-sampling", "+ Dynamic Sampling (DAPO)", dict(dynamic_sampling=True)),
 ]
