@@ -30,6 +30,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LIST_ITEM = re.compile(r"\s*([-*]|\d+\.)\s+\S")
 MD_LINK = re.compile(r"(!?)\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")  # [text](target) and ![alt](src)
 HTML_IMG = re.compile(r"<img[^>]*\ssrc=[\"']([^\"']+)[\"']", re.I)
+# A Quarto callout that spans cells: a markdown cell opens it (first line `::: {.callout-note collapse="true"}`, its
+# first heading the title), the cells after it are inside, a markdown cell `:::` closes it. Rendered here as
+# Material's collapsible admonition (<details>), as Quarto renders it with nbdev_docs.
+CALLOUT_OPEN = re.compile(r'^:::\s*\{\.callout-(\w+)([^}]*)\}\s*$')
+CALLOUT_CLOSE = re.compile(r"^:::\s*$")
 
 def _strip_directives(src):
     return "\n".join(l for l in src.split("\n") if not l.lstrip().startswith("#|")).strip("\n")
@@ -65,8 +70,16 @@ def problems(path, nb):
     if exports and not has_exp:
         probs.append(f"cell {exports[0]}: '#| export' cells but no '#| default_exp' cell (a docs page with no module "
                      "must have no exported cells)")
+    depth = 0
     for i, c in enumerate(cells):
         if c.cell_type != "markdown": continue
+        first = c.source.strip().split("\n")[0]
+        if CALLOUT_OPEN.match(first):
+            if depth: probs.append(f"cell {i}: a callout opens inside another; close the first with a ':::' cell")
+            depth += 1
+        elif CALLOUT_CLOSE.match(c.source.strip()):
+            if not depth: probs.append(f"cell {i}: ':::' closes no callout")
+            depth = max(0, depth - 1)
         src = re.sub(r"```.*?```", "", c.source, flags=re.S)
         src_nocode = re.sub(r"`[^`\n]*`", "", src)
         if src_nocode.count("$$") % 2: probs.append(f"cell {i}: unbalanced $$")
@@ -84,6 +97,7 @@ def problems(path, nb):
             if not (path.parent / f).exists():
                 what = "image" if is_img else ("notebook" if f.endswith(".ipynb") else "file")
                 probs.append(f"cell {i}: link to missing {what} {t}")
+    if depth: probs.append("a callout is opened and never closed; end it with a markdown cell ':::'")
     return probs
 
 def _local_images(nb):
@@ -187,6 +201,15 @@ def notebook_markdown(path, nb, lib):
     for c in nb.cells:
         if c.cell_type == "markdown":
             src = re.sub(r"(\]\(\s*<?)([^)\s>:#]+)\.ipynb", r"\1\2.md", c.source)  # links to notebooks -> pages
+            lines = src.strip().split("\n")
+            if m := CALLOUT_OPEN.match(lines[0]):
+                title = next((l.lstrip("#").strip() for l in lines[1:] if l.startswith("#")), m.group(1).capitalize())
+                body = "\n".join(l for l in lines[1:] if l.lstrip("#").strip() != title or not l.startswith("#"))
+                opened = "" if 'collapse="true"' in m.group(2) else " open"
+                parts.append(f'<details class="{m.group(1)}" markdown{opened}>\n<summary>{title}</summary>')
+                src = body
+            elif CALLOUT_CLOSE.match(src.strip()):
+                parts.append("</details>"); continue
             parts.append(_text_underscores(src)); continue
         if c.cell_type != "code": continue
         ds = _directives(c.source)
