@@ -5,7 +5,7 @@
 # %% ../nbs/12a_jobs.ipynb #bdde6710
 from __future__ import annotations
 import json, math, os, shutil, statistics, time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -14,19 +14,28 @@ from .runs import read_marker, write_marker
 from .testbeds import versions
 
 # %% auto #0
-__all__ = ['cached_result', 'unique_steps', 'run_one', 'run_many', 'run_summary', 'mean_se', 'compare_arms']
+__all__ = ['same_key', 'cached_result', 'unique_steps', 'run_one', 'run_many', 'run_summary', 'mean_se', 'compare_arms']
 
 # %% ../nbs/12a_jobs.ipynb #7181b2f9
 def _key(cfg: DAPOConfig, fingerprint: str, n_eval: int | None) -> dict:
     "What must match for a cached run to be reused."
     return dict(config=asdict(cfg), model=fingerprint, n_eval=n_eval)
 
+def same_key(stored: dict | None,  # a key written by an earlier run (result.json, key.json, study.json)
+             cfg: DAPOConfig, fingerprint: str, n_eval: int | None) -> bool:
+    "True when `stored` is this run's key: same model and eval set, same config (fields it lacks at their defaults)."
+    if not isinstance(stored, dict): return False
+    now = json.loads(json.dumps(_key(cfg, fingerprint, n_eval)))
+    if {k: v for k, v in stored.items() if k != "config"} != {k: v for k, v in now.items() if k != "config"}: return False
+    old, default = stored.get("config") or {}, json.loads(json.dumps(asdict(DAPOConfig())))
+    return set(old) <= set(now["config"]) and all(old.get(k, default[k]) == v for k, v in now["config"].items())
+
 def cached_result(cfg: DAPOConfig, fingerprint: str, n_eval: int | None = None) -> dict | None:
     "The stored result of the run `cfg` when it finished with the same config, model and eval set; else None."
     p = Path(cfg.output_dir) / "result.json"
     if not p.exists(): return None
     r = json.loads(p.read_text())
-    return r if r.get("key") == json.loads(json.dumps(_key(cfg, fingerprint, n_eval))) else None
+    return r if same_key(r.get("key"), cfg, fingerprint, n_eval) else None
 
 def unique_steps(rows: list[dict]) -> list[dict]:
     "Metrics rows with one row per step (the first), in step order."
@@ -63,7 +72,7 @@ def run_one(cfg: DAPOConfig,          # one (row, seed) config from `run_config`
     out = Path(cfg.output_dir)
     key = _key(cfg, fingerprint, n_eval)
     kp = out / "key.json"
-    if out.exists() and (not kp.exists() or json.loads(kp.read_text()) != json.loads(json.dumps(key))):
+    if out.exists() and (not kp.exists() or not same_key(json.loads(kp.read_text()), cfg, fingerprint, n_eval)):
         shutil.rmtree(out)  # written by another config: start over
     if read_marker(out) is None: write_marker(out, "run")  # inside the dapo-ablate folder: a run of this study
     _lock(out)  # two processes training one run would interleave its metrics.jsonl
@@ -100,7 +109,7 @@ def run_many(configs: dict,              # {name: DAPOConfig}, each with its own
     res = {}
     for name, cfg in configs.items():
         p = (prior or {}).get(name)
-        if p is not None and p["key"] == json.loads(json.dumps(_key(cfg, fingerprint, n_eval))): res[name] = dict(p, cached=True)
+        if p is not None and same_key(p.get("key"), cfg, fingerprint, n_eval): res[name] = dict(p, cached=True)
     new = [n for n in configs if n not in res]
     args = [(configs[n], fingerprint, n_eval, threads) for n in new]
     def finish(n, r):
