@@ -76,7 +76,7 @@ check-clean: install
 
 # The warm-started tiny model ships with the package (dapo_ref/tiny_model/, with tiny_build.json: command, seed,
 # versions, source hash), so neither `make demo` nor `make test` builds it. After a change to how nbs/06_tiny.ipynb
-# builds it (tests/test_tiny.py fails until then), rebuild it on purpose (about 7 minutes on 2 cores) and commit it:
+# builds it (tests/test_tiny.py fails until then), rebuild it on purpose (about 10 minutes on 2 cores) and commit it:
 tiny-model: install
 	$(BIN)/dapo-tiny --overwrite
 

@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
                     "study's recipe with --study; a relative path not found here is looked up in the dapo_ref checkout or package)")
     ap.add_argument("--study", default=None, help="run a mechanism study instead of Table 1: " + " ".join(STUDIES))
     ap.add_argument("--all", action="store_true", help="the whole study: Table 1 on the testbed and every mechanism "
-                    "study of ALL (about 52 minutes with --jobs 2 on 2 cores), then benchmarks/ablation/mechanisms.md")
+                    "study of ALL (most of an hour with --jobs 2 on 2 cores; benchmarks/README.md), then benchmarks/ablation/mechanisms.md")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 tiny rollout steps per run (< 2 min in all)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rows", nargs="+", default=None, help="row names (default all): " + " ".join(r[0] for r in ROWS))

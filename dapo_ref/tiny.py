@@ -373,7 +373,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None,  # None = $DAPO_REF_C
     path = tiny_model_dir(cache_dir, **warm)
     if (path / "model.safetensors").exists(): return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    if verbose: print(f"building the tiny model into {path} (one time, about 7 minutes on 2 cores)", flush=True)
+    if verbose: print(f"building the tiny model into {path} (one time, about 10 minutes on 2 cores)", flush=True)
     t0 = time.time()
     build_tiny(path, verbose, command=f"ensure_tiny_model({str(cache_dir)!r}, **{warm})", **warm)
     if verbose: print(f"built {path} in {time.time() - t0:.0f} s", flush=True)
@@ -383,7 +383,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None,  # None = $DAPO_REF_C
 def main(argv: list[str] | None = None, # command-line arguments; None = sys.argv[1:]
         ) -> int:
     "dapo-tiny: rebuild the shipped tiny model from this source (`make tiny-model`), build one elsewhere, or check it."
-    p = ArgParser(prog="dapo-tiny", description="Build the warm-started tiny model (about 7 minutes on "
+    p = ArgParser(prog="dapo-tiny", description="Build the warm-started tiny model (about 10 minutes on "
                   "2 cores). `make tiny-model`: rebuild the copy shipped in dapo_ref/tiny_model/, then commit it.")
     p.add_argument("--out", default=str(TINY_SHIPPED), help="folder to (re)build (default: the shipped copy)")
     p.add_argument("--check", action="store_true", help="build nothing: exit 1 unless --out matches this source")
@@ -419,7 +419,7 @@ def _check_out(out: Path, overwrite: bool):
 
 def _build(out: Path, argv) -> int:
     old = sha256(out / "model.safetensors") if (out / "model.safetensors").exists() else None
-    print(f"dapo-tiny: building the tiny model for {out} (about 7 minutes on 2 cores)", flush=True)
+    print(f"dapo-tiny: building the tiny model for {out} (about 10 minutes on 2 cores)", flush=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as d:
         new = build_tiny(Path(d) / out.name, command=" ".join(["dapo-tiny", *(sys.argv[1:] if argv is None else argv)]))
