@@ -205,6 +205,7 @@ def notebook_markdown(path, nb, lib):
             if m := CALLOUT_OPEN.match(lines[0]):
                 title = next((l.lstrip("#").strip() for l in lines[1:] if l.startswith("#")), m.group(1).capitalize())
                 body = "\n".join(l for l in lines[1:] if l.lstrip("#").strip() != title or not l.startswith("#"))
+                title = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(title, quote=False))  # <summary> is HTML
                 opened = "" if 'collapse="true"' in m.group(2) else " open"
                 parts.append(f'<details class="{m.group(1)}" markdown{opened}>\n<summary>{title}</summary>')
                 src = body

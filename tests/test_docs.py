@@ -72,13 +72,13 @@ def test_list_inside_display_math_is_not_a_list(tmp_path):
 
 def test_collapsed_callout_across_cells(tmp_path):
     "A Quarto callout opened in one markdown cell and closed by a ':::' cell: one <details> holding the cells between."
-    box = [new_markdown_cell('::: {.callout-note collapse="true"}\n## The pool\n\nHow it works.'),
+    box = [new_markdown_cell('::: {.callout-note collapse="true"}\n## The pool, `verify_pairs`\n\nHow it works.'),
            new_code_cell("x = 1"), new_markdown_cell(":::")]
     nb = _nb(*box, new_markdown_cell("After the box."))
     assert _problems(nb, tmp_path) == []
     md, _, _ = check_docs.notebook_markdown(tmp_path / "p.ipynb", nb, "dapo_ref")
     inside = md.split('<details class="note" markdown>')[1].split("</details>")[0]
-    assert "<summary>The pool</summary>" in inside and "How it works." in inside and "x = 1" in inside
+    assert "<summary>The pool, <code>verify_pairs</code></summary>" in inside and "How it works." in inside and "x = 1" in inside
     assert "## The pool" not in md and "After the box." in md.split("</details>")[1]
     assert any("never closed" in p for p in _problems(_nb(*box[:2]), tmp_path))
     assert any("closes no callout" in p for p in _problems(_nb(new_markdown_cell(":::")), tmp_path))
