@@ -85,8 +85,9 @@ tiny-model: install
 testbeds: install
 	$(PY) -c "from dapo_ref.testbeds import ship_testbeds; ship_testbeds()"
 
-# Every notebook top to bottom, each in its own process (cells flagged slow/gpu in settings.ini tst_flags skipped), its
-# saved outputs checked against the fresh ones (.ci/nbcheck.py).
+# Every notebook top to bottom, each in its own process forked from one that imported torch and transformers once
+# (cells flagged slow/gpu in settings.ini tst_flags skipped), its saved outputs checked against the fresh ones
+# (.ci/nbcheck.py).
 nbtest: install
 	$(PY) .ci/nbtest.py
 
