@@ -5,7 +5,7 @@
 # %% ../nbs/12a_jobs.ipynb #bdde6710
 from __future__ import annotations
 import json, math, os, shutil, statistics, time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
