@@ -1,50 +1,50 @@
-"""One-GPU check of the ZeRO-3 learner: two DAPO steps of a Qwen2.5-Math-1.5B-shaped model through `dapo-train`.
+"""The one script to run first on a machine with one GPU: the GPU path of dapo_ref, phase by phase, in one process.
 
-    python benchmarks/gpu_check.py                # one recent NVIDIA GPU; about 3-5 minutes, limit 8
-    python benchmarks/gpu_check.py --cpu-tiny     # the same path on the CPU with a tiny Qwen2 (what CI runs)
+    python benchmarks/gpu_check.py            # one NVIDIA GPU with vLLM and DeepSpeed installed; about 3-6 minutes, limit 10
+    python benchmarks/gpu_check.py --cpu      # the same phases on the CPU with a tiny Qwen2 (make test runs it in .venv-vllm)
 
-Needs PyTorch with CUDA, transformers and DeepSpeed (`pip install <deepspeed wheel>`), no network: the model is a
-Qwen2 config of Qwen2.5-Math-1.5B's shape (28 layers, d 1536, vocab 151936, tied embeddings; 1.54B parameters) built in
-code with random weights and saved next to the tiny task's tokenizer; the prompts are tiny-task problems of equal
-length in the DAPO-Math-17k schema. The run is `torchrun --nproc_per_node 1 ... dapo-train --config recipe.yaml`
-with zero_stage 3, gradient checkpointing, the transformers rollout engine, bf16, l_max 1024, G 8, 4 prompts per
-step, dynamic sampling off (random weights give every response the same reward, which dynamic sampling would
-reject; the update still runs its full forward and backward), no held-out evaluation.
+Needs PyTorch, transformers, DeepSpeed and vLLM (`pip install -e ".[scale]"`) and no network: the model is a Qwen2 of
+Qwen2.5-0.5B's shape (24 layers, d 896, vocab 151936, tied embeddings; ~0.5B parameters) built in code with random
+weights next to the tiny task's tokenizer; the prompts are tiny-task problems of one length. One process holds both
+sides, as one rank of the colocated run does: the DeepSpeed ZeRO-3 learner and a vLLM engine (compiled, with sleep
+mode, on the GPU; eager and without sleep mode on the CPU, where vLLM has none). The phases, each followed by the
+device's free memory (torch.cuda.mem_get_info) next to `dapo-plan`'s per-phase prediction for this shape:
 
-Printed: the measured peak GPU memory (the learner process's max allocated and reserved, and the device's used
-memory sampled by nvidia-smi) next to `dapo-plan`'s prediction for the same recipe; learner tokens/s = (prompt +
-response tokens trained) / (log-prob pass + update time) per step; model FLOPs utilisation = model FLOPs of those
-passes (PaLM's convention: 6N + 6 L d S per trained token, 2N + 2 L d S per log-prob token, recomputation not
-counted) / time / the GPU's dense bf16 peak (`--peak-tflops` for GPUs not in the table). A JSON summary is written
-to OUT/gpu_check.json. Exit status: 0 done, 1 the run failed or ran past --timeout, 2 a missing requirement."""
+1. `build`:   `Trainer` with zero_stage 3 and rollout_backend vllm (learner, engine, the first weight sync);
+2. `step`:    one DAPO step (Algorithm 1: generate, reward, advantages, updates; the engine asleep during the update);
+3. `sync`:    the engine's log-probs of freshly sampled tokens against the learner's on the same tokens (the weights the
+              engine serves are the learner's after the step);
+4. `fused`:   the lm head's fused log-prob backward in bf16 on the device (tests/test_fused_bf16.py's derived bound);
+5. `free`:    the engine closed (its memory back), then `restart`: a new engine, the learner's weights loaded, the
+              same log-prob comparison.
+
+A JSON summary goes to OUT/gpu_check.json. Exit status: 0 every check passed, 1 a check failed or the run ran past
+--timeout, 2 a missing requirement or bad input (one line, before any work)."""
 from __future__ import annotations
-import argparse, json, os, shutil, socket, subprocess, sys, tempfile, threading, time
+import argparse, gc, json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SHAPES = {  # Qwen2Config fields; "1.5b" is Qwen2.5-Math-1.5B's config.json (the 1-GPU recipe's model)
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+SHAPES = {  # Qwen2Config fields; "0.5b" is Qwen2.5-0.5B's config.json
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
                  tie_word_embeddings=True),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True),  # vLLM CPU: head_dim >= 32
 }
-RUNS = {  # recipe fields of the two variants (plus the common ones in `recipe`)
-    "gpu": dict(dtype="bfloat16", l_max=1024, l_cache=256, group_size=8, prompts_per_step=4, gen_batch_size=4,
-                mini_batch_size=16, micro_token_budget=8192, lr=1e-6),
+RUNS = {  # recipe fields of the two variants
+    "gpu": dict(dtype="bfloat16", l_max=512, l_cache=128, group_size=8, prompts_per_step=8, gen_batch_size=8,
+                mini_batch_size=32, micro_token_budget=8192, lr=1e-6, vllm_gpu_memory_utilization=0.4,
+                vllm_enforce_eager=False, vllm_enable_chunked_prefill=True),
     "cpu": dict(dtype="float32", l_max=24, l_cache=8, group_size=4, prompts_per_step=2, gen_batch_size=2,
-                mini_batch_size=4, micro_token_budget=512, lr=1e-4),
+                mini_batch_size=4, micro_token_budget=512, lr=1e-4, vllm_gpu_memory_utilization=0.3,
+                vllm_enforce_eager=True, vllm_enable_chunked_prefill=False),
 }
-PEAK_BF16_TFLOPS = {"B200": 2250, "H200": 989, "GH200": 989, "H100": 989, "H800": 989, "A100": 312, "A800": 312,
-                    "L40S": 362, "L40": 181, "RTX 6000 Ada": 364, "L4": 121, "A10": 125, "RTX 4090": 165, "A6000": 155}
-
-
-def port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return str(s.getsockname()[1])
-
-
+# a sync check passes when the engine's and the learner's log-probs of the same tokens differ by less than this (mean
+# |d|): float32 on both sides differs by kernel rounding (~1e-6); bf16 kernels by ~1e-2 (verl reports 1e-3..3e-2);
+# an engine that kept its dummy weights, or missed the update, differs by ~1 (random weights: log-probs ~ -log V)
+SYNC_TOL = {"float32": 1e-3, "bfloat16": 0.1}
 def build_model(folder: Path, shape: str, dtype, device: str) -> int:
     "Save a random-weight Qwen2 of `shape` with the tiny task's tokenizer into `folder`; returns its parameter count."
     import torch
@@ -79,51 +79,39 @@ def write_prompts(path: Path, tokenizer_dir: Path, n: int = 64) -> int:
     return common
 
 
-def recipe(path: Path, model: Path, data: Path, out: Path, run: dict) -> Path:
-    import yaml
-    fields = dict(model=str(model), train_data=str(data), output_dir=str(out), total_steps=2, zero_stage=3,
-                  gradient_checkpointing=True, rollout_backend="hf", dynamic_sampling=False, max_num_gen_batches=1,
-                  max_prompt_length=256, eval_every=0, save_every=0, warmup_steps=0, **run)
-    path.write_text(yaml.safe_dump(fields, sort_keys=False))
+def config(model: Path, data: Path, out: Path, run: dict):
+    from dapo_ref.core import config_from_dict
+    return config_from_dict(dict(model=str(model), train_data=str(data), output_dir=str(out), total_steps=1, zero_stage=3,
+                                 rollout_backend="vllm", dynamic_sampling=False, max_num_gen_batches=1, temperature=1.0,
+                                 max_prompt_length=256, eval_every=0, save_every=0, warmup_steps=0, **run))
+
+
+def recipe(path: Path, cfg) -> Path:
+    "The config as a recipe file, for dapo-plan."
+    from dapo_ref.core import save_config
+    save_config(cfg, path)
     return path
 
 
-def child(result: Path, argv: list[str]) -> int:
-    "Inside torchrun: `dapo-train argv`, then this process's peak CUDA memory into `result`."
+def free_gib(cpu: bool) -> float | None:
+    if cpu: return None
     import torch
-    from dapo_ref.train import main
-    rc = main(argv)
-    peaks = {}
-    if torch.cuda.is_available():
-        peaks = dict(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved())
-    result.write_text(json.dumps(dict(rc=rc, **peaks)))
-    return rc
+    gc.collect(); torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0] / 2**30
 
 
-class DeviceMemory(threading.Thread):
-    "Samples the GPU's used memory (nvidia-smi) every 0.2 s; `peak` in bytes, None without nvidia-smi."
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.peak, self.stop = None, threading.Event()
-    def run(self):
-        exe = shutil.which("nvidia-smi")
-        while exe and not self.stop.is_set():
-            try:
-                out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                     capture_output=True, text=True, timeout=10).stdout.split()
-                if out: self.peak = max(self.peak or 0, int(out[0]) * 2**20)
-            except (subprocess.SubprocessError, ValueError): pass
-            self.stop.wait(0.2)
-
-
-def flops_per_step(row: dict, n_params: int, shape: dict, n_resp: int, prompt_len: int) -> tuple[int, float]:
-    "(trained tokens, model FLOPs) of one step's log-prob pass and update (PaLM's MFU convention)."
-    L, d = shape["num_hidden_layers"], shape["hidden_size"]
-    seq = prompt_len + row["resp_len_mean"]            # mean sequence length
-    tokens = n_resp * seq
-    per_token = 6 * n_params + 6 * L * d * seq         # forward + backward of the update (causal attention: S/2 context)
-    per_token += 2 * n_params + 2 * L * d * seq        # the old-policy log-prob forward
-    return int(round(tokens)), tokens * per_token
+def logprob_gap(engine, learner, prompts: list[list[int]], max_tokens: int) -> dict:
+    "Sample 2 responses per prompt with the engine; mean and max |engine log-prob - learner log-prob| over their tokens."
+    import torch
+    from dapo_ref.learner import RolloutBatch
+    from dapo_ref.rollout import SamplingParams
+    comps = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=max_tokens, seed=7))
+    comps = [c for c in comps if c.token_ids and c.logprobs is not None]
+    batch = RolloutBatch([prompts[c.prompt_index] for c in comps], [c.token_ids for c in comps], torch.zeros(len(comps)),
+                         torch.zeros(len(comps), dtype=torch.bool), torch.zeros(len(comps)))
+    old, _ = learner.compute_logprobs(batch)
+    d = torch.cat([(o.double().cpu() - torch.tensor(c.logprobs, dtype=torch.float64)).abs() for o, c in zip(old, comps)])
+    return dict(tokens=int(d.numel()), mean=float(d.mean()), max=float(d.max()))
 
 
 def plan(recipe_path: Path, model: Path, gpu_gb: float) -> dict:
@@ -136,122 +124,103 @@ def plan(recipe_path: Path, model: Path, gpu_gb: float) -> dict:
 
 def requirements(cpu: bool) -> str | None:
     "A one-line message naming what is missing, or None."
-    try: import torch
-    except ImportError: return "PyTorch is not installed"
-    try: import transformers, deepspeed  # noqa: F401
-    except ImportError as e:
-        return f"{e.name} is not installed: pip install its wheel (e.g. pip install deepspeed-0.19.8-py3-none-any.whl)"
-    if not cpu and not torch.cuda.is_available():
-        return "no CUDA GPU visible to PyTorch; run with --cpu-tiny for the CPU variant"
-    return None
-
-
-def warnings_before_run(cpu: bool) -> list[str]:
-    "Things that may stop the GPU run later, said up front."
-    out = []
-    if not cpu and not (shutil.which("nvcc") or os.environ.get("CUDA_HOME")):
-        out.append("no nvcc (CUDA toolkit) found: DeepSpeed JIT-compiles its fused AdamW on first use; if the run fails "
-                   "building 'fused_adam', install the toolkit or a DeepSpeed wheel built with DS_BUILD_FUSED_ADAM=1")
-    return out
-
-
-def peak_tflops(name: str) -> float | None:
-    "Dense bf16 peak of a GPU named `name` (longest matching table key), None if not in the table."
-    if "H100" in name and "PCIe" in name: return 756.0
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key in name: return float(PEAK_BF16_TFLOPS[key])
+    import importlib.util
+    for mod, fix in (("torch", "pip install torch"), ("transformers", 'pip install -e ".[scale]"'),
+                     ("deepspeed", 'pip install -e ".[scale]"'), ("vllm", 'pip install -e ".[scale]" (on a CPU: make venv-vllm)')):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} is not installed, and every phase needs it: {fix}; nothing was run"
+    import torch
+    if not cpu and not torch.cuda.is_available(): return "no CUDA GPU visible to PyTorch; run with --cpu for the CPU variant"
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]: return child(Path(argv[1]), argv[2:])  # inside torchrun
     ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu-tiny", action="store_true", help="the same path on the CPU with a tiny Qwen2 (CI)")
-    ap.add_argument("--out", default=None, help="a new (or empty) work folder; default: a temporary one, large files removed")
-    ap.add_argument("--keep", action="store_true", help="keep the model and the run's checkpoints in the work folder")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not in the table")
-    ap.add_argument("--timeout", type=float, default=450.0, help="seconds for the whole check (default 450: under 8 min)")
+    ap.add_argument("--cpu", action="store_true", help="the same phases on the CPU with a tiny Qwen2 (make test)")
+    ap.add_argument("--out", default=None, help="a new (or empty) work folder; default: a temporary one, the model removed")
+    ap.add_argument("--timeout", type=float, default=540.0, help="seconds for the whole check (default 540: under 10 min)")
     args = ap.parse_args(argv)
-    cpu = args.cpu_tiny
+    cpu = args.cpu
     if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
         print(f"gpu_check: --out {args.out} exists and is not empty; name a new folder", file=sys.stderr); return 2
-    missing = requirements(cpu)
-    if missing: print(f"gpu_check: {missing}", file=sys.stderr); return 2
-    t_start = time.perf_counter()
-    import torch, transformers, deepspeed
-    for w in warnings_before_run(cpu): print(f"gpu_check: warning: {w}", file=sys.stderr)
+    if missing := requirements(cpu): print(f"gpu_check: {missing}", file=sys.stderr); return 2
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, beside the learner
+    if cpu: os.environ.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    t0 = time.perf_counter()
+    import torch, transformers, deepspeed, vllm
+    from dapo_ref.loss import fused_token_logprobs  # noqa: F401  (the fused check's kernel)
+    from dapo_ref.trainer import Trainer
+    from dapo_ref.vllm_rollout import VLLMRolloutEngine
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-")); work.mkdir(parents=True, exist_ok=True)
-    shape, run = ("tiny", RUNS["cpu"]) if cpu else ("1.5b", RUNS["gpu"])
-    gpu_name = "CPU" if cpu else torch.cuda.get_device_name(0)
+    shape, run = ("tiny", RUNS["cpu"]) if cpu else ("0.5b", RUNS["gpu"])
+    device = "CPU" if cpu else torch.cuda.get_device_name(0)
     gpu_gb = 80.0 if cpu else torch.cuda.get_device_properties(0).total_memory / 2**30
     n_params = build_model(work / "model", shape, torch.float32 if cpu else torch.bfloat16, "cpu" if cpu else "cuda")
-    prompt_len = write_prompts(work / "prompts.parquet", work / "model")
-    rec = recipe(work / "recipe.yaml", work / "model", work / "prompts.parquet", work / "run", run)
-    predicted = plan(rec, work / "model", gpu_gb)
-    t_setup = time.perf_counter() - t_start
-
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if cpu: env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", port(),
-           str(Path(__file__).resolve()), "--child", str(work / "child.json"), "--config", str(rec), "--quiet",
-           *(["--threads", "1"] if cpu else [])]
-    mon = DeviceMemory()
-    if not cpu: mon.start()
+    write_prompts(work / "prompts.parquet", work / "model")
+    cfg = config(work / "model", work / "prompts.parquet", work / "run", run)
+    predicted = plan(recipe(work / "recipe.yaml", cfg), work / "model", gpu_gb)
+    skipped = (["compiled engine (vLLM on the CPU runs eager here: torch.compile of the model takes minutes on 2 cores)",
+                "sleep/wake (vLLM's CPU backend has no sleep mode)", "free GPU memory per phase (no GPU)"] if cpu else [])
+    phases, checks = [], {}
+    def phase(name, **info):
+        phases.append(dict(phase=name, free_gib=free_gib(cpu), s=round(time.perf_counter() - t0, 1), **info))
+        print(f"gpu_check: {name}: " + ", ".join(f"{k} {v}" for k, v in phases[-1].items() if k != "phase"), flush=True)
+        if time.perf_counter() - t0 > args.timeout: raise TimeoutError(f"past --timeout {args.timeout:.0f} s after {name}")
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=max(10.0, args.timeout - (time.perf_counter() - t_start)))
-    except subprocess.TimeoutExpired:
-        print(f"gpu_check: dapo-train ran past --timeout {args.timeout:.0f} s (setup took {t_setup:.0f} s)", file=sys.stderr)
-        return 1
-    finally: mon.stop.set()
-    if p.returncode or not (work / "child.json").exists():
-        print(f"gpu_check: dapo-train failed (exit status {p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
-        return 1
-    peaks = json.loads((work / "child.json").read_text())
-    rows = [json.loads(l) for l in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "time_update" in r]
-    n_resp = run["prompts_per_step"] * run["group_size"]
-    tflops = args.peak_tflops or (None if cpu else peak_tflops(gpu_name))
-    per_step = []
-    for r in steps:
-        tokens, flops = flops_per_step(r, n_params, SHAPES[shape], n_resp, prompt_len)
-        t = r["time_logprobs"] + r["time_update"]
-        per_step.append(dict(step=r["step"], learner_tokens=tokens, learner_s=t, tokens_per_s=tokens / t,
-                             mfu=flops / t / (tflops * 1e12) if tflops else None, generate_s=r.get("time_generate"),
-                             resp_len_mean=r["resp_len_mean"]))
-    wall = time.perf_counter() - t_start
-    summary = dict(device=gpu_name, versions=dict(torch=torch.__version__, transformers=transformers.__version__,
-                                                  deepspeed=deepspeed.__version__), n_params=n_params, shape=shape, recipe=run, prompt_len=prompt_len, peak=peaks,
-                   device_used_peak=mon.peak, plan=predicted, steps=per_step, peak_tflops=tflops, wall_s=wall)
+        torch.set_num_threads(1 if cpu else torch.get_num_threads())
+        tr = Trainer(cfg, progress=False, log=None)  # ZeRO-3 learner, vLLM engine, the first weight sync
+        phase("build", engine=type(tr.engine).__name__, learner=type(tr.learner).__name__,
+              update_order=" ".join(tr.engine.update_order), eager=cfg.vllm_enforce_eager,
+              linear_is_torchs=torch.nn.functional.linear is torch._C._nn.linear)
+        checks["F.linear is torch's own after the ZeRO-3 build"] = phases[-1]["linear_is_torchs"]
+        row = tr.step()
+        phase("step", grad_updates=row["grad_updates"], skipped=row.get("skipped_updates", 0),
+              rollout_logp_diff_mean=row.get("rollout_logp_diff_mean"))
+        checks["one DAPO step applied its updates"] = row["grad_updates"] >= 1 and not row.get("skipped_updates", 0)
+        probe, tol = tr.prompt_ids[:4], SYNC_TOL[cfg.dtype]
+        gap = logprob_gap(tr.engine, tr.learner, probe, run["l_max"])
+        phase("sync", **{f"gap_{k}": v for k, v in gap.items()})
+        checks[f"engine log-probs = learner's after the step (mean |d| < {tol:g})"] = gap["mean"] < tol
+        sys.path.insert(0, str(ROOT / "tests"))
+        from test_fused_bf16 import fused_grad_ratio
+        ratio = fused_grad_ratio(1.0, device="cpu" if cpu else "cuda")
+        phase("fused", max_err_over_bound=ratio)
+        checks["fused lm-head weight gradient in bf16 within its derived bound"] = ratio <= 1
+        tr.engine.close()
+        phase("free")
+        engine = VLLMRolloutEngine.from_config(cfg, model_path=work / "model", world=1, eos_token_id=tr.engine.eos_ids)
+        engine.load_weights(tr.learner.named_weights())
+        gap2 = logprob_gap(engine, tr.learner, probe, run["l_max"])
+        phase("restart", **{f"gap_{k}": v for k, v in gap2.items()})
+        checks[f"a restarted engine serves the learner's weights (mean |d| < {tol:g})"] = gap2["mean"] < tol
+        engine.close()
+    except TimeoutError as e:
+        print(f"gpu_check: {e}", file=sys.stderr); return 1
+    summary = dict(device=device, versions=dict(torch=torch.__version__, transformers=transformers.__version__,
+                   deepspeed=deepspeed.__version__, vllm=vllm.__version__), n_params=n_params, shape=shape, recipe=run,
+                   plan=predicted, phases=phases, checks=checks, skipped=skipped, wall_s=time.perf_counter() - t0)
     (work / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     report(summary)
-    if not args.keep:
-        for d in ("model", "run"): shutil.rmtree(work / d, ignore_errors=True)
+    if not args.out: shutil.rmtree(work / "model", ignore_errors=True)
     print(f"summary: {work / 'gpu_check.json'}")
-    return 0 if len(per_step) == 2 else 1
+    return 0 if all(checks.values()) else 1
 
 
 def report(s: dict):
-    gib = lambda b: "n/a" if b is None else f"{b / 2**30:.1f} GiB"
-    r = s["recipe"]
-    print(f"gpu_check on {s['device']}: Qwen2 of {s['n_params'] / 1e6:,.1f}M parameters (random weights), {r['dtype']}, ZeRO-3 + gradient "
-          f"checkpointing, transformers engine, l_max {r['l_max']}, {r['prompts_per_step']} prompts x G {r['group_size']}; "
+    print(f"gpu_check on {s['device']}: Qwen2 of {s['n_params'] / 1e6:,.1f}M parameters (random weights), "
+          f"{s['recipe']['dtype']}, ZeRO-3 learner + vLLM engine in one process; "
           + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
-    pk = s["peak"]
-    print(f"peak GPU memory, measured: max allocated {gib(pk.get('max_allocated'))}, max reserved "
-          f"{gib(pk.get('max_reserved'))}, device used {gib(s['device_used_peak'])} (nvidia-smi)")
     pl = s["plan"]
     if "phases_gb" in pl:
-        phases = ", ".join(f"{k} {v:.1f}" for k, v in pl["phases_gb"].items())
-        print(f"peak GPU memory, dapo-plan: {pl['peak_gb']:.1f} GiB ({phases} GiB; its rollout row models vLLM)")
+        print("dapo-plan per GPU: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in pl["phases_gb"].items())
+              + f"; peak {pl['peak_gb']:.1f} GiB")
     else: print(f"dapo-plan: {pl.get('error')}")
-    for st in s["steps"]:
-        mfu = "n/a" if st["mfu"] is None else f"{100 * st['mfu']:.1f}%"
-        print(f"step {st['step']}: learner {st['learner_tokens']} tokens in {st['learner_s']:.1f} s = "
-              f"{st['tokens_per_s']:,.0f} tokens/s, MFU {mfu}; generation {st['generate_s']:.1f} s, "
-              f"mean response {st['resp_len_mean']:.0f} tokens")
-    print(f"wall {s['wall_s']:.0f} s (limit 8 min)")
+    for p in s["phases"]:
+        free = "n/a" if p["free_gib"] is None else f"{p['free_gib']:.1f} GiB"
+        print(f"  {p['phase']:<8} at {p['s']:6.1f} s   free device memory {free}")
+    for name, ok in s["checks"].items(): print(f"  [{'ok' if ok else 'FAILED'}] {name}")
+    for name in s["skipped"]: print(f"  [skipped] {name}")
+    print(f"wall {s['wall_s']:.0f} s (limit 10 min)")
 
 
 if __name__ == "__main__":

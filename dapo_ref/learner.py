@@ -322,7 +322,7 @@ class Learner:
         self.sp: SeqParallel | None = None  # Ulysses group (`scale.DeepSpeedLearner` sets it when sequence_parallel_size > 1)
         for g in optimizer.param_groups: g.setdefault("initial_lr", g["lr"])
         self.sched = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(cfg.warmup_steps))
-        self.guard = UpdateGuard(optimizer, grad_norm=self.clip_norm)  # runs: skips non-finite steps, flags blow-ups
+        self.guard = UpdateGuard(self.guard_weights)  # runs: skips non-finite steps, flags blow-ups
 
     @classmethod
     def build(cls, cfg: DAPOConfig, pad_token_id: int, model=None) -> "Learner":
@@ -337,8 +337,8 @@ class Learner:
     # --- what an implementation supplies ---
     def zero_grad(self): pass
     def backward(self, loss: Tensor, last: bool): raise NotImplementedError  # `last`: the mini-batch's last pass
-    def optimizer_step(self) -> float: raise NotImplementedError  # clip, step (or skip); returns the grad norm
-    def clip_norm(self) -> float | None: return None  # the global grad norm the pending step was clipped with (the guard reads it)
+    def optimizer_step(self, loss: float) -> float: raise NotImplementedError  # clip, guarded step; returns the grad norm
+    def guard_weights(self) -> Iterable[Tensor]: return self.model.parameters()  # this rank's part of the weights (the guard's)
     def end_step(self): self.sched.step()  # one rollout step of the warm-up schedule
 
 # %% ../nbs/08b_learner.ipynb #77ee1df8
@@ -435,15 +435,12 @@ def update(self: Learner, batch: RolloutBatch,  # this rank's share of one mini-
         total += float(loss.detach()) / self.copies; weight += w  # a sequence-parallel group's ranks: the same loss
         if w: rmin, rmax = min(rmin, m["ratio_min"]), max(rmax, m["ratio_max"])
         for key in METRIC_KEYS: sums[key] += m.get(key, 0.0) * w  # token-weighted means over micro-batches
-    self.guard.loss, self.guard.reason, self.guard.blown = total, None, None  # the guard inside optimizer_step reads the loss
-    grad_norm = self.optimizer_step()
-    if self.guard.reason is None and not math.isfinite(grad_norm):  # DeepSpeed skipped it itself (its overflow check)
-        self.guard.reason = f"the gradient norm is not finite ({grad_norm})"
+    grad_norm = self.optimizer_step(total)  # applied, or skipped by its guard (`guard.reason` says why)
     tot = dist.all_reduce([sums[k] for k in METRIC_KEYS] + [weight, total])
     lo, hi = dist.all_reduce([rmin], "min")[0], dist.all_reduce([rmax], "max")[0]
     W = tot[len(METRIC_KEYS)]
     out = {k: v / max(W, 1) for k, v in zip(METRIC_KEYS, tot)}
-    skipped = self.guard.reason is not None or not math.isfinite(grad_norm)  # not applied (runs.UpdateGuard)
+    skipped = self.guard.reason is not None  # not applied (runs.UpdateGuard)
     out.update(loss=tot[-1], grad_norm=grad_norm, skipped=float(skipped), lr=self.lr,
                num_tokens=float(num_tokens), num_seqs=float(num_seqs), ratio_min=lo if W else 1.0, ratio_max=hi if W else 1.0)
     return out
@@ -498,15 +495,16 @@ class TorchLearner(Learner):
     def zero_grad(self): self.opt.zero_grad(set_to_none=True)
     def backward(self, loss: Tensor, last: bool): loss.backward()
 
-    def optimizer_step(self) -> float:
-        "Sum the gradients over ranks, clip the global norm, AdamW step (which `self.guard` skips when not finite)."
+    def optimizer_step(self, loss: float) -> float:
+        "Sum the gradients over ranks, clip the global norm, AdamW step unless `self.guard` finds the loss or norm not finite."
         params = [p for p in self.model.parameters() if p.requires_grad]
         dist.all_reduce_tensors([p.grad for p in params if p.grad is not None])  # Spinning Up's mpi_avg_grads, as a sum
-        self._gn = grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        self.opt.step()  # the UpdateGuard installed on it skips a non-finite step and checks the weights after it
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        self.guard.start()
+        if self.guard.allows(loss, grad_norm):
+            self.opt.step()
+            self.guard.after_step()  # the largest |weight|: blown up?
         return grad_norm
-
-    def clip_norm(self) -> float | None: return getattr(self, "_gn", None)
 
     def save(self, path: str | Path):
         "Weights (safetensors) and AdamW + schedule state (`learner_state.pt`); rank 0 writes, every rank calls."

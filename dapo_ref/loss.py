@@ -204,17 +204,21 @@ class FusedTokenLogprobs(torch.autograd.Function):
         hidden, weight, labels, lse = ctx.saved_tensors
         tau, c = ctx.temperature, ctx.chunk_rows
         gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, H)
-        gw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V, H), accumulated chunk by chunk
+        # gw sums all M rows, M / c chunks. In the weight's dtype the whole (V, H) sum (with tied embeddings, the
+        # embedding's gradient too) would be rounded to bf16 once per chunk; so each chunk adds its fp32 dL/dz times its
+        # hidden rows upcast into an fp32 sum, rounded once at the end. The cost: this matmul runs in fp32 and the sum
+        # holds 4 V H bytes (bf16: 2 V H). gh has no sum across chunks and keeps the model's dtype.
+        gw = weight.new_zeros(weight.shape, dtype=lse.dtype) if ctx.needs_input_grad[1] else None  # (V, H) fp32
         for s in range(0, hidden.shape[0], c):
             e = min(hidden.shape[0], s + c)
             z = (hidden[s:e] @ weight.T).to(lse.dtype)                # (c, V) recomputed
             if tau != 1.0: z = z / tau
             gz = -torch.exp(z - lse[s:e, None])                       # (c, V) -p
             gz.scatter_add_(-1, labels[s:e, None], torch.ones_like(gz[:, :1]))  # 1[v = o_t] - p
-            gz = (gz * (g_logp[s:e, None] / tau)).to(hidden.dtype)    # (c, V) dL/dz
-            if gh is not None: gh[s:e] = gz @ weight
-            if gw is not None: gw.addmm_(gz.T, hidden[s:e])
-        return gh, gw, None, None, None, None
+            gz = gz * (g_logp[s:e, None] / tau)                       # (c, V) dL/dz, fp32
+            if gh is not None: gh[s:e] = gz.to(hidden.dtype) @ weight
+            if gw is not None: gw.addmm_(gz.T, hidden[s:e].to(gw.dtype))
+        return gh, (None if gw is None else gw.to(weight.dtype)), None, None, None, None
 
 def fused_token_logprobs(hidden: Tensor,  # (M, H) last hidden states at the positions that predict the labels
                          weight: Tensor,  # (V, H) output embedding (the lm head's weight)

@@ -84,6 +84,9 @@ class RolloutEngine(abc.ABC):
     def wake(self) -> None:
         "Restore what `sleep` freed before the next `generate`; a no-op unless a backend overrides it."
 
+    def close(self) -> None:
+        "Give back what the engine holds (a vLLM engine: its device memory), so that another can start; a no-op unless a backend overrides it."
+
     def around_update(self,
                       update: Callable[[], _T],  # the learner's update (lines 10-11); its result is returned
                       weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it (a stream)

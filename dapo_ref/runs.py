@@ -7,9 +7,10 @@ from __future__ import annotations
 import errno, json, math, os, random, shutil, sys, tempfile, time, uuid, zipfile
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
+from torch import Tensor
 
 from . import dist
 from .core import PATH_FIELDS, DAPOConfig, InputError, config_from_dict, read_yaml, short
@@ -21,7 +22,7 @@ __all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'STATE_KEYS', 'WEIGHT_GROW
            'clear_run', 'step_folders', 'checkpoint_experiment', 'resume_changes', 'read_metrics', 'rng_state',
            'set_rng_state', 'latest_checkpoint', 'plot_curves', 'read_safetensors_header', 'safetensors_problem',
            'checkpoint_problem', 'newest_loadable_checkpoint', 'export_checkpoint', 'export_main', 'CheckpointError',
-           'checkpoint_error', 'export_error', 'max_abs_weight', 'UpdateGuard', 'DivergenceError', 'divergence_error',
+           'checkpoint_error', 'export_error', 'max_abs', 'UpdateGuard', 'DivergenceError', 'divergence_error',
            'blown_error', 'SamplingWatch']
 
 # %% ../nbs/08a_runs.ipynb #6b6f1360
@@ -406,43 +407,41 @@ WEIGHT_GROWTH = 10.0   # an update may make the largest |weight| at most this ma
 MAX_BAD_UPDATES = 3    # skipped updates in a row that stop the run
 
 @torch.no_grad()
-def max_abs_weight(opt: torch.optim.Optimizer,  # its parameters: this rank's (its ZeRO partition inside DeepSpeed)
-                  ) -> float:
-    "The largest |w| over the parameters `opt` updates, on all ranks; inf when one is not finite. One pass, one all-reduce."
+def max_abs(tensors: Iterable[Tensor],  # this rank's weights: all of them, or its partition (ZeRO)
+           ) -> float:
+    "The largest |w| over `tensors` on all ranks; inf when one is not finite. One pass, one all-reduce."
     m = 0.0
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if p.numel() == 0: continue  # an empty ZeRO partition
-            v = float(p.detach().abs().max())
-            m = max(m, v if math.isfinite(v) else math.inf)  # max(0.0, nan) would be 0.0
+    for t in tensors:
+        if t.numel() == 0: continue  # an empty ZeRO partition
+        v = float(t.detach().abs().max())
+        m = max(m, v if math.isfinite(v) else math.inf)  # max(0.0, nan) would be 0.0
     return dist.all_reduce([m], "max")[0]
 
 # %% ../nbs/08a_runs.ipynb #1fa3b317
 class UpdateGuard:
-    """Installed on a torch optimizer: a step whose loss or global gradient norm is not finite is skipped (`reason`);
+    """The learner's step, watched: `allows` skips a step whose loss or global gradient norm is not finite (`reason`);
     after a step, the largest |weight| must stay finite and grow at most `growth` times, else `blown` says so (the
-    trainer then stops). All ranks decide together."""
-    def __init__(self, opt: torch.optim.Optimizer,  # the torch optimizer (inside DeepSpeed's wrapper: its `.optimizer`)
-                 growth: float = WEIGHT_GROWTH,
-                 grad_norm: Callable[[], float | None] = lambda: None,  # the global norm the step was clipped with
-                ):
-        self.opt, self.growth, self.grad_norm = opt, growth, grad_norm
-        self.loss, self.reason, self.blown, self.wmax = 0.0, None, None, None
-        inner = opt.step
-        def step(*args, **kwargs):
-            if not self.check(): return None
-            if self.wmax is None: self.wmax = max_abs_weight(self.opt)  # the first step: the starting weights'
-            out = inner(*args, **kwargs)
-            self.after_step()
-            return out
-        step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", False)  # torch's scheduler must not re-wrap it
-        opt.step = step
+    trainer then stops). All ranks decide together. The learner calls it: start, allows, step, after_step."""
+    def __init__(self, weights: Callable[[], Iterable[Tensor]],  # this rank's part of the weights (`max_abs`)
+                 growth: float = WEIGHT_GROWTH):
+        self.weights, self.growth = weights, growth
+        self.reason, self.blown, self.wmax = None, None, None
 
-    def check(self) -> bool:
-        "Before the step: may it run? Sets `reason` (None, or why not). Reads numbers computed anyway; one all-reduce."
-        gn = self.grad_norm()
-        gn = None if gn is None else float(gn)
-        bad_loss, bad_g = dist.all_reduce([float(not math.isfinite(self.loss)),
+    def max_abs(self) -> float:
+        "The largest |weight| of the whole model (every rank its part, one all-reduce)."
+        return max_abs(self.weights())
+
+    def start(self):
+        "Before an update: no verdict yet; the starting weights' largest |weight| at the first one."
+        self.reason = self.blown = None
+        if self.wmax is None: self.wmax = self.max_abs()
+
+    def allows(self, loss: float,                # the mini-batch's loss (this rank's share of it)
+               grad_norm: float | None = None,   # the global norm the step was clipped with (computed anyway)
+              ) -> bool:
+        "May the step run? Sets `reason` (None, or why not), the same on every rank: one all-reduce."
+        gn = None if grad_norm is None else float(grad_norm)
+        bad_loss, bad_g = dist.all_reduce([float(not math.isfinite(loss)),
                                            float(gn is not None and not math.isfinite(gn))], "max")
         self.reason = ("the loss is not finite" if bad_loss else
                        f"the gradient norm is not finite ({gn})" if bad_g else None)
@@ -450,7 +449,7 @@ class UpdateGuard:
 
     def after_step(self):
         "After the step: `blown` when the largest |weight| is not finite or grew more than `growth` times."
-        after = max_abs_weight(self.opt)
+        after = self.max_abs()
         if not after <= self.growth * self.wmax:  # also true for inf and nan
             self.blown = (f"the largest |weight| grew from {self.wmax:.3g} to {after:.3g} in one update, "
                           f"more than {self.growth:g}x")

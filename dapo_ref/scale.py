@@ -4,7 +4,7 @@
 
 # %% ../nbs/08d_deepspeed.ipynb #7820a124
 from __future__ import annotations
-import warnings
+import math, warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -32,7 +32,10 @@ def deepspeed_config(cfg: DAPOConfig,      # zero_stage, dtype, offload_*, grad_
         raise ValueError(f"zero_stage = {cfg.zero_stage}: the DeepSpeed learner runs ZeRO stage 2 or 3 "
                          "(zero_stage: 0 is the plain PyTorch learner)")
     if problem := combination_problem(cfg): raise InputError(problem)  # the rules `core.validate` applies to every config
-    zero = {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": not cpu}
+    zero = {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": not cpu,
+            # DeepSpeed's default replaces torch.nn.functional.linear process-wide when zero.Init runs, and never puts
+            # it back: the vLLM engine built later in the same process would compile its graphs over that replacement
+            "memory_efficient_linear": False}
     if cfg.offload_optimizer: zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not cpu}
     if cfg.offload_params: zero["offload_param"] = {"device": "cpu", "pin_memory": not cpu}
     adamw = {"lr": cfg.lr, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": 1e-8, "weight_decay": cfg.weight_decay}
@@ -116,14 +119,22 @@ class DeepSpeedLearner(Learner):
         self.engine.set_gradient_accumulation_boundary(last)  # reduce (ZeRO-2) / reduce-scatter (ZeRO-3) after the last
         self.engine.backward(loss * self.world)  # DeepSpeed averages over ranks; the loss is a global mean: undo it here
 
-    def clip_norm(self) -> float | None:  # DeepSpeed's global norm over all partitions, set before its torch optimizer steps
-        gn = getattr(self.opt, "_global_grad_norm", None)
-        return None if gn is None else float(gn)
+    def guard_weights(self) -> list[Tensor]:
+        "This rank's fp32 master weights, all its ZeRO sub-groups (the torch optimizer's groups hold one only while it steps it)."
+        parts = getattr(self.opt, "fp32_partitioned_groups_flat", None)  # ZeRO-3: one flat tensor per sub-group
+        if parts is None: parts = self.opt.single_partition_of_fp32_groups  # ZeRO-2: one per parameter group
+        return [p for p in parts if p is not None]
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self, loss: float) -> float:
+        self.guard.start()
         self.engine.step()  # clip the global norm, AdamW on this rank's partition
         gn = self.engine.get_global_grad_norm()
-        return float(gn) if gn is not None else float("nan")
+        gn = float(gn) if gn is not None else float("nan")
+        # DeepSpeed skips a step whose global norm is not finite, on every rank alike (the norm is global); a loss
+        # that is not finite reaches the gradients through backward, so its step is one of those
+        if math.isfinite(gn): self.guard.after_step()
+        else: self.guard.allows(loss, gn)  # not applied: says why
+        return gn
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
         "Full tensors by name, gathered module by module (a collective: every rank iterates it)."

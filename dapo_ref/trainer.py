@@ -21,7 +21,7 @@ from .reward import check_plugin, is_plugin, score_batch, overlong_penalty
 from .advantage import group_advantages
 from .sampling import DynamicSamplingBuffer
 from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, checkpoint_error, export_error, divergence_error,
-                           newest_loadable_checkpoint, prepare_output_dir, clear_run, read_marker, write_marker, max_abs_weight,
+                           newest_loadable_checkpoint, prepare_output_dir, clear_run, read_marker, write_marker,
                            read_metrics, rng_state, set_rng_state, latest_checkpoint, plot_curves, step_folders)
 from .rollout import RolloutEngine, HFRolloutEngine, Completion, sampling_params_from_config, rollout_groups
 from .learner import Learner, TorchLearner, RolloutBatch, model_path, stage_model, load_tokenizer
@@ -265,7 +265,7 @@ class Trainer:
         check_prompt_lengths(train_examples, self.prompt_ids, cfg.max_prompt_length)  # names the row in the file
         try: self.learner = learner_class(cfg).build(cfg, self.pad_id, model=model)
         except LOAD_ERRORS as e: raise InputError(f"model = {cfg.model}: cannot load its weights ({one_line(e)[:300]})") from None
-        w = max_abs_weight(self.learner.guard.opt)  # every rank its partition, one all-reduce: a damaged model stops here
+        w = self.learner.guard.max_abs()  # every rank its partition, one all-reduce: a damaged model stops here
         if not math.isfinite(w):
             raise InputError(f"model = {cfg.model}: some weights hold NaN or infinite values; the model is damaged: "
                              "export or copy it again, or start from another model")
@@ -570,6 +570,8 @@ def fit(self: Trainer, resume: bool = False, keep_checkpoints: int = 2,
     dist.barrier()
     return summary
 
+
+# %% ../nbs/09_trainer.ipynb #b9d41c07
 def summary_line(s: dict) -> str:
     "The one line `dapo-train` ends with."
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
@@ -586,4 +588,7 @@ def train(cfg: DAPOConfig,             # the run's config
     "Run DAPO training for `cfg` on this process's rank (all ranks under a launcher); returns the summary."
     if deterministic is None: deterministic = not torch.cuda.is_available()  # on GPUs it NaN-fills torch.empty, warns on cuBLAS
     if deterministic: torch.use_deterministic_algorithms(True, warn_only=True)
-    return Trainer(cfg, **kwargs).fit(resume=resume, keep_checkpoints=keep_checkpoints, overwrite=overwrite)
+    trainer = Trainer(cfg, **kwargs)
+    try: return trainer.fit(resume=resume, keep_checkpoints=keep_checkpoints, overwrite=overwrite)
+    finally:  # the engine it started gives its device memory back: the next engine of this process (an evaluation) can start
+        if kwargs.get("engine") is None: trainer.engine.close()

@@ -151,7 +151,7 @@ def _reload_log():
 
 # %% ../nbs/07a_vllm.ipynb #47341603
 def vllm_engine_kwargs(cfg,            # a `DAPOConfig`
-                       world: int = 1, # ranks in the job: with vllm_tensor_parallel > 1 one engine spans each group of consecutive ranks
+                       world: int = 1, # ranks in the job (torchrun's): > 1 makes every engine an external-launcher engine
                        dummy_weights: bool = True,  # start with random weights (load_format="dummy"): the first sync fills them
                       ) -> dict:
     "`VLLMRolloutEngine` keyword arguments from a `DAPOConfig`: its vllm_* fields, dtype, seed, max_model_len, the weights' start, and the launcher of a multi-rank job."
@@ -160,7 +160,8 @@ def vllm_engine_kwargs(cfg,            # a `DAPOConfig`
               dtype=cfg.dtype, seed=cfg.seed, load_format="dummy" if dummy_weights else "auto",
               logprobs_mode="processed_logprobs",  # the sampled tokens' log-probs after temperature / top-p: what was sampled
               max_model_len=cfg.max_prompt_length + cfg.l_max)
-    if world > 1 and cfg.vllm_tensor_parallel > 1:  # the job's ranks are the engines' workers (torchrun started them)
+    if world > 1:  # inside torchrun the job's ranks are the engines' workers, at tensor parallel 1 too: vLLM's own
+        # single-process executor would take device 0 and rank 0 on every rank (verl and TRL's colocate mode do the same)
         kw["distributed_executor_backend"] = "external_launcher"  # and no data_parallel_size: the engines stay independent
     return kw
 
@@ -287,7 +288,7 @@ def __init__(self: VLLMRolloutEngine,
 def from_config(cls: VLLMRolloutEngine,
                 cfg,                              # a `DAPOConfig`
                 model_path: str | Path | None = None,  # the policy's checkpoint; None = cfg.model
-                world: int = 1,                   # ranks in the job (external_launcher when vllm_tensor_parallel > 1)
+                world: int = 1,                   # ranks in the job (external_launcher when > 1)
                 **kwargs,                         # overrides (eos_token_id, enforce_eager, ...)
                ) -> "VLLMRolloutEngine":
     "An engine configured by `cfg` (`vllm_engine_kwargs`): tensor parallel, memory fraction, chunked prefill, dtype, seed, max_model_len, launcher."
@@ -353,3 +354,19 @@ def wake(self: VLLMRolloutEngine) -> None:
     if not self._asleep: return
     self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
     self._asleep = self._weights_awake = False
+
+@patch
+def close(self: VLLMRolloutEngine) -> None:
+    "Shut the engine down and give its memory back, so that the next engine can start in this process (vLLM allows one sleep-mode allocator per process at a time). Idempotent."
+    llm = self.__dict__.pop("llm", None)
+    if llm is None: return
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)  # the EngineCore itself when it runs in this process
+    if core is None: client.shutdown()  # its own process: its own process groups go with it
+    else:  # not EngineCore.shutdown(): it ends with cleanup_dist_env_and_memory, which destroys torch's default
+        # process group, the one the learner's collectives (DeepSpeed's gathers) run on in this process
+        if (fin := getattr(client, "_finalizer", None)) is not None: fin.detach()  # the same shutdown at collection
+        core.model_executor.shutdown(); core.scheduler.shutdown()
+        gc.unfreeze()  # vLLM froze its start-up objects (weights, KV cache) out of the collector's sight
+    del llm, client, core
+    self._release()

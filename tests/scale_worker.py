@@ -72,11 +72,11 @@ def capture_grads(learner) -> dict:
     grads, inner = {}, learner.optimizer_step
     if type(learner).__name__ == "DeepSpeedLearner":
         from deepspeed.utils import safe_get_full_grad
-        def step():
+        def step(loss):
             for n, p in learner.model.named_parameters():
                 g = safe_get_full_grad(p)
                 grads[n] = None if g is None else g.detach().float().cpu().clone()
-            return inner()
+            return inner(loss)
     else:
         from unittest import mock
         names, clip = {id(p): n for n, p in learner.model.named_parameters()}, torch.nn.utils.clip_grad_norm_
@@ -84,8 +84,8 @@ def capture_grads(learner) -> dict:
             params = list(params)
             for p in params: grads[names[id(p)]] = None if p.grad is None else p.grad.detach().float().cpu().clone()
             return clip(params, *a, **k)
-        def step():
-            with mock.patch("torch.nn.utils.clip_grad_norm_", clip_and_capture): return inner()
+        def step(loss):
+            with mock.patch("torch.nn.utils.clip_grad_norm_", clip_and_capture): return inner(loss)
     learner.optimizer_step = step
     return grads
 
@@ -195,6 +195,7 @@ def run_build(model_name: str, out: Path, mode: str = "ours"):
             model = DeepSpeedLearner.build_model(cfg)
     params = list(model.parameters())
     res = dict(rank=rank, construct_extra=m.extra, construct_base=m.base,
+               linear_after_build=torch.nn.functional.linear is torch._C._nn.linear,  # zero.Init left F.linear as it was
                all_partitioned=all(p.numel() == 0 and hasattr(p, "ds_id") for p in params),
                full_numel=sum(p.ds_numel for p in params), local_numel=sum(p.ds_tensor.numel() for p in params),
                model_bytes=sum(p.ds_numel * p.element_size() for p in params),
@@ -204,6 +205,7 @@ def run_build(model_name: str, out: Path, mode: str = "ours"):
         trainer = Trainer(cfg, train_examples=tiny_splits(8, 1, seed=0)[0], eval_examples=[], model=model,
                           tokenizer=tok, progress=False, log=None)
     res["trainer_extra"] = m.extra
+    res["linear_after_initialize"] = torch.nn.functional.linear is torch._C._nn.linear  # and deepspeed.initialize too
     learner = trainer.learner
     set_adam_eps(learner)
     grads = capture_grads(learner)

@@ -395,7 +395,7 @@ def test_deepspeed_learner_guards_its_partition(tmp_path, policy, stage):
     ids = tok.encode("1+1=", add_special_tokens=False)
     learner = DeepSpeedLearner(fresh(policy)[0], tiny_cfg(tmp_path, zero_stage=stage, lr=1e-3, warmup_steps=0), tok.pad_token_id)
     for lr, adv, verdict in ((1e-3, 1.0, "applied"), (1e-3, float("nan"), "skipped"), (1e10, 1.0, "blown")):
-        for group in learner.guard.opt.param_groups: group["lr"] = lr
+        for group in learner.sched.optimizer.param_groups: group["lr"] = lr
         batch = RolloutBatch([ids] * 4, [ids[:3], ids[:2], ids[:3], ids[:1]], torch.tensor([adv, -1.0, 0.5, -0.5]),
                              torch.zeros(4, dtype=torch.bool), torch.tensor([1.0, -1.0, 1.0, -1.0]))
         before = {n: t.clone() for n, t in learner.named_weights()}
@@ -432,6 +432,26 @@ for stage, lr in [(stage, lr) for stage in stages for lr in (1e10, 1e-3)]:  # a 
     same = all(torch.equal(before[n], t) for n, t in learner.named_weights())
     res.append(dict(stage=stage, lr=lr, skipped=m["skipped"], same=same, reason=learner.guard.reason, blown=learner.guard.blown))
 with open(f"{out}/rank{rank}.json", "w") as f: json.dump(res, f)
+if 3 in stages:  # ZeRO-3 with its parameter groups cut into sub-groups (DeepSpeed's sub_group_size; 1e9 by default)
+    from dapo_ref.scale import deepspeed_config
+    model, tok = load_policy("tiny")
+    cfg = load_config(recipe, dict(zero_stage=3, lr=1e-3, warmup_steps=0, gpus_per_node=world))
+    ds = deepspeed_config(cfg, world); ds["zero_optimization"]["sub_group_size"] = 2000
+    learner = DeepSpeedLearner(model, cfg, tok.pad_token_id, ds_config=ds)
+    ids = tok.encode(f"{rank}+1=", add_special_tokens=False)
+    batch = RolloutBatch([ids] * 2, [ids[:3], ids[:1 + rank]], torch.tensor([1.0, -1.0]), torch.zeros(2, dtype=torch.bool),
+                         torch.tensor([1.0, -1.0]))
+    true_max = lambda: max(float(t.abs().max()) for _, t in learner.named_weights())  # gathered: the whole model
+    torch_groups = lambda: [p for g in learner.sched.optimizer.param_groups for p in g["params"]]  # what the old guard read
+    sub = dict(n_sub_groups=len(learner.opt.fp32_partitioned_groups_flat), before=learner.guard.max_abs(), true_before=true_max(),
+               torch_groups=len(torch_groups()))
+    old, _ = learner.compute_logprobs(batch)
+    m = learner.update(batch, old)
+    sub.update(skipped=m["skipped"], blown=learner.guard.blown, after=learner.guard.max_abs(), true_after=true_max())
+    with torch.no_grad():  # an inf in rank 1's last sub-group partition: rank 0 does not hold it
+        if rank == 1: learner.opt.fp32_partitioned_groups_flat[-1][0] = float("inf")
+    sub["planted"] = learner.guard.max_abs()
+    with open(f"{out}/sub{rank}.json", "w") as f: json.dump(sub, f)
 dist.barrier()
 torch.distributed.destroy_process_group()  # as the other workers do: no gloo threads left running at exit
 # Four DeepSpeed engines were built in this process; at interpreter exit a native thread of one of them can abort the
@@ -445,7 +465,9 @@ import os; os._exit(0)
 @pytest.mark.slow
 def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path):
     """Two ranks, ZeRO-2 then ZeRO-3 (one launch): each takes the largest |weight| of its own partition after the step,
-    the maximum is all-reduced, so both flag lr = 1e10 as a blow-up (the same words) and both apply lr = 1e-3 unflagged."""
+    the maximum is all-reduced, so both flag lr = 1e10 as a blow-up (the same words) and both apply lr = 1e-3 unflagged.
+    Then ZeRO-3 with sub_group_size small enough to cut the model into several sub-groups: the guard's largest |weight|
+    equals the gathered model's before and after an update, and an inf planted in rank 1's partition is seen on rank 0."""
     import socket
     with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
     (tmp_path / "worker.py").write_text(GUARD_WORKER)
@@ -460,6 +482,16 @@ def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path):
     for blown, sane in (r0[0:2], r0[2:4]):
         assert blown["skipped"] == 0.0 and not blown["same"] and "grew from" in blown["blown"], blown
         assert sane["skipped"] == 0.0 and not sane["same"] and sane["reason"] is None and sane["blown"] is None, sane
+    # ZeRO-3 in sub-groups: the guard reads every sub-group of this rank's fp32 master partition, not the torch
+    # optimizer's param_groups, which DeepSpeed fills with one sub-group only while it steps it (empty here: the old
+    # guard read 0.0). The maximum is exact (a max of the same float32 values), so equality is the test.
+    s0, s1 = (json.loads((tmp_path / f"sub{r}.json").read_text()) for r in (0, 1))
+    for s in (s0, s1):
+        assert s["n_sub_groups"] > 2 and s["torch_groups"] == 0, s
+        assert s["before"] == s["true_before"] > 0 and s["after"] == s["true_after"] != s["before"], s
+        assert s["skipped"] == 0.0 and s["blown"] is None, s
+    assert s0["before"] == s1["before"] and s0["after"] == s1["after"]
+    assert s0["planted"] == s1["planted"] == math.inf  # caught on rank 0, which does not hold the planted value
 
 
 def test_rollout_gap_by_hand():

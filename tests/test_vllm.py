@@ -425,6 +425,28 @@ def test_dapo_train_uses_the_vllm_engine(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "model.safetensors").exists()
 
 
+def launch_vllm_job(tmp_path, tp: int, steps: int = 2):
+    """torchrun --nproc_per_node 4 of tests/tp_worker.py's `dapo-train` with real vLLM engines at tensor parallel `tp`,
+    the held-out set one problem (so all engines but the first have nothing to evaluate); each rank's record."""
+    import json, socket, subprocess, sys
+    from pathlib import Path
+    from dapo_ref.data import save_math_dataset
+    from dapo_ref.tiny import tiny_splits
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    held = tiny_splits(64, 1, seed=0)[1][:1]  # one held-out problem, several engines
+    eval_data = save_math_dataset(held, tmp_path / "one_problem.jsonl")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_STEPS": str(steps)}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", port,
+                        str(root / "tests" / "tp_worker.py"), str(tmp_path), "vllm", "3", str(eval_data), str(tp)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=900)  # hang guard
+    assert p.returncode == 0, p.stderr[-4000:]
+    return [json.loads((tmp_path / f"vllm{k}.json").read_text()) for k in range(4)]
+
+
 # ---------------------------------------------------------------- the real run's shape in miniature: 4 ranks, 2 engines
 @pytest.mark.skipif(CUDA, reason="the CPU miniature of the colocated layout (four CPU processes)")
 def test_four_ranks_two_independent_tp2_engines(tmp_path):
@@ -441,24 +463,8 @@ def test_four_ranks_two_independent_tp2_engines(tmp_path):
     responses the four learners train in a step are the step's batch, each once (8 groups x 2); before the first step
     and after each sync every engine's greedy completions equal the learner's weights decoded greedily by transformers
     (the engine started from dummy weights: the first sync replaced all of them); the evaluation agrees on every rank."""
-    import json, socket, subprocess, sys
-    from pathlib import Path
-    from dapo_ref.data import save_math_dataset
-    from dapo_ref.tiny import tiny_splits
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "tests"))
-    import tp_worker
-    held = tiny_splits(64, 1, seed=0)[1][:1]  # one held-out problem, two engines
-    eval_data = save_math_dataset(held, tmp_path / "one_problem.jsonl")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", port,
-                        str(root / "tests" / "tp_worker.py"), str(tmp_path), "vllm", "3", str(eval_data)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=900)  # hang guard
-    assert p.returncode == 0, p.stderr[-4000:]
-    r = [json.loads((tmp_path / f"vllm{k}.json").read_text()) for k in range(4)]
+    r = launch_vllm_job(tmp_path, tp=2)
+    import tp_worker  # on the path now
     assert all(x["rc"] == 0 and x["world"] == 4 for x in r)
     assert r[0]["engine_kwargs"]["distributed_executor_backend"] == "external_launcher"
     assert all(x["vllm_dp"] == 1 for x in r)  # independent engines: vLLM itself runs no data-parallel group
@@ -500,6 +506,39 @@ def test_four_ranks_two_independent_tp2_engines(tmp_path):
     assert "no sleep mode" in r[0]["missing_steps"][0]
 
 
+@pytest.mark.skipif(CUDA, reason="the CPU miniature of the colocated layout (four CPU processes)")
+def test_four_ranks_four_tp1_engines(tmp_path):
+    """The 7B recipe's layout shrunk (tensor parallel 1: one engine per rank), 4 ranks, ZeRO-3, one DAPO step and the
+    held-out evaluation. Every engine must be an external-launcher engine on its own rank: with vLLM's default
+    single-process executor (what `vllm_engine_kwargs` chose at tensor parallel 1 before) every engine starts as
+    vLLM's rank 0 on local rank 0, i.e. on device 0 of its node, whatever the job's rank. Checked: the job finishes;
+    each rank's vLLM worker has the job's rank and local rank and its rank's device string; no vLLM data-parallel
+    group; a round's 9 prompts go to the four engines in disjoint shares of 3, 2, 2, 2; after the sync every engine
+    serves the learner's weights (greedy completions equal transformers' on the learner's weights); with one held-out
+    problem only engine 0 evaluates, and every rank reports the same evaluation."""
+    r = launch_vllm_job(tmp_path, tp=1, steps=1)
+    import tp_worker
+    assert all(x["rc"] == 0 and x["world"] == 4 for x in r)
+    for k, x in enumerate(r):
+        assert x["engine_kwargs"]["distributed_executor_backend"] == "external_launcher", x["engine_kwargs"]
+        assert x["engine_kwargs"]["tensor_parallel_size"] == 1 and x["vllm_dp"] == 1
+        assert x["executor"] == "ExecutorWithExternalLauncher", x["executor"]
+        assert (x["vllm_rank"], x["vllm_local_rank"], x["vllm_device"]) == (k, x["local_rank"], x["rank_device"]), x
+    G = tp_worker.VLLM_G
+    rounds = [[g for g in x["generated"] if g["seed"] is not None and g["n"] == G] for x in r]  # training rounds
+    assert len({len(x) for x in rounds}) == 1 and len(rounds[0]) == r[0]["rows"][0]["gen_rounds"] >= 1
+    for shares in zip(*rounds):
+        sets = [{tuple(q) for q in g["prompts"]} for g in shares]
+        assert sorted(map(len, sets), reverse=True) == [3, 2, 2, 2]
+        assert len(set().union(*sets)) == tp_worker.VLLM_GEN  # disjoint
+    assert r[0]["rows"][-1]["grad_updates"] >= 1
+    for x in r:
+        assert len(x["pairs"]) == 2 and all(pair["engine"] == pair["learner"] for pair in x["pairs"])
+    assert r[0]["n_eval"] == 1 and len(r[0]["eval"]) == 2 and all(x["eval"] == r[0]["eval"] for x in r)
+    evals = lambda x: [g for g in x["generated"] if g["n"] == 1 and g["seed"] is not None]
+    assert len(evals(r[0])) == 2 and all(evals(x) == [] for x in r[1:])  # engines 1-3 had nothing to evaluate
+
+
 # ---------------------------------------------------------------- dapo-eval --backend vllm --tensor-parallel 2
 def test_dapo_eval_vllm_tp2_matches_transformers_greedy(tmp_path):
     """`dapo-eval --backend vllm --tensor-parallel 2` (one process; vLLM starts its two workers) on the tiny model and 8
@@ -526,3 +565,25 @@ def test_dapo_eval_vllm_tp2_matches_transformers_greedy(tmp_path):
     assert v["backend"] == "vllm" and v["tensor_parallel"] == 2 and v["n_prompts"] == 8
     assert [q["preds"] for q in v["per_prompt"]] == [q["preds"] for q in h["per_prompt"]]
     assert (v["avg@k"], v["pass@k"], v["maj@k"]) == (h["avg@k"], h["pass@k"], h["maj@k"])
+
+
+# ---------------------------------------------------------------- benchmarks/gpu_check.py --cpu: its phases on the CPU
+def test_gpu_check_cpu(tmp_path):
+    """The one-GPU check's phases at tiny shapes (so the script cannot rot): a ZeRO-3 learner and a vLLM engine in one
+    process, one DAPO step, the engine's log-probs against the learner's after it, the bf16 fused-gradient check, the
+    engine closed and a new one started and synced. On the CPU it says what it skipped (compiled engine, sleep mode)."""
+    import json, subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gc"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu", "--out", str(out)], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)  # hang guard
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    s = json.loads((out / "gpu_check.json").read_text())
+    assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused", "free", "restart"]
+    assert len(s["checks"]) == 5 and all(s["checks"].values()), s["checks"]
+    assert s["phases"][0]["engine"] == "VLLMRolloutEngine" and s["phases"][0]["learner"] == "DeepSpeedLearner"
+    assert any("sleep" in x for x in s["skipped"]) and any("compiled" in x for x in s["skipped"])
+    assert set(s["plan"]["phases_gb"]) >= {"load", "update"}  # dapo-plan's prediction for the shape was read
+    assert "[skipped] sleep/wake" in p.stdout and "[ok] fused" in p.stdout

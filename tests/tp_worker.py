@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 tests/tp_worker.py OUT_DIR TP     # TP = vllm_tensor_parallel (1 or 2)
     KILL_RANK=3 DIST_TIMEOUT=60 (4 ranks) ... OUT_DIR 2             # rank 3 kills itself (SIGKILL) before the first step
     python tests/tp_worker.py OUT_DIR 1                            # one process
-    torchrun --nproc_per_node 4 tests/tp_worker.py OUT_DIR vllm ZERO EVAL   # real vLLM: 2 engines at TP 2 (.venv-vllm)
+    torchrun --nproc_per_node 4 tests/tp_worker.py OUT_DIR vllm ZERO EVAL [TP]  # real vLLM: 4 / TP engines (.venv-vllm; TP 2)
 
 Two DAPO steps of the real `Trainer` (tiny policy, plain learner, dynamic sampling) with a recording stand-in for
 the vLLM engine: `RecordingEngine` is a `VLLMRolloutEngine` whose `vllm.LLM` is replaced by a recorder, so
@@ -15,8 +15,8 @@ and seed therefore return the same completions, as vLLM's external_launcher engi
 Each rank writes OUT_DIR/rank{r}.json: its generate calls (prompts, seed, completions), the recorder's memory calls,
 the responses its learner trained in each step, and the step rows.
 
-`vllm ZERO EVAL`: `dapo-train` itself (recipes/tiny-cpu.yaml, smaller steps) with rollout_backend vllm and
-vllm_tensor_parallel 2: world / 2 independent vLLM engines, each over two consecutive ranks (external_launcher), the
+`vllm ZERO EVAL [TP]`: `dapo-train` itself (recipes/tiny-cpu.yaml, smaller steps) with rollout_backend vllm and
+vllm_tensor_parallel TP (2): world / TP independent vLLM engines, each over TP consecutive ranks (external_launcher), the
 learner at zero_stage ZERO on the same ranks, the held-out set EVAL (a file). Recorders around the engine's generate,
 the learner's update, the trainer's step and evaluation; before the first step and after each step every rank compares
 the engine's greedy completions of four training prompts with the learner's own weights decoded greedily by
@@ -114,8 +114,8 @@ def main(out: Path, tp: int):
     dist.barrier()
 
 
-def main_vllm(out: Path, zero: int, eval_data: str):
-    """`dapo-train` itself (`dapo_ref.train.main`) on this rank of a torchrun job: real vLLM engines at TP 2 (world / 2
+def main_vllm(out: Path, zero: int, eval_data: str, tp: int = 2):
+    """`dapo-train` itself (`dapo_ref.train.main`) on this rank of a torchrun job: real vLLM engines at TP `tp` (world / tp
     of them, independent), the learner at zero_stage ZERO on the same ranks, 2 steps; with recorders wrapped around the
     engine's generate, the learner's update, the trainer's step and evaluation, and an engine-vs-learner greedy check
     before the first step and after each (the weights the engine serves are the learner's, on every rank)."""
@@ -150,7 +150,11 @@ def main_vllm(out: Path, zero: int, eval_data: str):
 
     fit, step, evaluate = T.Trainer.fit, T.Trainer.step, T.Trainer.evaluate
     def fit_(self, *a, **k):
-        rec.update(learner=type(self.learner).__name__, update_order=list(self.engine.update_order),
+        w = self.engine.llm.llm_engine.model_executor.driver_worker.worker  # vLLM's worker on this rank
+        rec.update(executor=type(self.engine.llm.llm_engine.model_executor).__name__, vllm_rank=w.rank,
+                   vllm_local_rank=w.local_rank, vllm_device=str(w.device),
+                   rank_device=f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu", local_rank=dist.local_rank(),
+                   learner=type(self.learner).__name__, update_order=list(self.engine.update_order),
                    missing_steps=self.engine.missing_steps, vllm=self.engine.vllm_version, n_eval=len(self.eval_examples),
                    engine_kwargs=vllm_engine_kwargs(self.cfg, self.world),
                    vllm_dp=self.engine.llm.llm_engine.vllm_config.parallel_config.data_parallel_size)
@@ -169,11 +173,11 @@ def main_vllm(out: Path, zero: int, eval_data: str):
     T.Trainer.fit, T.Trainer.step, T.Trainer.evaluate = fit_, step_, evaluate_
 
     rc = train.main(["--config", str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"), "--threads", "1",
-                     "--quiet", "rollout_backend=vllm", "vllm_tensor_parallel=2", "vllm_enable_chunked_prefill=false",
+                     "--quiet", "rollout_backend=vllm", f"vllm_tensor_parallel={tp}", "vllm_enable_chunked_prefill=false",
                      "vllm_gpu_memory_utilization=0.3",
                      "vllm_enforce_eager=true",  # no torch.compile of the model on the CPU: the engine starts in seconds
                      f"zero_stage={zero}", f"gpus_per_node={world}", f"group_size={VLLM_G}", "prompts_per_step=8",
-                     f"gen_batch_size={VLLM_GEN}", "max_num_gen_batches=10", "mini_batch_size=8", "total_steps=2",
+                     f"gen_batch_size={VLLM_GEN}", "max_num_gen_batches=10", "mini_batch_size=8", f"total_steps={os.environ.get('VLLM_STEPS', 2)}",
                      "eval_every=0", "eval_k=1", f"eval_data={eval_data}", "save_every=0",
                      f"dist_timeout={VLLM_DIST_TIMEOUT}", f"output_dir={out / 'run'}"])
     rec.update(rank=dist.rank(), world=world, rc=rc, total_s=time.perf_counter() - t0)
@@ -192,7 +196,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-    if sys.argv[2] == "vllm": sys.exit(main_vllm(out, int(sys.argv[3]), sys.argv[4]))  # vLLM tears down its groups at exit
+    if sys.argv[2] == "vllm": sys.exit(main_vllm(out, int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:6])))  # vLLM tears down its groups at exit
     else:
         main(out, int(sys.argv[2]))
         import torch.distributed
