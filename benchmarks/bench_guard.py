@@ -10,42 +10,17 @@ update by update (A, B, C, A, B, C, ...) so that drift in the machine's speed fa
 - `none`:    no check after the step;
 - `guard`:   `UpdateGuard.after_step`: one max-reduction of |w| over this rank's fp32 master partition (every ZeRO
              sub-group); DeepSpeed itself skips a step whose global gradient norm is not finite.
-(`adamw_preview`, the guard before these, is kept below for the record; benchmarks/README.md has its measurement.)
+(The guard before these, which previewed AdamW's step: benchmarks/README.md has its measurement.)
 
 It prints the mean seconds per update of each and the overhead against `none`.
 """
-import argparse, math, os, statistics, sys, time
+import argparse, os, statistics, sys, time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-@torch.no_grad()
-def adamw_preview(opt, chunk: int = 1 << 22):
-    "The guard's earlier check (dapo_ref.runs before this benchmark): AdamW's step computed aside, chunk by chunk."
-    bad_g = bad_w = 0
-    before = after = 0.0
-    for group in opt.param_groups:
-        (b1, b2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None: continue
-            st = opt.state.get(p, {})
-            t = float(st.get("step", group.get("step", 0))) + 1
-            bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-            w_, g_ = p.detach().view(-1), p.grad.detach().view(-1)
-            m_, v_ = st.get("exp_avg"), st.get("exp_avg_sq")
-            for s in range(0, w_.numel(), chunk):
-                w, g = w_[s:s + chunk].float(), g_[s:s + chunk].float()
-                m = g * (1 - b1) + (m_.view(-1)[s:s + chunk].float() * b1 if m_ is not None else 0)
-                v = g * g * (1 - b2) + (v_.view(-1)[s:s + chunk].float() * b2 if v_ is not None else 0)
-                new = w * (1 - lr * wd) - lr / bc1 * m / (v.sqrt() / math.sqrt(bc2) + eps)
-                bad_g += int((~torch.isfinite(g)).sum()); bad_w += int((~torch.isfinite(new)).sum())
-                before = max(before, float(w.abs().max()))
-                after = max(after, float(new.abs().nan_to_num(math.inf, math.inf, math.inf).max()))
-    return bad_g, bad_w, before, after
 
 
 def main(argv=None):

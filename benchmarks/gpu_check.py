@@ -148,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     if cpu: os.environ.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     t0 = time.perf_counter()
     import torch, transformers, deepspeed, vllm
-    from dapo_ref.loss import fused_token_logprobs  # noqa: F401  (the fused check's kernel)
     from dapo_ref.trainer import Trainer
     from dapo_ref.vllm_rollout import VLLMRolloutEngine
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-")); work.mkdir(parents=True, exist_ok=True)

@@ -436,15 +436,13 @@ class UpdateGuard:
         self.reason = self.blown = None
         if self.wmax is None: self.wmax = self.max_abs()
 
-    def allows(self, loss: float,                # the mini-batch's loss (this rank's share of it)
-               grad_norm: float | None = None,   # the global norm the step was clipped with (computed anyway)
+    def allows(self, loss: float,       # the mini-batch's loss (this rank's share of it)
+               grad_norm: float,        # the global norm the step was clipped with (computed anyway)
               ) -> bool:
         "May the step run? Sets `reason` (None, or why not), the same on every rank: one all-reduce."
-        gn = None if grad_norm is None else float(grad_norm)
-        bad_loss, bad_g = dist.all_reduce([float(not math.isfinite(loss)),
-                                           float(gn is not None and not math.isfinite(gn))], "max")
+        bad_loss, bad_g = dist.all_reduce([float(not math.isfinite(loss)), float(not math.isfinite(grad_norm))], "max")
         self.reason = ("the loss is not finite" if bad_loss else
-                       f"the gradient norm is not finite ({gn})" if bad_g else None)
+                       f"the gradient norm is not finite ({grad_norm})" if bad_g else None)
         return self.reason is None
 
     def after_step(self):

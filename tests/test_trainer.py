@@ -385,7 +385,7 @@ def test_unbounded_dynamic_sampling_prints_progress_and_stops_at_the_timeout(tmp
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_learner_guards_its_partition(tmp_path, policy, stage):
-    """ZeRO-2/3 on one rank: the guard sits on the torch optimizer inside DeepSpeed's (its fp32 partition). One learner,
+    """ZeRO-2/3 on one rank: the guard watches the engine's step and reads its fp32 master partition. One learner,
     three updates: lr = 1e-3 goes through unflagged; a NaN advantage (a loss that is not finite) is skipped, every weight
     as it was; then lr = 1e10 (set on the optimizer's groups) is applied and flagged as a blow-up (the trainer stops)."""
     pytest.importorskip("deepspeed")
@@ -419,13 +419,15 @@ recipe, stages, out = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys
 rank, world = dist.init_distributed()
 torch.set_num_threads(1)
 res = []
+def rank_batch(tok):  # each rank its own two responses
+    ids = tok.encode(f"{rank}+1=", add_special_tokens=False)
+    return RolloutBatch([ids] * 2, [ids[:3], ids[:1 + rank]], torch.tensor([1.0, -1.0]), torch.zeros(2, dtype=torch.bool),
+                        torch.tensor([1.0, -1.0]))
 for stage, lr in [(stage, lr) for stage in stages for lr in (1e10, 1e-3)]:  # a blow-up on both ranks, then a sane step
     model, tok = load_policy("tiny")
     cfg = load_config(recipe, dict(zero_stage=stage, lr=lr, warmup_steps=0, gpus_per_node=world))
     learner = DeepSpeedLearner(model, cfg, tok.pad_token_id)
-    ids = tok.encode(f"{rank}+1=", add_special_tokens=False)  # each rank its own responses
-    batch = RolloutBatch([ids] * 2, [ids[:3], ids[:1 + rank]], torch.tensor([1.0, -1.0]), torch.zeros(2, dtype=torch.bool),
-                         torch.tensor([1.0, -1.0]))
+    batch = rank_batch(tok)
     before = {n: t.clone() for n, t in learner.named_weights()}
     old, _ = learner.compute_logprobs(batch)
     m = learner.update(batch, old)
@@ -438,9 +440,7 @@ if 3 in stages:  # ZeRO-3 with its parameter groups cut into sub-groups (DeepSpe
     cfg = load_config(recipe, dict(zero_stage=3, lr=1e-3, warmup_steps=0, gpus_per_node=world))
     ds = deepspeed_config(cfg, world); ds["zero_optimization"]["sub_group_size"] = 2000
     learner = DeepSpeedLearner(model, cfg, tok.pad_token_id, ds_config=ds)
-    ids = tok.encode(f"{rank}+1=", add_special_tokens=False)
-    batch = RolloutBatch([ids] * 2, [ids[:3], ids[:1 + rank]], torch.tensor([1.0, -1.0]), torch.zeros(2, dtype=torch.bool),
-                         torch.tensor([1.0, -1.0]))
+    batch = rank_batch(tok)
     true_max = lambda: max(float(t.abs().max()) for _, t in learner.named_weights())  # gathered: the whole model
     torch_groups = lambda: [p for g in learner.sched.optimizer.param_groups for p in g["params"]]  # what the old guard read
     sub = dict(n_sub_groups=len(learner.opt.fp32_partitioned_groups_flat), before=learner.guard.max_abs(), true_before=true_max(),
