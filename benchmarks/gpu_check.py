@@ -10,7 +10,8 @@ sides, as one rank of the colocated run does: the DeepSpeed ZeRO-3 learner and a
 mode, on the GPU; eager and without sleep mode on the CPU, where vLLM has none). The phases, each followed by the
 device's free memory (torch.cuda.mem_get_info) next to `dapo-plan`'s per-phase prediction for this shape:
 
-1. `build`:   `Trainer` with zero_stage 3 and rollout_backend vllm (learner, engine, the first weight sync);
+1. `build`:   `Trainer` with zero_stage 3 and rollout_backend vllm (learner, engine, the first weight sync); the learner
+              on attn_implementation flash_attention_2 where flash-attn is installed (the GPU recipes' kernel), else sdpa;
 2. `step`:    one DAPO step (Algorithm 1: generate, reward, advantages, updates; the engine asleep during the update);
 3. `sync`:    the engine's log-probs of freshly sampled tokens against the learner's on the same tokens (the weights the
               engine serves are the learner's after the step);
@@ -156,10 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     gpu_gb = 80.0 if cpu else torch.cuda.get_device_properties(0).total_memory / 2**30
     n_params = build_model(work / "model", shape, torch.float32 if cpu else torch.bfloat16, "cpu" if cpu else "cuda")
     write_prompts(work / "prompts.parquet", work / "model")
-    cfg = config(work / "model", work / "prompts.parquet", work / "run", run)
+    import importlib.util
+    flash = not cpu and importlib.util.find_spec("flash_attn") is not None
+    cfg = config(work / "model", work / "prompts.parquet", work / "run",
+                 dict(run, attn_implementation="flash_attention_2" if flash else "sdpa"))
     predicted = plan(recipe(work / "recipe.yaml", cfg), work / "model", gpu_gb)
     skipped = (["compiled engine (vLLM on the CPU runs eager here: torch.compile of the model takes minutes on 2 cores)",
                 "sleep/wake (vLLM's CPU backend has no sleep mode)", "free GPU memory per phase (no GPU)"] if cpu else [])
+    if not cpu and not flash: skipped.append("the learner on flash_attention_2 (flash-attn is not installed: pip install flash-attn)")
     phases, checks = [], {}
     def phase(name, **info):
         phases.append(dict(phase=name, free_gib=free_gib(cpu), s=round(time.perf_counter() - t0, 1), **info))
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1 if cpu else torch.get_num_threads())
         tr = Trainer(cfg, progress=False, log=None)  # ZeRO-3 learner, vLLM engine, the first weight sync
         phase("build", engine=type(tr.engine).__name__, learner=type(tr.learner).__name__,
-              update_order=" ".join(tr.engine.update_order), eager=cfg.vllm_enforce_eager,
+              update_order=" ".join(tr.engine.update_order), eager=cfg.vllm_enforce_eager, attn=cfg.attn_implementation,
               linear_is_torchs=torch.nn.functional.linear is torch._C._nn.linear)
         checks["F.linear is torch's own after the ZeRO-3 build"] = phases[-1]["linear_is_torchs"]
         row = tr.step()

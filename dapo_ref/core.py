@@ -12,10 +12,10 @@ from typing import Any
 import yaml
 
 # %% auto #0
-__all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'VLLM_FIELDS', 'PATH_FIELDS', 'USER_ERRORS',
-           'DAPOHyperparams', 'DAPOConfig', 'InputError', 'combination_problem', 'short', 'validate', 'find_recipe',
-           'read_yaml', 'config_from_dict', 'load_config', 'save_config', 'parse_overrides', 'strict_bool', 'one_line',
-           'cli_errors', 'interrupts', 'ArgParser']
+__all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS', 'PATH_FIELDS',
+           'USER_ERRORS', 'DAPOHyperparams', 'DAPOConfig', 'InputError', 'combination_problem', 'short', 'validate',
+           'find_recipe', 'read_yaml', 'config_from_dict', 'load_config', 'save_config', 'parse_overrides',
+           'strict_bool', 'one_line', 'cli_errors', 'interrupts', 'ArgParser']
 
 # %% ../nbs/00_core.ipynb #6a2a6c54
 REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
@@ -64,6 +64,8 @@ class DAPOHyperparams:
     eval_k: int = 32                # samples per eval prompt: avg@32 (paper)
 
 # %% ../nbs/00_core.ipynb #eebe4a24
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")  # transformers' names; flash: GPU only
+
 @dataclass
 class DAPOConfig(DAPOHyperparams):
     "A whole run: the algorithm's knobs (`DAPOHyperparams`), then the model, the data, the schedule and the scale-out."
@@ -89,6 +91,7 @@ class DAPOConfig(DAPOHyperparams):
     zero_stage: int = 0             # learner: 0 = plain PyTorch AdamW | 2, 3 = DeepSpeed ZeRO stage (reference: FSDP, all sharded)
     gradient_checkpointing: bool = False  # recompute activations in backward (reference script: on)
     sequence_parallel_size: int = 1 # Ulysses: ranks sharing each packed row, 1/size of its tokens each (reference run 8)
+    attn_implementation: str = "sdpa"  # learner attention: sdpa | eager | flash_attention_2 | flash_attention_3 (GPU, bf16)
     offload_params: bool = False    # ZeRO-3 parameter offload to CPU (reference script: on)
     offload_optimizer: bool = False # ZeRO optimizer-state offload to CPU (reference script: on)
     vllm_tensor_parallel: int = 1   # vLLM tensor-parallel size per engine (reference script 4 for 32B)
@@ -145,6 +148,7 @@ _RANGES = {  # field: (check, allowed range in words)
     "zero_stage": (lambda v: v in (0, 2, 3), "0 (plain PyTorch learner), 2 or 3 (DeepSpeed ZeRO)"),
     "vllm_tensor_parallel": (lambda v: v >= 1, "vllm_tensor_parallel >= 1"),
     "sequence_parallel_size": (lambda v: v >= 1, "sequence_parallel_size >= 1 (1 = off)"),
+    "attn_implementation": (lambda v: v in ATTN_IMPLEMENTATIONS, "one of " + ", ".join(ATTN_IMPLEMENTATIONS)),
     "report_to": (lambda v: bool(v.strip()) and all(s.strip() in REPORT_TO for s in v.split(",") if s.strip()),
                   "none, or one or more of " + ", ".join(REPORT_TO[1:]) + " separated by commas"),
     "samples_per_step": (lambda v: v >= 0, "samples_per_step >= 0 (0 = no training samples)"),
@@ -165,6 +169,9 @@ def combination_problem(cfg: DAPOConfig) -> str | None:
     if cfg.offload_optimizer and cfg.zero_stage == 0:
         return ("offload_optimizer = true needs a DeepSpeed learner (zero_stage: 2 or 3); the plain PyTorch learner "
                 "(zero_stage: 0) keeps AdamW on the device: set zero_stage or offload_optimizer: false")
+    if cfg.attn_implementation.startswith("flash") and cfg.dtype != "bfloat16":
+        return (f"attn_implementation = {cfg.attn_implementation} runs in fp16/bf16 only, but dtype = {cfg.dtype}: "
+                "set dtype: bfloat16 or attn_implementation: sdpa")
     if cfg.sequence_parallel_size > 1 and cfg.zero_stage == 0:
         return (f"sequence_parallel_size = {cfg.sequence_parallel_size} needs a DeepSpeed learner (zero_stage: 2 or 3): "
                 "Ulysses runs inside DeepSpeed's attention wrapper; set zero_stage or sequence_parallel_size: 1")

@@ -47,10 +47,11 @@ def stage_model(name: str,  # cfg.model: a hub name, a local folder, or a tiny m
     if dist.local_rank() != 0: _STAGED[name] = snapshot_download(name, allow_patterns=files, local_files_only=True)
     return _STAGED[name]
 
-def load_model(name: str, dtype: str = "float32"):
-    "The causal LM `name` (see `model_path`) in `dtype`."
+def load_model(name: str, dtype: str = "float32", attn_implementation: str = "sdpa"):
+    "The causal LM `name` (see `model_path`) in `dtype`, its attention `attn_implementation` (transformers' name)."
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=getattr(torch, dtype))
+    return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=getattr(torch, dtype),
+                                                attn_implementation=attn_implementation)
 
 def load_tokenizer(name: str):
     "The tokenizer saved with the model `name`."
@@ -135,8 +136,9 @@ def pack(prompts: list[list[int]],    # b prompts' token ids
     lens = torch.tensor([len(r) for r in responses])
     mask = torch.arange(max(1, int(lens.max()))) < lens[:, None]  # (b, T) response tokens of each row
     seq = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
+    cu = torch.cat([seq.new_zeros(1), seq.cumsum(0)]).to(torch.int32)  # int32: what flash-attn's varlen kernels accept
     return dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),   # (1, N) (1, N)
-                cu_seqlens=torch.cat([seq.new_zeros(1), seq.cumsum(0)]),           # (b + 1,) where each sequence starts
+                cu_seqlens=cu,                                                       # (b + 1,) where each sequence starts
                 logit_index=torch.tensor(idx, dtype=torch.long),                     # (M,) M = sum of response lengths
                 labels=torch.tensor([t for r in responses for t in r], dtype=torch.long), response_mask=mask)
 
@@ -327,7 +329,7 @@ class Learner:
     @classmethod
     def build(cls, cfg: DAPOConfig, pad_token_id: int, model=None) -> "Learner":
         "The learner of `cfg`: loads `cfg.model` (unless `model` is given) onto this rank's GPU, or the CPU."
-        if model is None: model = load_model(cfg.model, cfg.dtype)
+        if model is None: model = load_model(cfg.model, cfg.dtype, cfg.attn_implementation)
         if torch.cuda.is_available(): model = model.to(torch.device("cuda", dist.local_rank()))
         return cls(model, cfg, pad_token_id)
 

@@ -157,6 +157,7 @@ FROZEN = (  # change the experiment: a resumed run must keep them
 FREE = (  # may change on resume: applied from the next step on, written to config.yaml, one log line
     "total_steps", "eval_every", "save_every", "export_every", "eval_k", "output_dir",     # length, cadence, output
     "micro_token_budget", "gradient_checkpointing", "sequence_parallel_size",              # memory, not the maths
+    "attn_implementation",                                                                 # the same maths, another kernel
     "report_to", "samples_per_step", "samples_max_mb",                                     # what is recorded
     "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager",
     "dist_timeout")                                                                        # how long ranks wait

@@ -162,7 +162,8 @@ def build_model(cls: DeepSpeedLearner, cfg: DAPOConfig):
     import deepspeed
     dist.init_distributed(single=True)  # zero.Init partitions over the process group, whose size it reads from deepspeed.comm
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # wraps the group already up
-    return from_pretrained_zero3(model_path(cfg.model), deepspeed_config(cfg, dist.world_size()), dtype=getattr(torch, cfg.dtype))
+    return from_pretrained_zero3(model_path(cfg.model), deepspeed_config(cfg, dist.world_size()), dtype=getattr(torch, cfg.dtype),
+                                 attn_implementation=cfg.attn_implementation)
 
 @patch(cls_method=True)
 def build(cls: DeepSpeedLearner, cfg: DAPOConfig, pad_token_id: int, model=None) -> DeepSpeedLearner:

@@ -46,6 +46,12 @@ def check_run(cfg: DAPOConfig,  # a validated config
     if cfg.zero_stage and not have("deepspeed"):
         raise ValueError(f"zero_stage = {cfg.zero_stage} needs DeepSpeed, which is not installed; "
                          "install deepspeed or set zero_stage: 0 (the plain PyTorch learner)")
+    if cfg.attn_implementation.startswith("flash"):  # transformers would fail at load time, after the model was read
+        pkg, mod = {"flash_attention_2": ("flash-attn", "flash_attn"), "flash_attention_3": ("flash-attn-3", "flash_attn_interface")}[cfg.attn_implementation]
+        missing = [w for w, ok in ((f"the {pkg} package", have(mod)), ("a CUDA GPU", torch.cuda.is_available())) if not ok]
+        if missing:
+            raise InputError(f"attn_implementation = {cfg.attn_implementation} needs {' and '.join(missing)}, which this "
+                             f"machine lacks; install {pkg} on the GPU machine or set attn_implementation: sdpa")
     if cfg.rollout_backend == "vllm" and not have("vllm"):
         raise ValueError("rollout_backend = vllm: vllm is not installed here; install it (pip install -e '.[scale]') "
                          "or set rollout_backend: hf")

@@ -184,12 +184,13 @@ def returned_large_blocks(threshold: int = 2**20):  # bytes; glibc's M_MMAP_THRE
 def from_pretrained_zero3(name_or_path: str | Path,     # local folder or hub name
                           ds_config: dict | None = None, # the `deepspeed.initialize` config; ZeRO-3 partitions at construction
                           dtype: torch.dtype = torch.float32,  # the parameters' dtype; with ZeRO-3 it must match ds_config's bf16/fp16
+                          attn_implementation: str = "sdpa",   # transformers' attention name (sdpa, eager, flash_attention_2, ...)
                           **hub_kwargs,                  # revision, cache_dir, token, local_files_only
                          ) -> torch.nn.Module:
     "A causal LM from a folder or the hub, built inside ZeRO-3's partitioned init when `ds_config` says stage 3 (never whole on any rank)."
     from transformers import AutoConfig, AutoModelForCausalLM
     if not zero3_enabled(ds_config):
-        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **hub_kwargs)
+        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs)
     want = (torch.bfloat16 if (ds_config.get("bf16") or {}).get("enabled") else
             torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32)
     if dtype != want:
@@ -200,7 +201,7 @@ def from_pretrained_zero3(name_or_path: str | Path,     # local folder or hub na
     hf_ds = HfDeepSpeedConfig(ds_config)   # transformers holds a weak reference: keep it with the model
     config = AutoConfig.from_pretrained(folder)
     with returned_large_blocks():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # under zero.Init: partitioned module by module
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)  # under zero.Init: partitioned module by module
         model.hf_ds_config = hf_ds
         load_checkpoint_streamed(model, folder, weight_map)
     from transformers import GenerationConfig

@@ -189,6 +189,10 @@ CASES = [
     *(recipe_case("dapo-plan", *c) for c in RECIPE_CASES if c[0] in {"yaml-syntax", "duplicate-key"}),
     Case("dapo-train-override-inf", "dapo-train", lambda w: ["--config", "recipes/tiny-cpu.yaml", "lr=inf"],
          ("lr = inf is not a finite number", "allowed lr > 0")),
+    Case("train-flash-on-cpu", "dapo-train", lambda w: train_args(w, "attn_implementation=flash_attention_2", "dtype=bfloat16", out="runs/new"),
+         ("attn_implementation = flash_attention_2 needs the flash-attn package and a CUDA GPU", "set attn_implementation: sdpa")),
+    Case("train-flash-in-float32", "dapo-train", lambda w: train_args(w, "attn_implementation=flash_attention_3", out="runs/new"),
+         ("attn_implementation = flash_attention_3 runs in fp16/bf16 only, but dtype = float32", "set dtype: bfloat16")),
     Case("dapo-train-override-twice", "dapo-train", lambda w: ["--config", "recipes/tiny-cpu.yaml", "lr=1e-6", "lr=1e-5"],
          ("override lr= is given twice", "keep one")),
     # dapo-train: the run folder, resume and the run options, all refused before the model loads

@@ -96,3 +96,78 @@ def test_micro_batches_respect_the_budget_and_cover_every_sequence():
         fits = [sum(x) for x in lens if sum(x) <= budget]
         opt_lb = -(-sum(fits) // budget) + sum(1 for x in lens if sum(x) > budget)
         assert len(mbs) <= 11 / 9 * opt_lb + 1 + sum(1 for x in lens if sum(x) > budget)
+
+
+def flash_varlen_stand_in(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                          softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                          deterministic=False, return_attn_probs=False, block_table=None):
+    """`flash_attn.flash_attn_varlen_func` as its contract reads (flash-attn 2, csrc/flash_attn/flash_api.cpp, mha_varlen_fwd:
+    `cu_seqlens_q must have dtype int32`; max_seqlen an int; q (total, heads, d), k/v (total, kv_heads, d)), computed with
+    torch's sdpa one sequence at a time: what transformers' flash_attention_2 path hands the kernel, checked on a CPU."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32: raise RuntimeError(f"{name} must have dtype int32")
+    if not (isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)): raise TypeError("max_seqlen must be an int")
+    assert torch.equal(cu_seqlens_q, cu_seqlens_k) and dropout_p == 0.0 and q.dim() == 3
+    rep, out, cu = q.shape[1] // k.shape[1], torch.empty_like(q), cu_seqlens_q.tolist()
+    assert max_seqlen_q == max(e - s for s, e in zip(cu[:-1], cu[1:]))
+    for s, e in zip(cu[:-1], cu[1:]):
+        qs, ks, vs = q[s:e].transpose(0, 1), k[s:e].repeat_interleave(rep, 1).transpose(0, 1), v[s:e].repeat_interleave(rep, 1).transpose(0, 1)
+        out[s:e] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=softmax_scale).transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def flash_stand_in(monkeypatch):
+    "transformers' flash_attention_2 path with `flash_varlen_stand_in` as its loaded kernel (flash-attn itself needs CUDA)."
+    import transformers.modeling_flash_attention_utils as fau
+    monkeypatch.setattr(fau, "_loaded_implementation", "flash_attention_2")
+    monkeypatch.setattr(fau, "_flash_varlen_fn", flash_varlen_stand_in)
+    monkeypatch.setattr(fau, "_process_flash_kwargs_fn", fau._lazy_define_process_function(flash_varlen_stand_in))
+
+
+def learner_net(tiny64, impl):
+    "The learner's model on attention `impl` (set on the config directly: transformers' setter asks for the flash-attn package)."
+    model = __import__("copy").deepcopy(tiny64)
+    model.config._attn_implementation = impl
+    lrn = TorchLearner.build(DAPOConfig(model="tiny", attn_implementation=impl), 0, model=model)
+    return lrn.net
+
+
+def test_flash_attention_path_gets_int32_offsets_and_equals_padded(tiny64, flash_stand_in):
+    """The learner on flash_attention_2 (the GPU recipes' kernel): the offsets reach the kernel as int32 (they were int64,
+    which flash-attn refuses), and a packed micro-batch's log-probs and gradient equal the padded sdpa reference in float64."""
+    net, ref = learner_net(tiny64, "flash_attention_2"), __import__("copy").deepcopy(tiny64)
+    assert net.config._attn_implementation == "flash_attention_2"  # the learner keeps a kernel that packs itself
+    b = batch(3)
+    lp = forward_logprobs(net, pack(b.prompt_ids, b.response_ids), 0.9)[0]
+    lr = forward_logprobs(ref, collate(b.prompt_ids, b.response_ids, pad_id=0), 0.9)[0]
+    m = collate(b.prompt_ids, b.response_ids, pad_id=0)["response_mask"]
+    lp[m].sum().backward(); lr[m].sum().backward()
+    gp = torch.cat([p.grad.flatten() for p in net.parameters()])
+    gr = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    assert (lp - lr)[m].abs().max() <= 1e-10 and (gp - gr).abs().max() <= 1e-10 * max(1.0, gr.abs().max())
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flash_attention_2", "eager"])
+def test_a_packed_sequence_sees_only_itself(tiny64, flash_stand_in, impl):
+    """Every attention kernel the config offers keeps a packed row's sequences apart: changing one sequence's tokens leaves
+    the others' log-probs bit-identical (attention across the boundary would move them). Eager is checked this way, not
+    against the padded reference: transformers runs its softmax in float32."""
+    net = learner_net(tiny64, impl)
+    b = batch(4, n=4)
+    other = [list(r) for r in b.response_ids]
+    other[1] = [(t + 7) % 60 + 3 for t in other[1]]  # sequence 1's response changed
+    prompts = [list(p) for p in b.prompt_ids]
+    prompts[1] = [(t + 11) % 60 + 3 for t in prompts[1]]  # and its prompt
+    with torch.no_grad():
+        a = forward_logprobs(net, pack(b.prompt_ids, b.response_ids), 0.9)[0]
+        c = forward_logprobs(net, pack(prompts, other), 0.9)[0]
+    keep = [0, 2, 3]
+    assert torch.equal(a[keep], c[keep]) and not torch.equal(a[1], c[1])
+
+
+def test_the_config_chooses_the_learners_attention():
+    "`attn_implementation` reaches the model the learner loads (sdpa becomes the packed `varlen_sdpa`; eager stays eager)."
+    for impl, used in (("sdpa", "dapo_varlen"), ("eager", "eager")):
+        lrn = TorchLearner.build(DAPOConfig(model="tiny", attn_implementation=impl), 0)
+        assert lrn.net.config._attn_implementation == used, (impl, lrn.net.config._attn_implementation)

@@ -286,7 +286,7 @@ def test_32b_load_matches_deepspeed_estimator(zero_init):
         assert plan["cpu_per_node_gb"] * GiB == pytest.approx(ds_cpu, rel=0, abs=one)
     else:
         assert plan["cpu_load_no_init_gb"] * GiB == pytest.approx(ds_cpu * 2 / 4, rel=0, abs=one)
-        fp32 = plan_memory(load_config(R32, dict(dtype="float32")))
+        fp32 = plan_memory(load_config(R32, dict(dtype="float32", attn_implementation="sdpa")))
         assert fp32["cpu_load_no_init_gb"] * GiB == pytest.approx(ds_cpu, rel=0, abs=one)
         assert plan["load_no_init_gb"] == pytest.approx(2 * total / GiB, abs=rounded(1))   # the whole bf16 model on each GPU
 

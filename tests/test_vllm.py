@@ -587,3 +587,23 @@ def test_gpu_check_cpu(tmp_path):
     assert any("sleep" in x for x in s["skipped"]) and any("compiled" in x for x in s["skipped"])
     assert set(s["plan"]["phases_gb"]) >= {"load", "update"}  # dapo-plan's prediction for the shape was read
     assert "[skipped] sleep/wake" in p.stdout and "[ok] fused" in p.stdout
+
+
+# ---------------------------------------------------------------- nbs/09b_one_gpu.ipynb: its CPU-sized twin
+def test_one_gpu_notebook_cpu_twin(tmp_path):
+    """09b's cells, `gpu` ones included, in one process at tiny sizes (tests/twin_09b.py lists the only changes): the
+    recipe and plan, `train(run)` with ZeRO-2 and vLLM, then an evaluation engine on the start model and one on
+    `final/`, each closed before the next starts (vLLM's CPU build has no sleep mode: what only the GPU run shows
+    is in benchmarks/README.md)."""
+    import json, subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "tests/twin_09b.py", str(tmp_path)], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)  # hang guard
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    line = next(l for l in p.stdout.splitlines() if l.startswith("twin: "))
+    r = json.loads(line[len("twin: "):])
+    assert r["backend"] == "vllm" and r["zero_stage"] == 2 and r["steps"] == 1 and r["grad_updates"] >= 1, r
+    assert r["eval_n"] == [4, 4] and r["final"], r
