@@ -22,7 +22,7 @@ device's free memory (torch.cuda.mem_get_info) next to `dapo-plan`'s per-phase p
 A JSON summary goes to OUT/gpu_check.json. Exit status: 0 every check passed, 1 a check failed or the run ran past
 --timeout, 2 a missing requirement or bad input (one line, before any work)."""
 from __future__ import annotations
-import argparse, gc, json, os, shutil, subprocess, sys, tempfile, time
+import argparse, gc, importlib.util, json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +125,6 @@ def plan(recipe_path: Path, model: Path, gpu_gb: float) -> dict:
 
 def requirements(cpu: bool) -> str | None:
     "A one-line message naming what is missing, or None."
-    import importlib.util
     for mod, fix in (("torch", "pip install torch"), ("transformers", 'pip install -e ".[scale]"'),
                      ("deepspeed", 'pip install -e ".[scale]"'), ("vllm", 'pip install -e ".[scale]" (on a CPU: make venv-vllm)')):
         if importlib.util.find_spec(mod) is None:
@@ -157,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     gpu_gb = 80.0 if cpu else torch.cuda.get_device_properties(0).total_memory / 2**30
     n_params = build_model(work / "model", shape, torch.float32 if cpu else torch.bfloat16, "cpu" if cpu else "cuda")
     write_prompts(work / "prompts.parquet", work / "model")
-    import importlib.util
     flash = not cpu and importlib.util.find_spec("flash_attn") is not None
     cfg = config(work / "model", work / "prompts.parquet", work / "run",
                  dict(run, attn_implementation="flash_attention_2" if flash else "sdpa"))
