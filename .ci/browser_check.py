@@ -24,7 +24,7 @@ CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-quic", "--disable-dev-shm-usage",
          "--no-default-browser-check", "--hide-scrollbars", "--mute-audio", "--remote-debugging-port=0"]
-SCREENSHOTS = ("index", "04_loss", "09_trainer", "14_ablation")  # home, loss, trainer and ablation pages
+SCREENSHOTS = ("index", "04_loss", "09_algorithm", "14_ablation")  # home, loss, Algorithm 1 and ablation pages
 SEARCH = ("Clip-Higher", "04_loss.html")  # what a reader searches for, and the page its first hit must open
 WIDTH, HEIGHT, MAX_SHOT_HEIGHT = 1280, 900, 6000
 PAGE_TIMEOUT = 60.0  # seconds for one page to load and typeset

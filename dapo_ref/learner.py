@@ -4,7 +4,7 @@
 
 # %% ../nbs/08b_learner.ipynb #9f4c4d29
 from __future__ import annotations
-import copy, math
+import copy, heapq, math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -22,8 +22,9 @@ from .runs import UpdateGuard
 # %% auto #0
 __all__ = ['VARLEN_LOOP_FROM', 'METRIC_KEYS', 'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy',
            'RolloutBatch', 'pack_micro_batches', 'collate', 'pack', 'varlen_sdpa', 'use_varlen_attention',
-           'head_logprobs', 'forward_logprobs', 'SeqParallel', 'shard_packed', 'SeqGather', 'warmup_factor',
-           'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators', 'Learner', 'TorchLearner']
+           'head_logprobs', 'forward_logprobs', 'balance_by_tokens', 'balanced_share', 'SeqParallel', 'shard_packed',
+           'SeqGather', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators',
+           'Learner', 'TorchLearner']
 
 # %% ../nbs/08b_learner.ipynb #a17cddde
 _STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model`)
@@ -234,6 +235,41 @@ def forward_logprobs(model,                 # causal LM, or an engine wrapping o
     unflat = lambda x: x.new_zeros(mask.shape).masked_scatter(mask, x)  # (M,) -> (b, T), row i's tokens first in row i
     return unflat(logp), (unflat(ent) if entropy else None)
 
+# %% ../nbs/08b_learner.ipynb #95a711dd
+def balance_by_tokens(lengths: list[int],     # (B,) tokens of each response (loss tokens, or prompt + response)
+                      k: int,                 # N ranks
+                      equal_size: bool = False,  # every rank gets B / k responses (B must divide by k)
+                     ) -> list[list[int]]:
+    "Partition indices `0..B-1` into `k` lists with near-equal token sums (Karmarkar-Karp); max - min sum <= max(lengths)."
+    if k < 1: raise ValueError(f"k = {k}: need at least one rank")
+    if any(l < 0 for l in lengths): raise ValueError(f"lengths must be >= 0, got {min(lengths)}")
+    if equal_size and len(lengths) % k:
+        raise ValueError(f"equal_size with {len(lengths)} responses over {k} ranks: the count must divide by k")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    # a partial solution: k (sum, indices) sets sorted by sum, largest first; heap key = -spread
+    if equal_size:
+        starts = [[(lengths[i], [i]) for i in reversed(order[s:s + k])] for s in range(0, len(order), k)]
+    else:
+        starts = [[(lengths[i], [i])] + [(0, [])] * (k - 1) for i in order]
+    heap = [(-(s[0][0] - s[-1][0]), n, s) for n, s in enumerate(starts)]
+    heapq.heapify(heap)
+    n = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = sorted(((sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))), key=lambda x: -x[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), n, merged)); n += 1
+    return [sorted(ix) for _, ix in heap[0][2]] if heap else [[] for _ in range(k)]
+
+# %% ../nbs/08b_learner.ipynb #97d19514
+def balanced_share(lengths: list[int],  # (B,) response tokens of the step's batch, global order
+                   size: int,           # mini_batch_size: responses per optimizer step, all ranks together
+                   rank: int,           # this rank
+                   world: int,          # N ranks
+                  ) -> list[list[int]]:
+    "For each mini-batch (`size` consecutive responses), the indices rank `rank` trains: its part of the token-balanced partition."
+    return [[s + j for j in balance_by_tokens(lengths[s:s + size], world)[rank]] for s in range(0, len(lengths), size)]
+
 # %% ../nbs/08b_learner.ipynb #9744c3f5
 @dataclass
 class SeqParallel:
@@ -342,6 +378,14 @@ class Learner:
     def optimizer_step(self, loss: float) -> float: raise NotImplementedError  # clip, guarded step; returns the grad norm
     def guard_weights(self) -> Iterable[Tensor]: return self.model.parameters()  # this rank's part of the weights (the guard's)
     def end_step(self): self.sched.step()  # one rollout step of the warm-up schedule
+
+    # --- what the algorithm reads besides log-probs and updates (`algorithm.train_on`) ---
+    def minibatches(self, batch: RolloutBatch, size: int) -> list[RolloutBatch]:
+        "Line 10: `size` consecutive responses per mini-batch; this rank's token-balanced part of each (all of it alone)."
+        lens = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]  # what a packed pass costs
+        return [batch.select(ix) for ix in balanced_share(lens, size, *self.data_rank())]
+    def all_sum(self, xs: list[float]) -> list[float]: return dist.all_reduce(xs)  # over the ranks (alone: xs)
+    def all_max(self, xs: list[float]) -> list[float]: return dist.all_reduce(xs, "max")
 
 # %% ../nbs/08b_learner.ipynb #77ee1df8
 @patch

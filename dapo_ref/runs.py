@@ -476,23 +476,22 @@ SAMPLING_TIMEOUT = 3600.0  # seconds one rollout step's unbounded dynamic sampli
 
 class SamplingWatch:
     "With unbounded dynamic sampling (max_num_gen_batches = 0): a progress line at rounds 4, 8, 16, ... and a stop after `timeout` seconds."
-    def __init__(self, buf, timeout: float = SAMPLING_TIMEOUT, log: Callable[[str], None] = print):
-        self.buf, self.timeout, self.log, self.t0 = buf, timeout, log, time.perf_counter()
+    def __init__(self, timeout: float = SAMPLING_TIMEOUT, log: Callable[[str], None] = print):
+        self.timeout, self.log, self.t0 = timeout, log, time.perf_counter()  # one watch per rollout step
 
-    def line(self) -> str:
-        b = self.buf
+    @staticmethod
+    def line(b) -> str:
         return (f"{b.rounds} rounds, {b.n_seen} groups seen, {b.frac_kept:.1%} informative ({len(b)} of "
                 f"prompts_per_step = {b.prompts_per_step} kept)")
 
-    def __call__(self, step: int):
-        "After each round: progress, and the stop (the same decision on every rank)."
-        b = self.buf
+    def __call__(self, b, step: int):
+        "After each round of `b` (a `DynamicSamplingBuffer`): progress, and the stop (the same decision on every rank)."
         if b.max_num_gen_batches or b.full: return
         dt = dist.all_reduce([time.perf_counter() - self.t0], "max")[0]
-        if b.rounds >= 4 and b.rounds & (b.rounds - 1) == 0: self.log(f"step {step}: dynamic sampling: {self.line()}, {dt:.0f} s")
+        if b.rounds >= 4 and b.rounds & (b.rounds - 1) == 0: self.log(f"step {step}: dynamic sampling: {self.line(b)}, {dt:.0f} s")
         if dt > self.timeout:
             raise DynamicSamplingError(
                 f"dynamic sampling (max_num_gen_batches = 0, unbounded) ran {dt:.0f} s in step {step} without filling "
-                f"its batch: {self.line()}; {b.n_all_correct} groups were all correct and {b.n_all_wrong} all wrong. "
+                f"its batch: {self.line(b)}; {b.n_all_correct} groups were all correct and {b.n_all_wrong} all wrong. "
                 f"Raise the limit (dapo-train --sampling-timeout, now {self.timeout:g} s), make the training data "
                 f"{'harder' if b.n_all_correct >= b.n_all_wrong else 'easier'}, or set max_num_gen_batches > 0")

@@ -18,7 +18,7 @@ from .runs import read_safetensors_header
 # %% auto #0
 __all__ = ['PeakRSS', 'read_tensor_into', 'SafetensorsWriter', 'zero3_enabled', 'checkpoint_folder', 'module_tensors',
            'full_shape', 'gathered', 'load_checkpoint_streamed', 'returned_large_blocks', 'from_pretrained_zero3',
-           'plain_from_pretrained', 'balance_by_tokens', 'gather_batch', 'balanced_share', 'save_pretrained_streamed']
+           'plain_from_pretrained', 'save_pretrained_streamed']
 
 # %% ../nbs/08c_zero.ipynb #8c53a515
 def _status_kib(field: str) -> int:
@@ -219,61 +219,6 @@ def plain_from_pretrained():
     try: yield
     finally:
         if live is not None: hf_ds.set_hf_deepspeed_config(live)
-
-# %% ../nbs/08c_zero.ipynb #95a711dd
-def balance_by_tokens(lengths: list[int],     # (B,) tokens of each response (loss tokens, or prompt + response)
-                      k: int,                 # N ranks
-                      equal_size: bool = False,  # every rank gets B / k responses (B must divide by k)
-                     ) -> list[list[int]]:
-    "Partition indices `0..B-1` into `k` lists with near-equal token sums (Karmarkar-Karp); max - min sum <= max(lengths)."
-    if k < 1: raise ValueError(f"k = {k}: need at least one rank")
-    if any(l < 0 for l in lengths): raise ValueError(f"lengths must be >= 0, got {min(lengths)}")
-    if equal_size and len(lengths) % k:
-        raise ValueError(f"equal_size with {len(lengths)} responses over {k} ranks: the count must divide by k")
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    # a partial solution: k (sum, indices) sets sorted by sum, largest first; heap key = -spread
-    if equal_size:
-        starts = [[(lengths[i], [i]) for i in reversed(order[s:s + k])] for s in range(0, len(order), k)]
-    else:
-        starts = [[(lengths[i], [i])] + [(0, [])] * (k - 1) for i in order]
-    heap = [(-(s[0][0] - s[-1][0]), n, s) for n, s in enumerate(starts)]
-    heapq.heapify(heap)
-    n = len(heap)
-    while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
-        merged = sorted(((sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))), key=lambda x: -x[0])
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), n, merged)); n += 1
-    return [sorted(ix) for _, ix in heap[0][2]] if heap else [[] for _ in range(k)]
-
-# %% ../nbs/08c_zero.ipynb #97d19514
-def gather_batch(batch,              # this rank's responses of the step (a `learner.RolloutBatch`), in global order
-                 owned: list[bool],  # (B,) whether this rank holds each response of the step's batch
-                ):
-    "The step's B responses in global order on every rank (token ids, advantages, flags, rewards all-gathered); `batch` itself on one rank."
-    from .dist import all_gather, is_distributed
-    pos = [i for i, o in enumerate(owned) if o]
-    if len(pos) != len(batch):
-        raise ValueError(f"{len(batch)} local responses but {len(pos)} owned positions; `owned` marks this rank's responses")
-    if not is_distributed(): return batch  # one rank: nothing to move (the decision must be the same on every rank)
-    lp = batch.rollout_logp if batch.rollout_logp is not None else [None] * len(batch)  # the engine's log-probs travel along
-    cols = (batch.prompt_ids, batch.response_ids, batch.advantages.tolist(), batch.truncated.tolist(), batch.rewards.tolist(), lp)
-    rows = [None] * len(owned)
-    for where, *theirs in all_gather((pos, *cols)):  # pickle sends a group's shared prompt list once
-        for j, i in enumerate(where): rows[i] = [c[j] for c in theirs]
-    if any(r is None for r in rows):
-        raise ValueError(f"no rank holds responses {[i for i, r in enumerate(rows) if r is None][:5]}...; every response needs one owner")
-    p, r, a, t, w, lp = (list(c) for c in zip(*rows))
-    return type(batch)(p, r, torch.tensor(a, dtype=batch.advantages.dtype), torch.tensor(t, dtype=torch.bool),
-                       torch.tensor(w, dtype=batch.rewards.dtype), None if any(x is None for x in lp) else lp)
-
-def balanced_share(lengths: list[int],  # (B,) response tokens of the step's batch, global order
-                   size: int,           # mini_batch_size: responses per optimizer step, all ranks together
-                   rank: int,           # this rank
-                   world: int,          # N ranks
-                  ) -> list[list[int]]:
-    "For each mini-batch (`size` consecutive responses), the indices rank `rank` trains: its part of the token-balanced partition."
-    return [[s + j for j in balance_by_tokens(lengths[s:s + size], world)[rank]] for s in range(0, len(lengths), size)]
 
 # %% ../nbs/08c_zero.ipynb #da05611a
 def _shard_layout(plan, shard_bytes: int) -> list[list[tuple[str, tuple, torch.dtype]]]:

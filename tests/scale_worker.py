@@ -7,7 +7,7 @@
 Each rank builds the same fixed DAPO mini-batch (`fixed_batch`), keeps its share of the groups (`dist.shard`), and for
 ZeRO-3, ZeRO-2, ZeRO-3 with gradient checkpointing (`DeepSpeedLearner`) and the plain learner (`TorchLearner`, stage
 "0", gradients summed with one all-reduce): computes old log-probs, does one `update`, and syncs the new weights into a
-rollout engine (`HFRolloutEngine`), all through `Trainer.train_on` and
+rollout engine (`HFRolloutEngine`), all through `algorithm.train_on` and
 `Trainer.sync_weights`. Rank 0 writes to OUT_DIR/stage{name}.pt: the full weights the learner streamed, the
 learner's own consolidated weights, the engine's weights on every rank, the old log-probs, the update's metrics and
 the full gradient of every parameter as the optimizer step received it (`capture_grads`: summed over ranks, not yet
@@ -91,29 +91,24 @@ def capture_grads(learner) -> dict:
 
 
 def trainer_update(cfg, model, tok, engine=None):
-    """`Trainer.train_on` (Algorithm 1 lines 10-11, one mini-batch) on this rank's groups of the fixed batch, through the
-    same `Trainer` as `dapo-train`, with Adam's eps `ADAM_EPS`: returns (trainer, old log-probs, the update's metrics,
-    micro-batch count, the full pre-clip gradients)."""
-    from dapo_ref import dist
+    """`algorithm.train_on` (Algorithm 1 lines 10-11, one mini-batch) of the fixed batch, through the learner of the same
+    `Trainer` as `dapo-train`, with Adam's eps `ADAM_EPS`: returns (trainer, old log-probs of this rank's share, the
+    update's metrics, micro-batch count, the full pre-clip gradients)."""
+    from dapo_ref.algorithm import train_on
     from dapo_ref.tiny import tiny_splits
     from dapo_ref.trainer import Trainer
-    from dapo_ref.zero import balanced_share
     trainer = Trainer(cfg, train_examples=tiny_splits(8, 1, seed=0)[0], eval_examples=[], model=model, tokenizer=tok,
                       engine=engine, progress=False, log=None)
-    mine = set(dist.shard(list(range(N_GROUPS)), dist.rank(), dist.world_size()))  # groups stay whole on one rank
-    owned = [k in mine for k in range(N_GROUPS) for _ in range(G)]  # (B,) responses this rank trains on
-    full = fixed_batch()
-    batch = full.select([i for i, o in enumerate(owned) if o])
-    # old log-probs of this rank's groups, or with sequence parallelism (the group's ranks computing together) of its
-    # data-parallel group's share of the mini-batch, as `train_on` gives it
-    trainer.logprob_indices = ([i for i, o in enumerate(owned) if o] if trainer.learner.sp is None else balanced_share(
-        [len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)], cfg.mini_batch_size, *trainer.learner.data_rank())[0])
+    full = fixed_batch()  # every rank holds the step's whole batch (the sharded rollout gathers each round)
+    from dapo_ref.learner import balanced_share
+    trainer.logprob_indices = balanced_share([len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)],
+                                             cfg.mini_batch_size, *trainer.learner.data_rank())[0]  # as `train_on` shares it
     lp_batch = full.select(trainer.logprob_indices)
     n_micro = len(trainer.learner.micro_batches(lp_batch))
     old, _ = trainer.learner.compute_logprobs(lp_batch)
     set_adam_eps(trainer.learner)
     grads = capture_grads(trainer.learner)
-    updates, _ = trainer.train_on(batch, owned, {})
+    updates, _ = train_on(trainer.learner, full, cfg.mini_batch_size)
     return trainer, old, updates[0], n_micro, grads
 
 
@@ -145,6 +140,7 @@ def run_stage(name: str, out: Path):
     sps = dist.all_gather(sp)
     if rank == 0:
         torch.save(dict(streamed=streamed, consolidated=consolidated, engines=engines, old=olds, n_micro=n_micros,
+                        idx=dist.all_gather(trainer.logprob_indices),
                         metrics=metrics, world=world, checkpointed_layers=ckpt, learner=type(learner).__name__,
                         grads=grads, sp=sps),
                    out / f"stage{name}.pt")
@@ -215,9 +211,8 @@ def run_build(model_name: str, out: Path, mode: str = "ours"):
         trained.append([len(r) for r in mini.response_ids])
         return update(mini, old)
     learner.update = recording_update
-    batch = fixed_batch()
-    owned = [rank == 0] * len(batch)  # every kept group generated on rank 0
-    updates, _ = trainer.train_on(batch if rank == 0 else batch.select([]), owned, {})
+    from dapo_ref.algorithm import train_on
+    updates, _ = train_on(learner, fixed_batch(), cfg.mini_batch_size)  # every rank holds the whole batch
     res.update(trained=trained, metrics=updates)
     learner.end_step()
     trainer.sync_weights()

@@ -41,15 +41,18 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dapo_ref.dist import shard, interleave
-from dapo_ref.trainer import global_round, Remote, strip_timing
+from dapo_ref.core import DAPOConfig
+from dapo_ref.trainer import strip_timing
 from dapo_ref.runs import latest_checkpoint, read_metrics
-from dapo_ref.zero import balanced_share, gather_batch
-from dapo_ref.sampling import DynamicSamplingBuffer, DynamicSamplingError
+from dapo_ref.sharded import ShardedRollout, StubRollout, run_ranks
+from dapo_ref.learner import balanced_share
+from dapo_ref.sampling import DynamicSamplingError
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scale_worker  # noqa: E402
+from collect_sim import accuracies, collect_or_error  # noqa: E402
 
 
 def _port() -> str:
@@ -69,62 +72,31 @@ def _torchrun(args, timeout, nproc: int = 2):
 # --- sharding and dynamic-sampling agreement (no processes) ---
 
 @settings(max_examples=60, deadline=None)
-@given(world=st.integers(1, 9), n=st.integers(0, 40), G=st.integers(1, 5), seed=st.integers(0, 10**6))
-def test_groups_stay_whole_on_one_rank(world, n, G, seed):
-    "Every prompt (so all G responses of its group) is generated, scored and trained on exactly one rank."
-    rng = random.Random(seed)
+@given(world=st.integers(1, 9), n=st.integers(0, 40))
+def test_groups_stay_whole_on_one_rank(world, n):
+    """Every prompt (so all G responses of its group) is generated and scored on exactly one rank, `dist.shard`'s, and
+    every rank receives the whole round in its order (N ranks simulated by threads: `sharded.run_ranks`)."""
     prompts = list(range(n))
     parts = [shard(prompts, r, world) for r in range(world)]
     assert sorted(p for part in parts for p in part) == prompts and interleave(parts) == prompts
-    # each rank's groups: its prompts' G accuracies, contiguous; the global view puts each group's G back together
-    accs = {p: [rng.random() < 0.5 for _ in range(G)] for p in prompts}
-    per_rank = [[a for p in part for a in accs[p]] for part in parts]
-    for r in range(world):
-        handles, acc = global_round(per_rank, [f"group{p}" for p in parts[r]], r, G)
-        assert acc.tolist() == [a for p in prompts for a in accs[p]]
-        assert [h for h in handles if not isinstance(h, Remote)] == [f"group{p}" for p in parts[r]]
-        for pos, h in enumerate(handles):  # position p of the global order belongs to rank p % N
-            assert (h.rank if isinstance(h, Remote) else r) == pos % world
+    stubs = [StubRollout() for _ in range(world)]
+    got = run_ranks(world, lambda r: ShardedRollout(stubs[r], r, world).groups(prompts, 1, 0))
+    assert got == [[f"g{p}" for p in prompts]] * world
+    assert [s.calls for s in stubs] == [[part] for part in parts]  # an empty share (n < world) still joins the gather
 
 
 @settings(max_examples=40, deadline=None)
 @given(world=st.integers(1, 6), G=st.integers(2, 4), gen=st.integers(1, 12), need=st.integers(1, 12),
        rounds=st.integers(1, 4), p_mixed=st.floats(0.0, 1.0), seed=st.integers(0, 10**6))
 def test_ranks_agree_on_dynamic_sampling(world, G, gen, need, rounds, p_mixed, seed):
-    """N simulated ranks fed their all-gathered accuracies agree on full / rounds / the error, their kept count is the
-    sum of the ranks' own kept counts, and together they keep exactly the groups one device would keep."""
-    if gen < need: gen = need
-    rng = random.Random(seed)
-    bufs = [DynamicSamplingBuffer(need, G, max_num_gen_batches=rounds) for _ in range(world)]
-    one = DynamicSamplingBuffer(need, G, max_num_gen_batches=rounds)
-    errors, err_one, kept_by_rank = [None] * world, None, 0
-    pos = 0
-    while not one.full and err_one is None:
-        prompts = list(range(pos, pos + gen)); pos += gen
-        accs = {}
-        for p in prompts:
-            if rng.random() < p_mixed: accs[p] = [True] + [False] * (G - 1)
-            else: accs[p] = [rng.random() < 0.5] * G
-        parts = [shard(prompts, r, world) for r in range(world)]
-        per_rank = [[a for p in part for a in accs[p]] for part in parts]
-        kept_by_rank += sum(len(set(accs[p])) > 1 for p in prompts)  # each rank counts its own informative groups
-        for r in range(world):
-            h, a = global_round(per_rank, [f"g{p}" for p in parts[r]], r, G)
-            try: bufs[r].add(h, a)
-            except DynamicSamplingError as e: errors[r] = str(e)
-        try: one.add([f"g{p}" for p in prompts], torch.tensor([a for p in prompts for a in accs[p]]))
-        except DynamicSamplingError as e: err_one = str(e)
-    assert all(e == err_one for e in errors)  # the same error (or none), raised in the same round on every rank
-    assert {b.full for b in bufs} == {one.full} and {b.rounds for b in bufs} == {one.rounds}
-    assert all(b.n_kept == kept_by_rank == one.n_kept for b in bufs)
-    if one.full:
-        want = one.take()
-        taken = [b.take() for b in bufs]
-        owned = [[h for h in t if not isinstance(h, Remote)] for t in taken]
-        assert sorted(h for o in owned for h in o) == sorted(want)  # every kept group trained by exactly one rank
-        for r in range(world):  # in global order; the owner of a group is its prompt's position in its round mod N
-            assert [h if not isinstance(h, Remote) else None for h in taken[r]] == [
-                w if (int(w[1:]) % gen) % world == r else None for w in want]
+    """N simulated ranks running `algorithm.collect` through `ShardedRollout` decide exactly what one device decides:
+    the same kept groups in the same order, the same groups seen, rounds and counts, or the same error in the same
+    round, on every rank."""
+    cfg = DAPOConfig(group_size=G, prompts_per_step=need, gen_batch_size=max(gen, need), max_num_gen_batches=rounds)
+    make = accuracies(G, p_mixed, seed)
+    one = collect_or_error(StubRollout(make), cfg)
+    many = run_ranks(world, lambda r: collect_or_error(ShardedRollout(StubRollout(make), r, world), cfg))
+    assert many == [one] * world
 
 
 @settings(max_examples=60, deadline=None)
@@ -145,13 +117,6 @@ def test_balanced_share_covers_each_mini_batch_once(world, groups, G, per_mini, 
         assert all(lo <= i < hi for s in shares for i in s[k])
         loads = [sum(lengths[i] for i in s[k]) for s in shares]
         assert max(loads) - min(loads) <= max(lengths[lo:hi])
-
-
-def test_gather_batch_on_one_rank_is_the_batch():
-    "One process: nothing moves; an ownership list that does not match the local batch is refused."
-    b = scale_worker.fixed_batch()
-    assert gather_batch(b, [True] * len(b)) is b
-    with pytest.raises(ValueError, match="owned positions"): gather_batch(b, [True] * (len(b) - 1) + [False])
 
 
 # --- two processes: ZeRO-3 update = one-device update; weight sync bit-identical ---
@@ -175,14 +140,15 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def one_device_update():
-    "The same fixed batch, the same config, one process: `Trainer.train_on` with the plain learner."
+    "The same fixed batch, the same config, one process: `algorithm.train_on` with the plain learner."
     from dapo_ref.learner import load_policy
     model, tok = load_policy("tiny")
     init = {n: t.clone() for n, t in model.state_dict().items()}
     with one_thread():
         trainer, old, metrics, n_micro, grads = scale_worker.trainer_update(scale_worker.test_cfg(), model, tok)
     assert type(trainer.learner).__name__ == "TorchLearner" and trainer.world == 1
-    return dict(init=init, weights=model.state_dict(), old=old, metrics=metrics, n_micro=n_micro, grads=grads)
+    one = dict(zip(trainer.logprob_indices, old))  # by response position
+    return dict(init=init, weights=model.state_dict(), old=one, metrics=metrics, n_micro=n_micro, grads=grads)
 
 
 # --- float32 bounds of the learner-equivalence checks ---
@@ -305,8 +271,7 @@ def test_two_rank_update_matches_one_device(stage, two_rank_update, one_device_u
     # old log-probs on each rank = the one-device ones of the same responses
     G, n, logp_ulps = scale_worker.G, scale_worker.N_GROUPS, 0.0
     for r in range(2):
-        idx = [k * G + t for k in shard(list(range(n)), r, 2) for t in range(G)]
-        for a, i in zip(ds["old"][r], idx):
+        for a, i in zip(ds["old"][r], ds["idx"][r]):  # this rank's token-balanced share of the mini-batch
             u_i = ulp(float(one["old"][i].abs().max()))
             logp_ulps = max(logp_ulps, float((a - one["old"][i]).abs().max()) / u_i)
             torch.testing.assert_close(a, one["old"][i], rtol=0, atol=LOGP_ULPS * u_i)

@@ -13,7 +13,8 @@ from dapo_ref.core import load_config, config_from_dict
 from dapo_ref.data import make_example, save_math_dataset
 from dapo_ref.sampling import DynamicSamplingError
 from dapo_ref.core import LOSS_AGGS
-from dapo_ref.trainer import Trainer, make_batch, strip_timing, train, summary_line, TIMING_KEYS
+from dapo_ref.algorithm import collect, make_batch
+from dapo_ref.trainer import Trainer, strip_timing, train, summary_line, TIMING_KEYS
 from dapo_ref.learner import TorchLearner
 from dapo_ref.runs import latest_checkpoint, read_metrics
 from dapo_ref.train import main
@@ -89,7 +90,7 @@ def test_one_dapo_step_lowers_loss_on_its_batch(tmp_path, policy):
     cfg = tiny_cfg(tmp_path, lr=1e-4, warmup_steps=0, mini_batch_size=128)  # one update on the whole batch
     model, tok = fresh(policy)
     tr = Trainer(cfg, model=model, tokenizer=tok, progress=False, log=None)
-    groups, _, stats = tr.collect(1, {})
+    groups, _, stats = collect(tr.rollout, tr.sampler, cfg, 1)
     batch = make_batch(groups, cfg.group_size)
     assert batch.advantages.abs().sum() > 0  # dynamic sampling kept only groups with a signal
     old, _ = tr.learner.compute_logprobs(batch)
@@ -118,7 +119,7 @@ def sampled_batch(policy, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("batch")
     cfg = tiny_cfg(tmp, mini_batch_size=128, warmup_steps=0)
     tr = Trainer(cfg, model=fresh(policy)[0], tokenizer=policy[1], progress=False, log=None)
-    groups, _, _ = tr.collect(1, {})
+    groups, _, _ = collect(tr.rollout, tr.sampler, cfg, 1)
     batch = make_batch(groups, cfg.group_size)
     small = TorchLearner(fresh(policy)[0], tiny_cfg(tmp, micro_token_budget=300), tr.pad_id).micro_batches(batch)
     batch.truncated[small[1]] = True; batch.truncated[0] = True  # overlong filtering empties micro-batch 1 and row 0
@@ -303,12 +304,12 @@ def test_lr_1e10_never_reaches_a_checkpoint_and_stops_with_the_lr_message(tmp_pa
 def test_a_nan_loss_is_skipped_and_three_in_a_row_stop_the_run(tmp_path, policy, monkeypatch):
     """A loss that is not finite (here: every advantage NaN) skips its update, weights and AdamW state untouched;
     MAX_BAD_UPDATES skips in a row stop the run with the skip message, before a checkpoint holds anything new."""
-    from dapo_ref import trainer as T
+    from dapo_ref import algorithm as A
     from dapo_ref.runs import DivergenceError, MAX_BAD_UPDATES
     model, tok = fresh(policy)
     w0 = {n: t.clone() for n, t in model.state_dict().items()}
-    make = T.make_batch
-    monkeypatch.setattr(T, "make_batch", lambda *a, **k: (lambda b: (b.advantages.fill_(float("nan")), b)[1])(make(*a, **k)))
+    make = A.make_batch
+    monkeypatch.setattr(A, "make_batch", lambda *a, **k: (lambda b: (b.advantages.fill_(float("nan")), b)[1])(make(*a, **k)))
     cfg = tiny_cfg(tmp_path, total_steps=5, eval_every=0, eval_k=1, save_every=0, prompts_per_step=2, gen_batch_size=4,
                    group_size=4, mini_batch_size=8, dynamic_sampling=False, warmup_steps=0)
     tr = Trainer(cfg, model=model, tokenizer=tok, eval_examples=[], progress=False, log=None)
@@ -498,16 +499,18 @@ def test_rollout_gap_by_hand():
     """The rollout-learner gap over two mini-batches, by hand: learner old log-probs [-1, -2] and [-0.5], engine
     [-1.1, -2] and [-0.5]: d = [0.1, 0, 0]: mean |d| = 0.1 / 3, max 0.1, k3 = (e^0.1 - 1.1) / 3; without engine log-probs, nothing."""
     from dapo_ref.learner import RolloutBatch
-    from dapo_ref.trainer import rollout_gap
+    from dapo_ref.algorithm import rollout_gap
+    from dapo_ref.learner import Learner
     mk = lambda lps: RolloutBatch([[1]] * len(lps), [[2] * len(l) if l else [2] for l in lps], torch.zeros(len(lps)),
                                   torch.zeros(len(lps), dtype=torch.bool), torch.zeros(len(lps)), lps)
     minis = [mk([[-1.1, -2.0]]), mk([[-0.5]])]
     olds = [([torch.tensor([-1.0, -2.0])], []), ([torch.tensor([-0.5])], [])]
-    g = rollout_gap(minis, olds)
+    one = Learner.__new__(Learner)  # alone: its sums are the values (no process group)
+    g = rollout_gap(one, minis, olds)
     # float32 operands: d = -1.0 - (-1.1) carries the float32 rounding of -1.1 (<= 2^-24 * 1.1 relative ~ 6.6e-8 absolute)
     assert abs(g["rollout_logp_diff_mean"] - 0.1 / 3) < 1e-7 and abs(g["rollout_logp_diff_max"] - 0.1) < 1e-7, g
     assert abs(g["rollout_kl_k3"] - (math.exp(0.1) - 1.1) / 3) < 1e-7, g  # e^d - 1 - d is Lipschitz 0.11 near 0.1
-    assert rollout_gap([mk([[-1.0]]), RolloutBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1))], olds) == {}
+    assert rollout_gap(one, [mk([[-1.0]]), RolloutBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1))], olds) == {}
 
 
 def test_dapo_export_of_a_plain_checkpoint_is_the_final_model(tmp_path):

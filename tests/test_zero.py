@@ -16,7 +16,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dapo_ref.zero import (balance_by_tokens, checkpoint_folder, from_pretrained_zero3, load_checkpoint_streamed,
+from dapo_ref.learner import balance_by_tokens
+from dapo_ref.zero import (checkpoint_folder, from_pretrained_zero3, load_checkpoint_streamed,
                            read_safetensors_header, save_pretrained_streamed)
 
 ROOT = Path(__file__).resolve().parents[1]
