@@ -5,195 +5,198 @@
 # %% ../nbs/00_core.ipynb #bb6d6cbb
 from __future__ import annotations
 import argparse, contextlib, difflib, math, os, re, sys
-from dataclasses import dataclass, fields, asdict
+from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import yaml
 
 # %% auto #0
 __all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS', 'PATH_FIELDS',
-           'USER_ERRORS', 'DAPOHyperparams', 'DAPOConfig', 'InputError', 'combination_problem', 'short', 'validate',
-           'find_recipe', 'read_yaml', 'config_from_dict', 'load_config', 'save_config', 'parse_overrides',
-           'strict_bool', 'one_line', 'cli_errors', 'interrupts', 'ArgParser']
+           'USER_ERRORS', 'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'DAPOHyperparams', 'DAPOConfig',
+           'InputError', 'short', 'validate', 'find_recipe', 'read_yaml', 'config_from_dict', 'load_config',
+           'save_config', 'parse_overrides', 'strict_bool', 'one_line', 'cli_errors', 'interrupts', 'ArgParser']
 
-# %% ../nbs/00_core.ipynb #6a2a6c54
+# %% ../nbs/00_core.ipynb #e040a55c
+@dataclass(frozen=True)
+class Allowed:
+    "A field's allowed values: a predicate and its words, as errors say them (`{}` stands for the field's name)."
+    ok: Callable[[Any], bool]
+    words: str
+
+def ge(x): return Allowed(lambda v: v >= x, f"{{}} >= {x}")
+def gt(x): return Allowed(lambda v: v > x, f"{{}} > {x}")
+def below_1(lo_open: bool = False):  # [0, 1) or (0, 1)
+    return Allowed((lambda v: 0 < v < 1) if lo_open else (lambda v: 0 <= v < 1), f"0 {'<' if lo_open else '<='} {{}} < 1")
+def prob(): return Allowed(lambda v: 0 < v <= 1, "0 < {} <= 1")
+def one_of(*xs): return Allowed(lambda v: v in xs, "one of " + ", ".join(map(str, xs)))
+
+def knob(default: Any,                # the value when a recipe does not set it
+         help: str,                   # what it means, one line (its paper symbol first where it has one)
+         allowed: Allowed | None = None,  # its range; None = any value of its type
+         paper: str = "",             # what the paper sets ("" = the paper is silent)
+         script: str = "",            # what the reference run's script sets
+         why: str = "",               # why the default is what it is, where it is not the paper's value
+        ):
+    "A config field declared once: default, help, allowed range and sources. Validation, the docs table and errors read it."
+    return field(default=default, metadata=dict(help=help, allowed=allowed, paper=paper, script=script, why=why))
+
+# %% ../nbs/00_core.ipynb #a388af98
 REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
-REWARD_PLUGIN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # or your own: `reward: package.module:function`
+REWARD_PLUGIN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # your own: `reward: package.module:function`
 REPORT_TO = ("none", "tensorboard", "wandb")  # experiment trackers `report_to` may name (TRL's field)
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+_REWARD = Allowed(lambda v: v in REWARD_MODES or REWARD_PLUGIN.fullmatch(v) is not None,
+                  "one of " + ", ".join(REWARD_MODES) + ", or a plug-in package.module:function")
 
 @dataclass
 class DAPOHyperparams:
-    "The algorithm's knobs with the paper's defaults (the reference script's where the paper is silent), named after their paper symbols."
+    "The algorithm's knobs with the paper's defaults (the reference script's where the paper is silent)."
     # --- objective (Eq. 8, 10, 12) ---
-    eps_low: float = 0.2            # ε_low: lower clip range of the ratio (paper 0.2)
-    eps_high: float = 0.28          # ε_high: upper clip range, Clip-Higher (paper 0.28); eps_high = eps_low turns it off
-    clip_c: float | None = 10.0     # c: dual-clip bound for A < 0 (reference script 10; not in the paper); None = off
-    loss_agg: str = "token-mean"    # Eq. 12 token-level loss; "seq-mean-token-mean" is GRPO's sample-level loss
+    eps_low: float = knob(0.2, "ε_low: lower clip range of the ratio", below_1(), "0.2", "0.2")
+    eps_high: float = knob(0.28, "ε_high: upper clip range (Clip-Higher, Eq. 10)", ge(0), "0.28", "0.28")
+    clip_c: float | None = knob(10.0, "c: dual-clip bound of the ratio for A < 0; null = off",
+                                Allowed(lambda v: v > 1, "{} > 1, or null to disable dual clip"), "not mentioned",
+                                "10.0 (clip_ratio_c)", "script: the loss that produced Table 1")
+    loss_agg: str = knob("token-mean", "Eq. 12 token-level loss; seq-mean-token-mean is GRPO's sample-level loss",
+                         one_of(*LOSS_AGGS), "token-mean (Eq. 12)", "token-mean")
     # --- group sampling and dynamic sampling (Eq. 11, Algorithm 1) ---
-    group_size: int = 16            # G: responses per prompt (paper 16)
-    prompts_per_step: int = 512     # prompts per rollout step after filtering (paper 512)
-    gen_batch_size: int = 1536      # prompts generated per round, before filtering (reference script 3 x 512)
-    mini_batch_size: int = 512      # responses per gradient update (paper 512: 512*16/512 = 16 updates per rollout step)
-    dynamic_sampling: bool = True   # drop groups whose accuracies are all equal (Eq. 11)
-    max_num_gen_batches: int = 10   # bound on generation rounds per step (reference script 10); 0 = unbounded
+    group_size: int = knob(16, "G: responses per prompt", ge(1), "16", "16")
+    prompts_per_step: int = knob(512, "prompts per rollout step after filtering", ge(1), "512", "512")
+    gen_batch_size: int = knob(1536, "prompts generated per round, before filtering", ge(1), "not stated", "3 x 512")
+    mini_batch_size: int = knob(512, "responses per gradient update", ge(1), "512 (16 updates a step)", "32 x 16")
+    dynamic_sampling: bool = knob(True, "drop groups whose accuracies are all equal", None, "on (Eq. 11)", "on (acc)")
+    max_num_gen_batches: int = knob(10, "bound on generation rounds per step; 0 = unbounded",
+                                    Allowed(lambda v: v >= 0, "{} >= 0 (0 = unbounded)"), "a bound, no value", "10")
     # --- rule-based reward (Section 2.4, Eq. 7) ---
-    reward: str = "dapo-reference"  # "dapo-reference" (the reference recipe's verdicts) | "dapo-strict" | "math-verify"
-    reward_timeout: float = 5.0     # seconds per math-verify call; a call past it scores -1 (counted in reward_timeouts)
+    reward: str = knob("dapo-reference", "the verdict: dapo-reference (the reference's), dapo-strict, math-verify",
+                       _REWARD, "is_equivalent (Eq. 7)", "math_dapo: string equality",
+                       "script: the verdicts the paper's numbers were trained with")
+    reward_timeout: float = knob(5.0, "seconds per math-verify call; a call past it scores -1", gt(0), "-", "-",
+                                 "math-verify's bound (unused by the default reward)")
     # --- overlong reward shaping (Section 3.4, Eq. 13) ---
-    l_max: int = 20480              # L_max: maximum response length = 16384 expected + 4096 cache (paper)
-    l_cache: int = 4096             # L_cache: soft punishment interval before L_max (paper 4096)
-    overlong_penalty_factor: float = 1.0  # scale of the Eq. 13 penalty (reference script 1.0)
-    soft_overlong_punishment: bool = True # add Eq. 13 to the reward (Table 1 row 4)
-    overlong_filter: bool = False   # mask the loss of truncated responses (Table 1 row 2); off in the final recipe
-    max_prompt_length: int = 2048   # prompt tokens (reference script 2048)
+    l_max: int = knob(20480, "L_max: maximum response length, expected + cache", ge(1), "16384 + 4096", "20480")
+    l_cache: int = knob(4096, "L_cache: soft punishment interval before L_max", ge(0), "4096", "4096")
+    overlong_penalty_factor: float = knob(1.0, "scale of the Eq. 13 penalty", ge(0), "1 (Eq. 13)", "1.0")
+    soft_overlong_punishment: bool = knob(True, "add Eq. 13 to the reward", None, "on (Table 1 row 4 on)", "on")
+    overlong_filter: bool = knob(False, "mask the loss of truncated responses (Table 1 row 2)", None, "on in rows 2-3",
+                                 "absent", "off: row 4's punishment replaces it in the final recipe")
+    max_prompt_length: int = knob(2048, "prompt tokens at most", ge(1), "not stated", "2048")
     # --- optimisation (Section 4.1) ---
-    lr: float = 1e-6                # learning rate, AdamW (paper 1e-6)
-    warmup_steps: int = 20          # linear warm-up over rollout steps (paper 20; reference script 10)
-    adam_beta1: float = 0.9         # AdamW β1
-    adam_beta2: float = 0.999       # AdamW β2
-    weight_decay: float = 0.1       # AdamW weight decay (reference script 0.1)
-    grad_clip: float = 1.0          # max global grad norm (reference script 1.0)
+    lr: float = knob(1e-6, "learning rate of AdamW", gt(0), "1e-6", "1e-6")
+    warmup_steps: int = knob(20, "linear warm-up over rollout steps", ge(0), "20 rollout steps", "10")
+    adam_beta1: float = knob(0.9, "AdamW β1", below_1(), "not stated", "0.9 (AdamW default)")
+    adam_beta2: float = knob(0.999, "AdamW β2", below_1(), "not stated", "0.999 (AdamW default)")
+    weight_decay: float = knob(0.1, "AdamW weight decay", ge(0), "not stated", "0.1")
+    grad_clip: float = knob(1.0, "max global gradient norm", gt(0), "not stated", "1.0")
     # --- sampling (Section 4.1) ---
-    temperature: float = 1.0        # training rollout temperature (paper 1.0)
-    top_p: float = 1.0              # training rollout top-p (reference script 1.0)
-    top_k: int = -1                 # training rollout top-k; -1 = off
-    eval_temperature: float = 1.0   # evaluation temperature (paper 1.0)
-    eval_top_p: float = 0.7         # evaluation top-p (paper 0.7)
-    eval_k: int = 32                # samples per eval prompt: avg@32 (paper)
+    temperature: float = knob(1.0, "training rollout temperature", gt(0), "1.0", "1.0")
+    top_p: float = knob(1.0, "training rollout top-p", prob(), "not stated", "1.0")
+    top_k: int = knob(-1, "training rollout top-k; -1 = off",
+                      Allowed(lambda v: v == -1 or v >= 1, "{} >= 1, or -1 for off"), "not stated", "-1 (off)")
+    eval_temperature: float = knob(1.0, "evaluation temperature", gt(0), "1.0", "1.0")
+    eval_top_p: float = knob(0.7, "evaluation top-p", prob(), "0.7", "1.0 (0.7 in its 7B script)")
+    eval_k: int = knob(32, "samples per evaluation prompt: avg@k", ge(1), "32 (avg@32)", "rows repeated 32 times")
 
-# %% ../nbs/00_core.ipynb #eebe4a24
+# %% ../nbs/00_core.ipynb #33a257cf
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")  # transformers' names; flash: GPU only
+_REPORT_TO = Allowed(lambda v: bool(v.strip()) and all(s.strip() in REPORT_TO for s in v.split(",") if s.strip()),
+                     "none, or one or more of " + ", ".join(REPORT_TO[1:]) + " separated by commas")
 
 @dataclass
 class DAPOConfig(DAPOHyperparams):
     "A whole run: the algorithm's knobs (`DAPOHyperparams`), then the model, the data, the schedule and the scale-out."
     # --- run ---
-    model: str = "tiny"             # hub name or local folder of a causal LM; "tiny" = the embedded tiny default
-    train_data: str | None = None   # parquet/JSONL in DAPO-Math-17k schema; None = the tiny task
-    eval_data: str | None = None    # held-out parquet/JSONL; None = the tiny task's held-out split
-    total_steps: int = 200          # rollout steps to train for
-    seed: int = 0                   # one seed for data order, sampling and init
-    micro_token_budget: int = 22528 # tokens (prompt + response) per micro-batch on one device (reference script 22528)
-    eval_every: int = 10            # rollout steps between held-out evaluations; 0 = only at start and end
-    save_every: int = 10            # rollout steps between checkpoints (what --resume needs); 0 = only at the end
-    export_every: int = 0           # rollout steps between HF exports (exports/step-N, for evaluation); 0 = only final/
-    output_dir: str = "runs/dapo"   # metrics.jsonl, curves.png and checkpoints go here
-    dtype: str = "float32"          # learner dtype: float32 | bfloat16
-    report_to: str = "none"         # trackers beside metrics.jsonl: none | tensorboard | wandb, or several: "tensorboard,wandb"
-    samples_per_step: int = 2       # training groups per rollout step whose responses go to samples.jsonl (with every eval response)
-    samples_max_mb: float = 256.0   # samples.jsonl + samples.1.jsonl stay under this (the older half is dropped); 0 = no samples
-    # --- scale-out (dapo_ref.trainer, dapo_ref.scale; the paper's run: 16 nodes x 8 GPUs) ---
-    rollout_backend: str = "hf"     # rollout engine: "hf" (transformers, one device) | "vllm"
-    nnodes: int = 1                 # nodes (paper run 16)
-    gpus_per_node: int = 1          # GPUs per node (paper run 8)
-    zero_stage: int = 0             # learner: 0 = plain PyTorch AdamW | 2, 3 = DeepSpeed ZeRO stage (reference: FSDP, all sharded)
-    gradient_checkpointing: bool = False  # recompute activations in backward (reference script: on)
-    sequence_parallel_size: int = 1 # Ulysses: ranks sharing each packed row, 1/size of its tokens each (reference run 8)
-    attn_implementation: str = "sdpa"  # learner attention: sdpa | eager | flash_attention_2 | flash_attention_3 (GPU, bf16)
-    offload_params: bool = False    # ZeRO-3 parameter offload to CPU (reference script: on)
-    offload_optimizer: bool = False # ZeRO optimizer-state offload to CPU (reference script: on)
-    vllm_tensor_parallel: int = 1   # vLLM tensor-parallel size per engine (reference script 4 for 32B)
-    vllm_gpu_memory_utilization: float = 0.7  # GPU memory fraction vLLM may take (reference 0.7-0.8)
-    vllm_enable_chunked_prefill: bool = True  # vLLM chunked prefill (reference script: on)
-    vllm_enforce_eager: bool = False  # vLLM without CUDA graphs / torch.compile: starts in seconds, decodes slower (CPU tests)
-    dist_timeout: float = 1800.0    # seconds a rank may wait in one collective (the process group's timeout); the longest
-                                    # designed wait: ranks whose engine finished, for the slowest engine's round (32B: 3 h)
+    model: str = knob("tiny", "hub name or local folder of a causal LM; tiny = the embedded tiny default")
+    train_data: str | None = knob(None, "parquet/JSONL in DAPO-Math-17k schema; null = the tiny task")
+    eval_data: str | None = knob(None, "held-out parquet/JSONL; null = the tiny task's held-out split")
+    total_steps: int = knob(200, "rollout steps to train for", ge(0))
+    seed: int = knob(0, "one seed for data order, sampling and init",
+                     Allowed(lambda v: 0 <= v < 2**31, "0 <= {} < 2**31 (torch, numpy and Python seed from it)"))
+    micro_token_budget: int = knob(22528, "tokens (prompt + response) per micro-batch on one device", ge(1), "", "22528")
+    eval_every: int = knob(10, "rollout steps between held-out evaluations; 0 = only at start and end", ge(0))
+    save_every: int = knob(10, "rollout steps between checkpoints (what --resume needs); 0 = only at the end", ge(0))
+    export_every: int = knob(0, "rollout steps between HF exports (exports/step-N); 0 = only final/", ge(0))
+    output_dir: str = knob("runs/dapo", "metrics.jsonl, curves.png and checkpoints go here")
+    dtype: str = knob("float32", "learner dtype", Allowed(lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"))
+    report_to: str = knob("none", "trackers beside metrics.jsonl: none, tensorboard, wandb, or several", _REPORT_TO)
+    samples_per_step: int = knob(2, "training groups per step whose responses go to samples.jsonl (with every eval one)",
+                                 Allowed(lambda v: v >= 0, "{} >= 0 (0 = no training samples)"))
+    samples_max_mb: float = knob(256.0, "samples.jsonl + samples.1.jsonl stay under this (the older half is dropped)",
+                                 Allowed(lambda v: v >= 0, "{} >= 0 (0 = no samples.jsonl)"))
+    # --- scale-out (the paper's run: 16 nodes x 8 GPUs) ---
+    rollout_backend: str = knob("hf", "rollout engine: hf (transformers, one device) or vllm", one_of("hf", "vllm"))
+    nnodes: int = knob(1, "nodes", ge(1), "16")
+    gpus_per_node: int = knob(1, "GPUs per node", ge(1), "8")
+    zero_stage: int = knob(0, "learner: 0 = plain PyTorch AdamW; 2, 3 = DeepSpeed ZeRO stage",
+                           Allowed(lambda v: v in (0, 2, 3), "0 (plain PyTorch learner), 2 or 3 (DeepSpeed ZeRO)"),
+                           "", "FSDP, all sharded")
+    gradient_checkpointing: bool = knob(False, "recompute activations in backward", None, "", "on")
+    sequence_parallel_size: int = knob(1, "Ulysses: ranks sharing each packed row, 1/size of its tokens each",
+                                       Allowed(lambda v: v >= 1, "{} >= 1 (1 = off)"), "", "8")
+    attn_implementation: str = knob("sdpa", "learner attention (flash: GPU, bf16)", one_of(*ATTN_IMPLEMENTATIONS))
+    offload_params: bool = knob(False, "ZeRO-3 parameter offload to CPU", None, "", "on")
+    offload_optimizer: bool = knob(False, "ZeRO optimizer-state offload to CPU", None, "", "on")
+    vllm_tensor_parallel: int = knob(1, "vLLM tensor-parallel size per engine", ge(1), "", "4 for 32B")
+    vllm_gpu_memory_utilization: float = knob(0.7, "GPU memory fraction vLLM may take", below_1(lo_open=True), "", "0.7-0.8")
+    vllm_enable_chunked_prefill: bool = knob(True, "vLLM chunked prefill", None, "", "on")
+    vllm_enforce_eager: bool = knob(False, "vLLM without CUDA graphs or torch.compile: starts in seconds, decodes slower")
+    dist_timeout: float = knob(1800.0, "seconds a rank may wait in one collective; the longest designed wait: ranks whose "
+                               "engine finished, for the slowest engine's round (32B: 3 h)", gt(0))
 
-# %% ../nbs/00_core.ipynb #e3863112
+    def __post_init__(self): validate(self)  # `DAPOConfig(...)` is a boundary: a config that exists is a valid one
+
+# %% ../nbs/00_core.ipynb #9590422b
 class InputError(ValueError):
     "Bad input from the user (a config value, a file, a command-line flag); the message is one line naming the input and the fix."
+    def __init__(self, message: str,
+                 field: str | None = None):  # the config field it is about, if one (a recipe's error names its file)
+        super().__init__(message)
+        self.field = field
 
-# %% ../nbs/00_core.ipynb #d687a386
-_RANGES = {  # field: (check, allowed range in words)
-    "eps_low": (lambda v: 0 <= v < 1, "0 <= eps_low < 1"),
-    "eps_high": (lambda v: v >= 0, "eps_high >= 0"),
-    "clip_c": (lambda v: v is None or v > 1, "clip_c > 1, or null to disable dual clip"),
-    "loss_agg": (lambda v: v in LOSS_AGGS, "one of " + ", ".join(LOSS_AGGS)),
-    "group_size": (lambda v: v >= 1, "group_size >= 1"),
-    "prompts_per_step": (lambda v: v >= 1, "prompts_per_step >= 1"),
-    "gen_batch_size": (lambda v: v >= 1, "gen_batch_size >= 1"),
-    "mini_batch_size": (lambda v: v >= 1, "mini_batch_size >= 1"),
-    "max_num_gen_batches": (lambda v: v >= 0, "max_num_gen_batches >= 0 (0 = unbounded)"),
-    "l_max": (lambda v: v >= 1, "l_max >= 1"),
-    "l_cache": (lambda v: v >= 0, "0 <= l_cache < l_max"),
-    "reward": (lambda v: v in REWARD_MODES or REWARD_PLUGIN.fullmatch(v) is not None,
-               "one of " + ", ".join(REWARD_MODES) + ", or a plug-in package.module:function"),
-    "reward_timeout": (lambda v: v > 0, "reward_timeout > 0 (seconds)"),
-    "overlong_penalty_factor": (lambda v: v >= 0, "overlong_penalty_factor >= 0"),
-    "max_prompt_length": (lambda v: v >= 1, "max_prompt_length >= 1"),
-    "lr": (lambda v: v > 0, "lr > 0"),
-    "warmup_steps": (lambda v: v >= 0, "warmup_steps >= 0"),
-    "adam_beta1": (lambda v: 0 <= v < 1, "0 <= adam_beta1 < 1"),
-    "adam_beta2": (lambda v: 0 <= v < 1, "0 <= adam_beta2 < 1"),
-    "weight_decay": (lambda v: v >= 0, "weight_decay >= 0"),
-    "grad_clip": (lambda v: v > 0, "grad_clip > 0"),
-    "temperature": (lambda v: v > 0, "temperature > 0"),
-    "top_p": (lambda v: 0 < v <= 1, "0 < top_p <= 1"),
-    "top_k": (lambda v: v == -1 or v >= 1, "top_k >= 1, or -1 for off"),
-    "eval_temperature": (lambda v: v > 0, "eval_temperature > 0"),
-    "eval_top_p": (lambda v: 0 < v <= 1, "0 < eval_top_p <= 1"),
-    "eval_k": (lambda v: v >= 1, "eval_k >= 1"),
-    "total_steps": (lambda v: v >= 0, "total_steps >= 0"),
-    "seed": (lambda v: 0 <= v < 2**31, "0 <= seed < 2**31 (torch, numpy and Python seed from it, plus the rank)"),
-    "micro_token_budget": (lambda v: v >= 1, "micro_token_budget >= 1"),
-    "eval_every": (lambda v: v >= 0, "eval_every >= 0"),
-    "save_every": (lambda v: v >= 0, "save_every >= 0"),
-    "export_every": (lambda v: v >= 0, "export_every >= 0"),
-    "dtype": (lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
-    "rollout_backend": (lambda v: v in ("hf", "vllm"), "hf or vllm"),
-    "nnodes": (lambda v: v >= 1, "nnodes >= 1"),
-    "gpus_per_node": (lambda v: v >= 1, "gpus_per_node >= 1"),
-    "zero_stage": (lambda v: v in (0, 2, 3), "0 (plain PyTorch learner), 2 or 3 (DeepSpeed ZeRO)"),
-    "vllm_tensor_parallel": (lambda v: v >= 1, "vllm_tensor_parallel >= 1"),
-    "sequence_parallel_size": (lambda v: v >= 1, "sequence_parallel_size >= 1 (1 = off)"),
-    "attn_implementation": (lambda v: v in ATTN_IMPLEMENTATIONS, "one of " + ", ".join(ATTN_IMPLEMENTATIONS)),
-    "report_to": (lambda v: bool(v.strip()) and all(s.strip() in REPORT_TO for s in v.split(",") if s.strip()),
-                  "none, or one or more of " + ", ".join(REPORT_TO[1:]) + " separated by commas"),
-    "samples_per_step": (lambda v: v >= 0, "samples_per_step >= 0 (0 = no training samples)"),
-    "samples_max_mb": (lambda v: v >= 0, "samples_max_mb >= 0 (0 = no samples.jsonl)"),
-    "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "0 < vllm_gpu_memory_utilization < 1"),
-    "dist_timeout": (lambda v: v > 0, "dist_timeout > 0 (seconds)"),
-}
-
-# %% ../nbs/00_core.ipynb #4a233579
+# %% ../nbs/00_core.ipynb #c6cfafd1
 VLLM_FIELDS = ("vllm_tensor_parallel", "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager")
 
-def combination_problem(cfg: DAPOConfig) -> str | None:
-    "The first combination of fields no launch can honour, as one line naming them and the fix; None when there is none."
-    world, tp = cfg.nnodes * cfg.gpus_per_node, cfg.vllm_tensor_parallel
-    if cfg.offload_params and cfg.zero_stage != 3:
-        return (f"offload_params = true needs zero_stage = 3 (got {cfg.zero_stage}): only ZeRO-3 partitions the "
-                "parameters it could offload (ZeRO-2 keeps them whole on every GPU); set zero_stage: 3 or offload_params: false")
-    if cfg.offload_optimizer and cfg.zero_stage == 0:
-        return ("offload_optimizer = true needs a DeepSpeed learner (zero_stage: 2 or 3); the plain PyTorch learner "
-                "(zero_stage: 0) keeps AdamW on the device: set zero_stage or offload_optimizer: false")
-    if cfg.attn_implementation.startswith("flash") and cfg.dtype != "bfloat16":
-        return (f"attn_implementation = {cfg.attn_implementation} runs in fp16/bf16 only, but dtype = {cfg.dtype}: "
-                "set dtype: bfloat16 or attn_implementation: sdpa")
-    if cfg.sequence_parallel_size > 1 and cfg.zero_stage == 0:
-        return (f"sequence_parallel_size = {cfg.sequence_parallel_size} needs a DeepSpeed learner (zero_stage: 2 or 3): "
-                "Ulysses runs inside DeepSpeed's attention wrapper; set zero_stage or sequence_parallel_size: 1")
-    sp, per = cfg.sequence_parallel_size, cfg.gpus_per_node
-    if sp > 1 and per % sp:
-        ok = ", ".join(str(s) for s in range(1, per + 1) if per % s == 0)
-        return (f"sequence_parallel_size = {sp} does not divide gpus_per_node = {per}: a group's ranks would span two nodes "
-                f"(its all-to-all over the network in every layer); use one of {ok}")
-    if cfg.rollout_backend == "hf":
-        for f in VLLM_FIELDS:
-            if getattr(cfg, f) != getattr(DAPOConfig, f):
-                return f"{f} = {getattr(cfg, f)!r} configures the vLLM engine, but rollout_backend = hf; set rollout_backend: vllm or remove {f}"
-    ok = ", ".join(str(t) for t in range(1, cfg.gpus_per_node + 1) if cfg.gpus_per_node % t == 0)
-    if world > 1 and world % tp:  # one process alone may run a vLLM engine over several GPUs (vLLM starts its workers)
-        return (f"vllm_tensor_parallel = {tp} does not divide the {world} GPUs (nnodes x gpus_per_node): one vLLM engine "
-                f"spans vllm_tensor_parallel consecutive ranks; use one of {ok}")
-    if world > 1 and cfg.gpus_per_node % tp:
-        return (f"vllm_tensor_parallel = {tp} does not divide gpus_per_node = {cfg.gpus_per_node}: an engine's ranks would "
-                f"span two nodes (its all-reduce over the network every layer); use one of {ok}")
-    return None
+def _divisors(n: int) -> str: return ", ".join(str(t) for t in range(1, n + 1) if n % t == 0)
 
-# %% ../nbs/00_core.ipynb #93fd21f0
+def _rules(c) -> Iterator[tuple[str, bool, str]]:
+    "The cross-field rules, in order: (the field an error names, the rule holds, the error naming the fix)."
+    world, tp, sp, per = c.nnodes * c.gpus_per_node, c.vllm_tensor_parallel, c.sequence_parallel_size, c.gpus_per_node
+    yield "l_cache", c.l_cache < c.l_max, f"l_cache = {c.l_cache} is out of range: allowed 0 <= l_cache < l_max (= {c.l_max})"
+    yield "eps_high", c.eps_high >= c.eps_low, (f"eps_high = {c.eps_high} is out of range: allowed eps_high >= eps_low "
+                                                f"(= {c.eps_low}); Clip-Higher raises the upper bound, set eps_high = "
+                                                "eps_low to turn it off")
+    yield "gen_batch_size", c.gen_batch_size >= c.prompts_per_step, (f"gen_batch_size = {c.gen_batch_size} is out of range: "
+                                                                     "allowed gen_batch_size >= prompts_per_step "
+                                                                     f"(= {c.prompts_per_step})")
+    yield "offload_params", not c.offload_params or c.zero_stage == 3, (
+        f"offload_params = true needs zero_stage = 3 (got {c.zero_stage}): only ZeRO-3 partitions the parameters it "
+        "could offload (ZeRO-2 keeps them whole on every GPU); set zero_stage: 3 or offload_params: false")
+    yield "offload_optimizer", not c.offload_optimizer or c.zero_stage > 0, (
+        "offload_optimizer = true needs a DeepSpeed learner (zero_stage: 2 or 3); the plain PyTorch learner "
+        "(zero_stage: 0) keeps AdamW on the device: set zero_stage or offload_optimizer: false")
+    yield "attn_implementation", not c.attn_implementation.startswith("flash") or c.dtype == "bfloat16", (
+        f"attn_implementation = {c.attn_implementation} runs in fp16/bf16 only, but dtype = {c.dtype}: "
+        "set dtype: bfloat16 or attn_implementation: sdpa")
+    yield "sequence_parallel_size", sp == 1 or c.zero_stage > 0, (
+        f"sequence_parallel_size = {sp} needs a DeepSpeed learner (zero_stage: 2 or 3): Ulysses runs inside "
+        "DeepSpeed's attention wrapper; set zero_stage or sequence_parallel_size: 1")
+    yield "sequence_parallel_size", per % sp == 0, (
+        f"sequence_parallel_size = {sp} does not divide gpus_per_node = {per}: a group's ranks would span two nodes "
+        f"(its all-to-all over the network in every layer); use one of {_divisors(per)}")
+    for f in VLLM_FIELDS:
+        yield f, c.rollout_backend == "vllm" or getattr(c, f) == getattr(DAPOConfig, f), (
+            f"{f} = {getattr(c, f)!r} configures the vLLM engine, but rollout_backend = hf; set rollout_backend: vllm "
+            f"or remove {f}")
+    # one process alone may run a vLLM engine over several GPUs (vLLM starts its workers)
+    yield "vllm_tensor_parallel", world == 1 or world % tp == 0, (
+        f"vllm_tensor_parallel = {tp} does not divide the {world} GPUs (nnodes x gpus_per_node): one vLLM engine "
+        f"spans vllm_tensor_parallel consecutive ranks; use one of {_divisors(per)}")
+    yield "vllm_tensor_parallel", world == 1 or per % tp == 0, (
+        f"vllm_tensor_parallel = {tp} does not divide gpus_per_node = {per}: an engine's ranks would span two nodes "
+        f"(its all-reduce over the network every layer); use one of {_divisors(per)}")
+
+# %% ../nbs/00_core.ipynb #a08b1d9c
 PATH_FIELDS = ("model", "train_data", "eval_data", "output_dir")  # paths (or hub names): `~` expanded, never empty
 
 def short(v: Any,          # a value to quote in a message
@@ -203,18 +206,18 @@ def short(v: Any,          # a value to quote in a message
     r = repr(v)
     return r if len(r) <= n else f"{r[:n - 20]}... ({len(r)} characters)"
 
-def _check_type(name, value, tp):
+def _check_type(name: str, value: Any, tp: str, allowed: Allowed | None = None) -> Any:
     "Coerce `value` to the field's declared type `tp` (a string annotation), or raise naming the field."
     kinds = {"float": float, "int": int, "bool": bool, "str": str}
     optional = "None" in tp
     if value is None:
         if optional: return None
-        raise InputError(f"{name}: got null, expected {tp}")
+        raise InputError(f"{name}: got null, expected {tp}", name)
     base = tp.split("|")[0].strip()
     want = kinds[base]
     if want is bool:
         if isinstance(value, bool): return value
-        raise InputError(f"{name}: got {short(value)}, expected true or false")
+        raise InputError(f"{name}: got {short(value)}, expected true or false", name)
     if want is float:
         x = None
         if isinstance(value, (int, float)) and not isinstance(value, bool): x = float(value)
@@ -223,8 +226,8 @@ def _check_type(name, value, tp):
             except ValueError: pass
         if x is not None:
             if math.isfinite(x): return x
-            allowed = _RANGES[name][1] if name in _RANGES else "a finite number"
-            raise InputError(f"{name} = {x} is not a finite number: allowed {allowed}")
+            words = allowed.words.format(name) if allowed else "a finite number"
+            raise InputError(f"{name} = {x} is not a finite number: allowed {words}", name)
     if want is int and isinstance(value, int) and not isinstance(value, bool): return value
     if want is int and isinstance(value, float) and value.is_integer(): return int(value)
     if want is str and name == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -233,28 +236,21 @@ def _check_type(name, value, tp):
         if name not in PATH_FIELDS: return value
         if not value.strip():  # `train_data=$UNSET`: an empty path is never what was meant
             none = ", or null for " + ("the built-in tiny task" if "data" in name else "none") if optional else ""
-            raise InputError(f"{name} is empty (an unset shell variable?): give a path{none}")
+            raise InputError(f"{name} is empty (an unset shell variable?): give a path{none}", name)
         return os.path.expanduser(value)  # `~/models/x`: the shell expands ~ only at the start of a word
-    raise InputError(f"{name}: got {short(value)} ({type(value).__name__}), expected {tp}")
+    raise InputError(f"{name}: got {short(value)} ({type(value).__name__}), expected {tp}", name)
 
-# %% ../nbs/00_core.ipynb #764a0250
+# %% ../nbs/00_core.ipynb #47121403
 def validate(cfg: DAPOConfig) -> DAPOConfig:
-    "Check every field of `cfg` against its type and allowed range; return `cfg` or raise `InputError`."
+    "Check every field of `cfg` against its declared type and range, then the cross-field rules; `cfg`, or `InputError`."
     for f in fields(cfg):
-        v = _check_type(f.name, getattr(cfg, f.name), f.type)
+        allowed = f.metadata.get("allowed")
+        v = _check_type(f.name, getattr(cfg, f.name), f.type, allowed)
         setattr(cfg, f.name, v)
-        if f.name in _RANGES and v is not None:
-            ok, allowed = _RANGES[f.name]
-            if not ok(v): raise InputError(f"{f.name} = {short(v)} is out of range: allowed {allowed}")
-    if cfg.l_cache >= cfg.l_max:
-        raise InputError(f"l_cache = {cfg.l_cache} is out of range: allowed 0 <= l_cache < l_max (= {cfg.l_max})")
-    if cfg.eps_high < cfg.eps_low:
-        raise InputError(f"eps_high = {cfg.eps_high} is out of range: allowed eps_high >= eps_low (= {cfg.eps_low}); "
-                         "Clip-Higher raises the upper bound, set eps_high = eps_low to turn it off")
-    if cfg.gen_batch_size < cfg.prompts_per_step:
-        raise InputError(f"gen_batch_size = {cfg.gen_batch_size} is out of range: allowed gen_batch_size >= "
-                         f"prompts_per_step (= {cfg.prompts_per_step})")
-    if problem := combination_problem(cfg): raise InputError(problem)
+        if allowed is not None and v is not None and not allowed.ok(v):
+            raise InputError(f"{f.name} = {short(v)} is out of range: allowed {allowed.words.format(f.name)}", f.name)
+    for name, holds, error in _rules(cfg):
+        if not holds: raise InputError(error, name)
     return cfg
 
 # %% ../nbs/00_core.ipynb #c99ac896
@@ -319,8 +315,8 @@ def config_from_dict(d: dict[str, Any]) -> DAPOConfig:
     names = [f.name for f in fields(DAPOConfig)]
     for k in d:
         if k not in names:
-            raise InputError(f"unknown config key '{short(str(k), 60)[1:-1]}'{_key_hint(str(k), names)}")
-    return validate(DAPOConfig(**d))
+            raise InputError(f"unknown config key '{short(str(k), 60)[1:-1]}'{_key_hint(str(k), names)}", str(k))
+    return DAPOConfig(**d)  # its __post_init__ validates
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DAPOConfig:
     "Read a YAML recipe from `path` (see `find_recipe`), apply `overrides`, validate."
@@ -333,9 +329,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DA
     ov = overrides or {}
     try: return config_from_dict({**d, **ov})
     except InputError as e:  # name the file when the bad key came from it
-        msg = str(e)
-        key = msg.split("'")[1] if msg.startswith("unknown config key '") else msg.replace(":", " ").split(" ")[0]
-        if key in d and key not in ov: raise InputError(f"{path}: {msg}") from None
+        if e.field in d and e.field not in ov: raise InputError(f"{path}: {e}", e.field) from None
         raise
 
 def save_config(cfg: DAPOConfig, path: str | Path) -> Path:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses, json, math, sys
 
 from .arch import ModelArch, kv_bytes_per_token, largest_layer_params, layer_params, n_params, resolve_arch
-from .core import ArgParser, DAPOConfig, InputError, cli_errors, combination_problem, load_config, parse_overrides
+from .core import ArgParser, DAPOConfig, InputError, cli_errors, load_config, parse_overrides
 
 # %% auto #0
 __all__ = ['BYTES', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
@@ -26,7 +26,7 @@ def check_tensor_parallel(arch: ModelArch,  # the model
                           tp: int,          # vllm_tensor_parallel
                           world: int,       # nnodes * gpus_per_node
                          ) -> None:
-    "Raise a one-line `InputError` unless vLLM can shard `arch`'s heads over `tp` GPUs (`core.combination_problem` checks that `tp` divides the GPUs)."
+    "Raise a one-line `InputError` unless vLLM can shard `arch`'s heads over `tp` GPUs (`DAPOConfig` checks that `tp` divides the GPUs)."
     name = arch.name or "the model"
     ok = [t for t in valid_tensor_parallel(arch, world) if world % t == 0]
     if tp not in valid_tensor_parallel(arch, max(tp, 1)):
@@ -138,7 +138,6 @@ PHASES = ("load", "update", "sync", "rollout")
 def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool) -> dict:
     "Bytes of every item of the plan, per GPU and per node, in each phase of a step."
     n, world, g = n_params(arch), cfg.nnodes * cfg.gpus_per_node, cfg.gpus_per_node
-    if problem := combination_problem(cfg): raise InputError(problem)  # the rules every config follows (`core.validate`)
     check_tensor_parallel(arch, cfg.vllm_tensor_parallel, world)
     p, ll, z = (2 if cfg.dtype == "bfloat16" else 4), largest_layer_params(arch), cfg.zero_stage
     s = model_state_bytes(n, ll, world, g, z, cfg.offload_params and z == 3, cfg.offload_optimizer and z > 0, p)
@@ -167,9 +166,11 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
                 peak=max(totals.values()), binding=max(totals, key=totals.get), gpu=gpu, cpu=cpu,
                 cpu_per_node=max(cpu.values()), load_no_init=load_no_init, dtype_bytes=p)
 
-def _fits(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb) -> bool:
-    "Does `cfg` fit: every phase's GPU peak + reserve, one full sequence in the KV cache, CPU memory when given."
-    try: p = _phases(cfg, arch, gpu_memory_gb, sleep)
+def _fits(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb, **changes) -> bool:
+    "Does `cfg` with `changes` fit: every phase's GPU peak + reserve, one full sequence in the KV cache, CPU memory when given."
+    try:
+        cfg = dataclasses.replace(cfg, **changes)  # a combination no config may hold raises here
+        p = _phases(cfg, arch, gpu_memory_gb, sleep)
     except ValueError: return False                          # e.g. a tensor-parallel size this layout cannot use
     cpu_ok = cpu_memory_gb is None or p["cpu_per_node"] <= cpu_memory_gb * 2**30
     return p["peak"] + reserve_gb * 2**30 <= p["gpu"] and p["engine"]["kv_tokens"] >= cfg.max_prompt_length + cfg.l_max and cpu_ok
@@ -185,25 +186,25 @@ def _knobs(cfg: DAPOConfig, arch: ModelArch, *hw) -> list[dict]:
     if not cfg.gradient_checkpointing: out.append(dict(gradient_checkpointing=True))
     seq = cfg.max_prompt_length + cfg.l_max
     lo, hi = seq, cfg.micro_token_budget                 # largest budget in [one sequence, current] that fits
-    if hi > lo and _fits(dataclasses.replace(cfg, micro_token_budget=lo), arch, *hw):
+    if hi > lo and _fits(cfg, arch, *hw, micro_token_budget=lo):
         while hi - lo > 256:
             mid = (lo + hi) // 2
-            if _fits(dataclasses.replace(cfg, micro_token_budget=mid), arch, *hw): lo = mid
+            if _fits(cfg, arch, *hw, micro_token_budget=mid): lo = mid
             else: hi = mid
         out.append(dict(micro_token_budget=lo // 256 * 256 if lo // 256 * 256 >= seq else lo))
     u0 = cfg.vllm_gpu_memory_utilization                 # nearest fraction that fits: lower first, then higher
     for u in [round(u0 - 0.05 * i, 2) for i in range(1, 19)] + [round(u0 + 0.05 * i, 2) for i in range(1, 19)]:
-        if 0.05 < u < 0.96 and _fits(dataclasses.replace(cfg, vllm_gpu_memory_utilization=u), arch, *hw):
+        if 0.05 < u < 0.96 and _fits(cfg, arch, *hw, vllm_gpu_memory_utilization=u):
             out.append(dict(vllm_gpu_memory_utilization=u)); break
     for t in valid_tensor_parallel(arch, world):         # a larger engine: fewer weights and more KV cache per GPU
-        if t > cfg.vllm_tensor_parallel and world % t == 0 and _fits(dataclasses.replace(cfg, vllm_tensor_parallel=t), arch, *hw):
+        if t > cfg.vllm_tensor_parallel and world % t == 0 and _fits(cfg, arch, *hw, vllm_tensor_parallel=t):
             out.append(dict(vllm_tensor_parallel=t)); break
     if cfg.nnodes == 1:                                  # more GPUs: first fill the node (up to 8), then add nodes
         for g in range(cfg.gpus_per_node + 1, 9):
-            if _fits(dataclasses.replace(cfg, gpus_per_node=g), arch, *hw):
+            if _fits(cfg, arch, *hw, gpus_per_node=g):
                 out.append(dict(gpus_per_node=g)); return out
     for nn in range(cfg.nnodes + 1, max(64, 4 * cfg.nnodes) + 1):
-        if _fits(dataclasses.replace(cfg, nnodes=nn), arch, *hw):
+        if _fits(cfg, arch, *hw, nnodes=nn):
             out.append(dict(nnodes=nn)); break
     return out
 
@@ -219,15 +220,17 @@ def advise(cfg: DAPOConfig,           # the recipe
     if _fits(cfg, arch, *hw): return []
     fmt = lambda d: " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in d.items())
     singles = [d for d in _knobs(cfg, arch, *hw)
-               if _fits(dataclasses.replace(cfg, **d), arch, *hw)]
+               if _fits(cfg, arch, *hw, **d)]
     if singles: return [fmt(d) for d in singles]
     c, applied = cfg, {}
     for d in _knobs(cfg, arch, *hw):   # cumulative: add knobs until it fits
-        c = dataclasses.replace(c, **d); applied.update(d)
+        try: c = dataclasses.replace(c, **d)
+        except InputError: continue  # a combination no config may hold
+        applied.update(d)
         if _fits(c, arch, *hw): return [fmt(applied)]
         rest = _knobs(c, arch, *hw)      # re-size the numeric knobs for the new config
         for r in rest:
-            if _fits(dataclasses.replace(c, **r), arch, *hw): return [fmt({**applied, **r})]
+            if _fits(c, arch, *hw, **r): return [fmt({**applied, **r})]
     return []
 
 # %% ../nbs/12_plan.ipynb #87018236

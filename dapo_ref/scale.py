@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import dist
-from .core import DAPOConfig, InputError, combination_problem
+from .core import DAPOConfig, InputError
 from fastcore.basics import patch
 
 from .learner import Learner, SeqParallel, prepare_model, model_path
@@ -31,7 +31,6 @@ def deepspeed_config(cfg: DAPOConfig,      # zero_stage, dtype, offload_*, grad_
     if cfg.zero_stage not in (2, 3):
         raise ValueError(f"zero_stage = {cfg.zero_stage}: the DeepSpeed learner runs ZeRO stage 2 or 3 "
                          "(zero_stage: 0 is the plain PyTorch learner)")
-    if problem := combination_problem(cfg): raise InputError(problem)  # the rules `core.validate` applies to every config
     zero = {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": not cpu,
             # DeepSpeed's default replaces torch.nn.functional.linear process-wide when zero.Init runs, and never puts
             # it back: the vLLM engine built later in the same process would compile its graphs over that replacement

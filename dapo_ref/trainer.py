@@ -13,7 +13,7 @@ from tqdm import tqdm
 from fastcore.basics import patch
 
 from . import dist
-from .core import DAPOConfig, InputError, combination_problem, one_line, save_config, validate
+from .core import DAPOConfig, InputError, one_line, save_config, validate
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .reward import check_plugin, is_plugin
 from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, checkpoint_error, export_error, divergence_error,
@@ -30,11 +30,10 @@ __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'TIMING_KEYS', 'check_run', 'load_spli
            'make_engine', 'Trainer', 'sample_rows', 'summary_line', 'train']
 
 # %% ../nbs/09_trainer.ipynb #12029f8b
-def check_run(cfg: DAPOConfig,  # a validated config
+def check_run(cfg: DAPOConfig,  # a config (valid: `DAPOConfig` checks its own rules)
               world: int = 1,   # ranks in this launch
              ) -> DAPOConfig:
     "Raise `ValueError` naming the field when this launch cannot honour `cfg` (the packages here, its ranks); return `cfg`."
-    if problem := combination_problem(cfg): raise InputError(problem)  # the config's own rules (`core.validate` too)
     check_trackers(cfg.report_to)  # a tracker asked for and not installed: refused before the model loads
     if is_plugin(cfg.reward): check_plugin(cfg.reward)  # a reward plug-in that does not load: the same
     have = lambda m: importlib.util.find_spec(m) is not None

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-G, N_GROUPS = 4, 5  # 5 groups of 4: rank 0 gets groups 0, 2, 4 and rank 1 groups 1, 3 (unequal shares)
+G, N_GROUPS = 4, 5  # 5 groups of 4, shared over the ranks by tokens (`learner.balanced_share`)
 
 
 def test_cfg():
@@ -42,8 +42,9 @@ def test_cfg():
                                  micro_token_budget=96, zero_stage=0, dtype="float32", l_max=32, l_cache=8))
 
 
-def fixed_batch(vocab: int = 392, seed: int = 0):
-    "N_GROUPS * G responses with random token ids, lengths and advantages (deterministic; no generation)."
+def fixed_batch(vocab: int = 392, seed: int = 21):
+    """N_GROUPS * G responses with random token ids, lengths and advantages (deterministic; no generation). Seed 21:
+    the two token-balanced shares pack into 4 and 3 micro-batches (7 on one device), so the padding passes run."""
     from dapo_ref.learner import RolloutBatch
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
@@ -51,7 +52,7 @@ def fixed_batch(vocab: int = 392, seed: int = 0):
         p = torch.randint(1, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
         for _ in range(G):
             prompts.append(p)
-            responses.append(torch.randint(1, vocab, (int(torch.randint(2, 24, (1,), generator=g)),), generator=g).tolist())
+            responses.append(torch.randint(1, vocab, (int(torch.randint(2, 33, (1,), generator=g)),), generator=g).tolist())
     adv = torch.randn(N_GROUPS * G, generator=g)  # (B,)
     return RolloutBatch(prompts, responses, adv, torch.zeros(N_GROUPS * G, dtype=torch.bool), adv.clone())
 
@@ -137,10 +138,10 @@ def run_stage(name: str, out: Path):
     olds, n_micros = dist.all_gather(old), dist.all_gather(n_micro)
     sp = learner.sp and dict(size=learner.sp.size, rank=learner.sp.rank, data_rank=learner.data_rank(), idx=trainer.logprob_indices,
                              local=learner.sp.attn.local_seq_length, whole=learner.sp.attn.global_seq_length)  # last row's
-    sps = dist.all_gather(sp)
+    sps, idxs = dist.all_gather(sp), dist.all_gather(trainer.logprob_indices)  # collectives: every rank
     if rank == 0:
         torch.save(dict(streamed=streamed, consolidated=consolidated, engines=engines, old=olds, n_micro=n_micros,
-                        idx=dist.all_gather(trainer.logprob_indices),
+                        idx=idxs,
                         metrics=metrics, world=world, checkpointed_layers=ckpt, learner=type(learner).__name__,
                         grads=grads, sp=sps),
                    out / f"stage{name}.pt")

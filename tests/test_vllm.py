@@ -311,7 +311,7 @@ def test_from_config_maps_fields(setup):
     assert kw == dict(tensor_parallel_size=1, gpu_memory_utilization=0.5, enable_chunked_prefill=False,
                       enforce_eager=False, dtype="float32", seed=3, load_format="dummy", logprobs_mode="processed_logprobs",
                       max_model_len=48)
-    assert vllm_engine_kwargs(DAPOConfig(vllm_enforce_eager=True))["enforce_eager"] is True
+    assert vllm_engine_kwargs(DAPOConfig(rollout_backend="vllm", vllm_enforce_eager=True))["enforce_eager"] is True
     mc = setup["engine"].llm.llm_engine.model_config
     assert str(mc.dtype) == "torch.float32" and mc.max_model_len == 256 and mc.seed == 0
 
