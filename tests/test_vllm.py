@@ -305,8 +305,8 @@ def test_sleep_wake_noop_on_cpu(setup):
 
 
 def test_from_config_maps_fields(setup):
-    cfg = DAPOConfig(vllm_tensor_parallel=1, vllm_gpu_memory_utilization=0.5, vllm_enable_chunked_prefill=False,
-                     dtype="float32", seed=3, max_prompt_length=16, l_max=32)
+    cfg = DAPOConfig(rollout_backend="vllm", vllm_tensor_parallel=1, vllm_gpu_memory_utilization=0.5, vllm_enable_chunked_prefill=False,
+                     dtype="float32", seed=3, max_prompt_length=16, l_max=32, l_cache=8)
     kw = vllm_engine_kwargs(cfg)
     assert kw == dict(tensor_parallel_size=1, gpu_memory_utilization=0.5, enable_chunked_prefill=False,
                       enforce_eager=False, dtype="float32", seed=3, load_format="dummy", logprobs_mode="processed_logprobs",
