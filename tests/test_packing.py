@@ -125,11 +125,19 @@ def flash_stand_in(monkeypatch):
     monkeypatch.setattr(fau, "_process_flash_kwargs_fn", fau._lazy_define_process_function(flash_varlen_stand_in))
 
 
+def cfg_with(impl: str) -> DAPOConfig:
+    """A config whose learner uses `impl`. Flash kernels need bf16, which `DAPOConfig` enforces; these tests run the flash
+    path in float32/float64 on CPU through a stand-in kernel, so the field is set after validation."""
+    cfg = DAPOConfig(model="tiny")
+    cfg.attn_implementation = impl
+    return cfg
+
+
 def learner_net(tiny64, impl):
     "The learner's model on attention `impl` (set on the config directly: transformers' setter asks for the flash-attn package)."
     model = __import__("copy").deepcopy(tiny64)
     model.config._attn_implementation = impl
-    lrn = TorchLearner.build(DAPOConfig(model="tiny", attn_implementation=impl), 0, model=model)
+    lrn = TorchLearner.build(cfg_with(impl), 0, model=model)
     return lrn.net
 
 
@@ -169,5 +177,5 @@ def test_a_packed_sequence_sees_only_itself(tiny64, flash_stand_in, impl):
 def test_the_config_chooses_the_learners_attention():
     "`attn_implementation` reaches the model the learner loads (sdpa becomes the packed `varlen_sdpa`; eager stays eager)."
     for impl, used in (("sdpa", "dapo_varlen"), ("eager", "eager")):
-        lrn = TorchLearner.build(DAPOConfig(model="tiny", attn_implementation=impl), 0)
+        lrn = TorchLearner.build(cfg_with(impl), 0)
         assert lrn.net.config._attn_implementation == used, (impl, lrn.net.config._attn_implementation)
