@@ -24,7 +24,8 @@ class Allowed:
     ok: Callable[[Any], bool]
     words: str
 
-def ge(x): return Allowed(lambda v: v >= x, f"{{}} >= {x}")
+def ge(x, note: str = ""):  # note: what the bound value means, e.g. "0 = unbounded"
+    return Allowed(lambda v: v >= x, f"{{}} >= {x}" + (f" ({note})" if note else ""))
 def gt(x): return Allowed(lambda v: v > x, f"{{}} > {x}")
 def below_1(lo_open: bool = False):  # [0, 1) or (0, 1)
     return Allowed((lambda v: 0 < v < 1) if lo_open else (lambda v: 0 <= v < 1), f"0 {'<' if lo_open else '<='} {{}} < 1")
@@ -67,7 +68,7 @@ class DAPOHyperparams:
     mini_batch_size: int = knob(512, "responses per gradient update", ge(1), "512 (16 updates a step)", "32 x 16")
     dynamic_sampling: bool = knob(True, "drop groups whose accuracies are all equal", None, "on (Eq. 11)", "on (acc)")
     max_num_gen_batches: int = knob(10, "bound on generation rounds per step; 0 = unbounded",
-                                    Allowed(lambda v: v >= 0, "{} >= 0 (0 = unbounded)"), "a bound, no value", "10")
+                                    ge(0, "0 = unbounded"), "a bound, no value", "10")
     # --- rule-based reward (Section 2.4, Eq. 7) ---
     reward: str = knob("dapo-reference", "the verdict: dapo-reference (the reference's), dapo-strict, math-verify",
                        _REWARD, "is_equivalent (Eq. 7)", "math_dapo: string equality",
@@ -121,9 +122,9 @@ class DAPOConfig(DAPOHyperparams):
     dtype: str = knob("float32", "learner dtype", Allowed(lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"))
     report_to: str = knob("none", "trackers beside metrics.jsonl: none, tensorboard, wandb, or several", _REPORT_TO)
     samples_per_step: int = knob(2, "training groups per step whose responses go to samples.jsonl (with every eval one)",
-                                 Allowed(lambda v: v >= 0, "{} >= 0 (0 = no training samples)"))
+                                 ge(0, "0 = no training samples"))
     samples_max_mb: float = knob(256.0, "samples.jsonl + samples.1.jsonl stay under this (the older half is dropped)",
-                                 Allowed(lambda v: v >= 0, "{} >= 0 (0 = no samples.jsonl)"))
+                                 ge(0, "0 = no samples.jsonl"))
     # --- scale-out (the paper's run: 16 nodes x 8 GPUs) ---
     rollout_backend: str = knob("hf", "rollout engine: hf (transformers, one device) or vllm", one_of("hf", "vllm"))
     nnodes: int = knob(1, "nodes", ge(1), "16")
@@ -133,7 +134,7 @@ class DAPOConfig(DAPOHyperparams):
                            "", "FSDP, all sharded")
     gradient_checkpointing: bool = knob(False, "recompute activations in backward", None, "", "on")
     sequence_parallel_size: int = knob(1, "Ulysses: ranks sharing each packed row, 1/size of its tokens each",
-                                       Allowed(lambda v: v >= 1, "{} >= 1 (1 = off)"), "", "8")
+                                       ge(1, "1 = off"), "", "8")
     attn_implementation: str = knob("sdpa", "learner attention (flash: GPU, bf16)", one_of(*ATTN_IMPLEMENTATIONS))
     offload_params: bool = knob(False, "ZeRO-3 parameter offload to CPU", None, "", "on")
     offload_optimizer: bool = knob(False, "ZeRO optimizer-state offload to CPU", None, "", "on")

@@ -51,7 +51,7 @@ class StubRollout:
 
 def run_ranks(world: int, fn: Callable[[int], object]) -> list:
     "`fn(rank)` for every rank, each in its own thread, with `dist.all_gather` / `dist.all_reduce` answered across them."
-    box, out, lock, barrier, me = [None] * world, [None] * world, threading.Lock(), threading.Barrier(world), threading.local()
+    box, out, barrier, me = [None] * world, [None] * world, threading.Barrier(world), threading.local()
     def gather(obj):
         box[me.rank] = obj; barrier.wait(); got = list(box); barrier.wait()
         return got

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08c_zero.ipynb #210e0dca
 from __future__ import annotations
-import contextlib, ctypes, heapq, json, re, struct
+import contextlib, ctypes, json, re, struct
 from pathlib import Path
 from typing import Iterable
 
