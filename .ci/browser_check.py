@@ -14,6 +14,7 @@ Chromium is Debian's `chromium` (/usr/bin/chromium, or $CHROMIUM), driven over t
 `websocket-client`. Without it the check says it skipped and passes, unless DOCS_BROWSER_REQUIRED=1 (set by .ci/run).
 Usage: python .ci/browser_check.py [DOCS_DIR] [PAGE.html ...]
 """
+
 import json, os, re, shutil, subprocess, sys, tempfile, threading, time, urllib.parse
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -21,9 +22,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-quic", "--disable-dev-shm-usage",
-         "--no-default-browser-check", "--hide-scrollbars", "--mute-audio", "--remote-debugging-port=0"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--disable-dev-shm-usage",
+    "--no-default-browser-check",
+    "--hide-scrollbars",
+    "--mute-audio",
+    "--remote-debugging-port=0",
+]
 SCREENSHOTS = ("index", "04_loss", "09_algorithm", "14_ablation")  # home, loss, Algorithm 1 and ablation pages
 SEARCH = ("Clip-Higher", "04_loss.html")  # what a reader searches for, and the page its first hit must open
 WIDTH, HEIGHT, MAX_SHOT_HEIGHT = 1280, 900, 6000
@@ -89,8 +102,10 @@ WAIT_MATHJAX_JS = r"""
 
 class CDP:
     "A minimal DevTools-protocol client over one browser websocket (flattened target sessions)."
+
     def __init__(self, ws_url):
         import websocket  # websocket-client
+
         self.ws = websocket.create_connection(ws_url, timeout=30, suppress_origin=True)
         self.next_id, self.events = 0, []
 
@@ -101,40 +116,55 @@ class CDP:
     def send(self, method, params=None, session=None, timeout=30.0):
         self.next_id += 1
         msg = {"id": self.next_id, "method": method, "params": params or {}}
-        if session: msg["sessionId"] = session
+        if session:
+            msg["sessionId"] = session
         self.ws.send(json.dumps(msg))
         deadline = time.monotonic() + timeout
         while True:
-            if time.monotonic() > deadline: raise TimeoutError(f"{method}: no answer in {timeout:.0f} s")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{method}: no answer in {timeout:.0f} s")
             m = self._recv(deadline)
             if m.get("id") == self.next_id:
-                if "error" in m: raise RuntimeError(f"{method}: {m['error'].get('message')}")
+                if "error" in m:
+                    raise RuntimeError(f"{method}: {m['error'].get('message')}")
                 return m.get("result", {})
-            if "method" in m: self.events.append(m)
+            if "method" in m:
+                self.events.append(m)
 
     def wait_event(self, name, session, timeout):
         "Wait for event `name` of `session` (buffered ones first); return its params."
         deadline = time.monotonic() + timeout
         while True:
             for i, e in enumerate(self.events):
-                if e["method"] == name and e.get("sessionId") == session: return self.events.pop(i)["params"]
-            if time.monotonic() > deadline: raise TimeoutError(f"{name} did not come in {timeout:.0f} s")
+                if e["method"] == name and e.get("sessionId") == session:
+                    return self.events.pop(i)["params"]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not come in {timeout:.0f} s")
             m = self._recv(deadline)
-            if "method" in m: self.events.append(m)
+            if "method" in m:
+                self.events.append(m)
 
     def evaluate(self, expr, session, timeout=30.0):
-        r = self.send("Runtime.evaluate", {"expression": expr, "awaitPromise": True, "returnByValue": True},
-                      session, timeout=timeout)
-        if "exceptionDetails" in r: raise RuntimeError(f"page script failed: {r['exceptionDetails'].get('text')}")
+        r = self.send(
+            "Runtime.evaluate",
+            {"expression": expr, "awaitPromise": True, "returnByValue": True},
+            session,
+            timeout=timeout,
+        )
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"page script failed: {r['exceptionDetails'].get('text')}")
         return r["result"].get("value")
 
     def close(self):
-        try: self.ws.close()
-        except Exception: pass
+        try:
+            self.ws.close()
+        except Exception:
+            pass
 
 
 class _Quiet(SimpleHTTPRequestHandler):
-    def log_message(self, *a): pass
+    def log_message(self, *a):
+        pass
 
 
 def serve(docs):
@@ -147,14 +177,21 @@ def serve(docs):
 def start_chromium(profile):
     "Start headless Chromium with a fresh profile; return (process, browser websocket url)."
     log = open(Path(profile) / "chromium.log", "wb")
-    proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     port_file, deadline = Path(profile) / "DevToolsActivePort", time.monotonic() + 60
     while time.monotonic() < deadline:
-        if proc.poll() is not None: break
+        if proc.poll() is not None:
+            break
         if port_file.exists():
             lines = port_file.read_text().split()
-            if len(lines) >= 2: return proc, f"ws://127.0.0.1:{lines[0]}{lines[1]}"
+            if len(lines) >= 2:
+                return proc, f"ws://127.0.0.1:{lines[0]}{lines[1]}"
         time.sleep(0.05)
     tail = (Path(profile) / "chromium.log").read_text(errors="replace")[-2000:]
     stop_chromium(proc)
@@ -163,23 +200,29 @@ def start_chromium(profile):
 
 def stop_chromium(proc):
     if proc.poll() is None:
-        try: os.killpg(proc.pid, 15)  # its own session: the browser and its child processes, nothing else
-        except ProcessLookupError: pass
-        try: proc.wait(10)
+        try:
+            os.killpg(proc.pid, 15)  # its own session: the browser and its child processes, nothing else
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(10)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9); proc.wait(10)
+            os.killpg(proc.pid, 9)
+            proc.wait(10)
 
 
 def _is_external(url):
-    return not url.startswith(("data:", "blob:", "about:", "chrome-error:", "devtools:")) and \
-        urllib.parse.urlsplit(url).hostname not in ("127.0.0.1", None)
+    return not url.startswith(("data:", "blob:", "about:", "chrome-error:", "devtools:")) and urllib.parse.urlsplit(
+        url
+    ).hostname not in ("127.0.0.1", None)
 
 
 def land(cdp, session, action, timeout=PAGE_TIMEOUT):
     "Do `action()` (a navigation or a click; it returns an error text or None), wait for the new page to load and typeset; return (audit dict, console/network problems)."
     cdp.events = [e for e in cdp.events if e.get("sessionId") != session]
     err = action()
-    if err: return None, [err]
+    if err:
+        return None, [err]
     cdp.wait_event("Page.loadEventFired", session, timeout)
     state = cdp.evaluate(WAIT_MATHJAX_JS % int(timeout * 1000 / 2), session, timeout=timeout)
     audit = json.loads(cdp.evaluate(AUDIT_JS, session))
@@ -187,15 +230,23 @@ def land(cdp, session, action, timeout=PAGE_TIMEOUT):
     cdp.send("Runtime.evaluate", {"expression": "0"}, session)  # pulls in events that came in meanwhile
     errs = [] if state in ("ok", "no MathJax on the page") else [state]
     for e in cdp.events:
-        if e.get("sessionId") != session: continue
+        if e.get("sessionId") != session:
+            continue
         m, p = e["method"], e["params"]
         if m == "Runtime.consoleAPICalled" and p["type"] in ("error", "assert"):
-            errs.append("console." + p["type"] + ": " + " ".join(str(a.get("value", a.get("description", ""))) for a in p["args"])[:200])
+            errs.append(
+                "console."
+                + p["type"]
+                + ": "
+                + " ".join(str(a.get("value", a.get("description", ""))) for a in p["args"])[:200]
+            )
         elif m == "Runtime.exceptionThrown":
             d = p["exceptionDetails"]
             errs.append(f"uncaught exception: {(d.get('exception') or {}).get('description', d.get('text'))[:200]}")
         elif m == "Log.entryAdded" and p["entry"]["level"] == "error":
-            errs.append(f"console error ({p['entry']['source']}): {p['entry']['text'][:160]} {p['entry'].get('url', '')}")
+            errs.append(
+                f"console error ({p['entry']['source']}): {p['entry']['text'][:160]} {p['entry'].get('url', '')}"
+            )
         elif m == "Network.requestWillBeSent" and _is_external(p["request"]["url"]):
             errs.append(f"request to another host (the docs must work offline): {p['request']['url'][:120]}")
         elif m == "Network.loadingFailed" and not p.get("canceled"):
@@ -208,17 +259,23 @@ def land(cdp, session, action, timeout=PAGE_TIMEOUT):
 
 def check_page(cdp, session, url, timeout=PAGE_TIMEOUT):
     "Load `url` in the tab `session`; return (audit dict, list of console/network problems)."
+
     def go():
         r = cdp.send("Page.navigate", {"url": url}, session)
         return f"navigation failed: {r['errorText']}" if r.get("errorText") else None
+
     return land(cdp, session, go, timeout)
 
 
 def click(cdp, session, js_find, timeout=PAGE_TIMEOUT):
     "Click the element the expression `js_find` returns (as a reader would) and check the page it opens."
+
     def go():
-        found = cdp.evaluate(f"(() => {{ const el = {js_find}; if (!el) return false; el.click(); return true; }})()", session)
+        found = cdp.evaluate(
+            f"(() => {{ const el = {js_find}; if (!el) return false; el.click(); return true; }})()", session
+        )
         return None if found else f"nothing to click: {js_find}"
+
     return land(cdp, session, go, timeout)
 
 
@@ -248,8 +305,10 @@ def content_problems(audit):
     "Images, equations and raw TeX of one page's audit."
     probs = [f"image did not load: {i['src']!r}" for i in audit["images"] if not i["ok"]]
     m = audit["math"]
-    if m["sources"] and not m["mathjax"]: probs.append("MathJax is not loaded, equations are not typeset")
-    if m["typeset"] < m["sources"]: probs.append(f"only {m['typeset']} of {m['sources']} equations were typeset")
+    if m["sources"] and not m["mathjax"]:
+        probs.append("MathJax is not loaded, equations are not typeset")
+    if m["typeset"] < m["sources"]:
+        probs.append(f"only {m['typeset']} of {m['sources']} equations were typeset")
     probs += [f"MathJax error: {e!r}" for e in m["errors"]]
     probs += [f"raw TeX left in the text: {t!r}" for t in audit["raw"]]
     return probs
@@ -264,17 +323,27 @@ def link_problems(pages, docs, base):
         for href in dict.fromkeys(a["links"]):
             url = urllib.parse.urljoin(base + name, href)
             parts = urllib.parse.urlsplit(url)
-            if parts.scheme not in ("http", "https") or parts.netloc != urllib.parse.urlsplit(base).netloc: continue
+            if parts.scheme not in ("http", "https") or parts.netloc != urllib.parse.urlsplit(base).netloc:
+                continue
             rel = urllib.parse.unquote(parts.path).lstrip("/") or "index.html"
-            if rel.endswith("/"): rel += "index.html"
+            if rel.endswith("/"):
+                rel += "index.html"
             f = docs / rel
-            if not f.is_file(): probs.append(f"broken link {href!r}: {rel} does not exist"); continue
-            if not parts.fragment: continue
-            if rel in ids: target_ids = ids[rel]
-            elif f.suffix == ".html": target_ids = set(re.findall(r'\b(?:id|name)="([^"]+)"', f.read_text(errors="replace")))
-            else: continue
+            if not f.is_file():
+                probs.append(f"broken link {href!r}: {rel} does not exist")
+                continue
+            if not parts.fragment:
+                continue
+            if rel in ids:
+                target_ids = ids[rel]
+            elif f.suffix == ".html":
+                target_ids = set(re.findall(r'\b(?:id|name)="([^"]+)"', f.read_text(errors="replace")))
+            else:
+                continue
             if parts.fragment not in target_ids and urllib.parse.unquote(parts.fragment) not in target_ids:
-                probs.append(f"broken link {href!r}: no element with id {urllib.parse.unquote(parts.fragment)!r} in {rel}")
+                probs.append(
+                    f"broken link {href!r}: no element with id {urllib.parse.unquote(parts.fragment)!r} in {rel}"
+                )
         out[name] = probs
     return out
 
@@ -282,10 +351,19 @@ def link_problems(pages, docs, base):
 def screenshot(cdp, session, path, height):
     "Save a PNG of the whole page (at most MAX_SHOT_HEIGHT css pixels tall) to `path`."
     h = max(HEIGHT, min(height, MAX_SHOT_HEIGHT))
-    cdp.send("Emulation.setDeviceMetricsOverride", {"width": WIDTH, "height": h, "deviceScaleFactor": 1, "mobile": False}, session)
+    cdp.send(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": WIDTH, "height": h, "deviceScaleFactor": 1, "mobile": False},
+        session,
+    )
     import base64
+
     data = cdp.send("Page.captureScreenshot", {"format": "png"}, session, timeout=60)["data"]
-    cdp.send("Emulation.setDeviceMetricsOverride", {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}, session)
+    cdp.send(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False},
+        session,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(base64.b64decode(data))
     return path
@@ -293,7 +371,7 @@ def screenshot(cdp, session, path, height):
 
 def _page(url, base):
     "The site-relative file of `url` (index.html for the folder)."
-    rel = urllib.parse.unquote(urllib.parse.urlsplit(url).path)[len(urllib.parse.urlsplit(base).path):]
+    rel = urllib.parse.unquote(urllib.parse.urlsplit(url).path)[len(urllib.parse.urlsplit(base).path) :]
     return rel if rel and not rel.endswith("/") else rel + "index.html"
 
 
@@ -301,7 +379,8 @@ def run_check(docs, names=None, shots=SCREENSHOTS, search=SEARCH, log=print):
     "Follow a reader through the site in `docs` (search, then the sidebar), then open the pages `names` not reached (default: every top-level page); return ({page: [problems]}, screenshot paths)."
     docs = Path(docs).resolve()
     names = names or sorted(p.name for p in docs.glob("*.html") if p.name != "404.html")
-    if not names: return {"(none)": [f"no pages in {docs}"]}, []
+    if not names:
+        return {"(none)": [f"no pages in {docs}"]}, []
     srv, base = serve(docs)
     profile = tempfile.mkdtemp(prefix="dapo-docs-chromium-")
     proc, cdp, pages, problems, shot_paths = None, None, {}, {}, []
@@ -315,8 +394,14 @@ def run_check(docs, names=None, shots=SCREENSHOTS, search=SEARCH, log=print):
                 shot_paths.append(screenshot(cdp, s, docs / "screenshots" / f"{Path(name).stem}.png", audit["height"]))
         problems[name] = problems.get(name, []) + [e for e in errs if e not in problems.get(name, [])]
         pages.setdefault(name, None)
-        info = (f"{len(audit['images'])} images, {audit['math']['typeset']}/{audit['math']['sources']} equations typeset, "
-                f"{len(audit['links'])} links") if audit else "not loaded"
+        info = (
+            (
+                f"{len(audit['images'])} images, {audit['math']['typeset']}/{audit['math']['sources']} equations typeset, "
+                f"{len(audit['links'])} links"
+            )
+            if audit
+            else "not loaded"
+        )
         log(f"browser: {name} ({how}): {'ok' if not errs else 'FAILED'} ({info}; {time.perf_counter() - t0:.1f} s)")
 
     def here():
@@ -327,8 +412,13 @@ def run_check(docs, names=None, shots=SCREENSHOTS, search=SEARCH, log=print):
         cdp = CDP(ws)
         target = cdp.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         s = cdp.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-        for m in ("Page.enable", "Runtime.enable", "Log.enable", "Network.enable"): cdp.send(m, {}, s)
-        cdp.send("Emulation.setDeviceMetricsOverride", {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}, s)
+        for m in ("Page.enable", "Runtime.enable", "Log.enable", "Network.enable"):
+            cdp.send(m, {}, s)
+        cdp.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False},
+            s,
+        )
         home = "index.html" if "index.html" in names else names[0]
         t0 = time.perf_counter()
         audit, errs = check_page(cdp, s, base + home)
@@ -339,55 +429,78 @@ def run_check(docs, names=None, shots=SCREENSHOTS, search=SEARCH, log=print):
             t0 = time.perf_counter()
             res = json.loads(cdp.evaluate(SEARCH_JS % json.dumps(query), s, timeout=40))
             if res.get("error") or not res.get("hits"):
-                problems.setdefault("search", []).append(f"searching {query!r} found nothing ({res.get('error', 'no hits')})")
+                problems.setdefault("search", []).append(
+                    f"searching {query!r} found nothing ({res.get('error', 'no hits')})"
+                )
             else:
                 audit, errs = click(cdp, s, "document.querySelector('a.md-search-result__link')")
                 got = here()
                 if got != expected:
-                    problems.setdefault("search", []).append(f"the first hit for {query!r} opened {got}, not {expected}")
+                    problems.setdefault("search", []).append(
+                        f"the first hit for {query!r} opened {got}, not {expected}"
+                    )
                 record(got, audit, errs, f"first search hit for {query!r}", t0)
                 log(f"browser: search {query!r}: {len(res['hits'])}+ hits, first {res['hits'][0]} -> {got}")
             check_page(cdp, s, base + home)
         # 2. the sidebar, first page to last, one click each
         sidebar = [_page(u, base) for u in json.loads(cdp.evaluate(SIDEBAR_JS, s))] if audit is not None else []
-        if home in sidebar: sidebar.remove(home)
+        if home in sidebar:
+            sidebar.remove(home)
         for name in sidebar:
             t0 = time.perf_counter()
             try:
-                audit, errs = click(cdp, s, f"[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link[href]')]"
-                                            f".find(a => a.href.split('#')[0] === {json.dumps(base + name)})")
-                if audit is not None and here() != name: errs = errs + [f"the sidebar link opened {here()}"]
+                audit, errs = click(
+                    cdp,
+                    s,
+                    f"[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link[href]')]"
+                    f".find(a => a.href.split('#')[0] === {json.dumps(base + name)})",
+                )
+                if audit is not None and here() != name:
+                    errs = errs + [f"the sidebar link opened {here()}"]
             except Exception as e:
                 audit, errs = None, [f"check failed: {type(e).__name__}: {e}"]
             record(name, audit, errs, "sidebar", t0)
-        if sidebar: log(f"browser: sidebar: clicked through {len(sidebar)} pages, {sidebar[0]} to {sidebar[-1]}")
+        if sidebar:
+            log(f"browser: sidebar: clicked through {len(sidebar)} pages, {sidebar[0]} to {sidebar[-1]}")
         # 3. pages the reader's path did not reach
         for name in names:
-            if name in pages: continue
+            if name in pages:
+                continue
             t0 = time.perf_counter()
-            try: audit, errs = check_page(cdp, s, base + name)
-            except Exception as e: audit, errs = None, [f"check failed: {type(e).__name__}: {e}"]
+            try:
+                audit, errs = check_page(cdp, s, base + name)
+            except Exception as e:
+                audit, errs = None, [f"check failed: {type(e).__name__}: {e}"]
             record(name, audit, errs, "opened directly", t0)
         for name, probs in link_problems({k: v for k, v in pages.items() if v}, docs, base).items():
-            if probs and not problems[name]: log(f"browser: {name}: FAILED (links)")
+            if probs and not problems[name]:
+                log(f"browser: {name}: FAILED (links)")
             problems[name] += probs
     finally:
         if cdp is not None:
-            try: cdp.send("Browser.close", timeout=5)
-            except Exception: pass
+            try:
+                cdp.send("Browser.close", timeout=5)
+            except Exception:
+                pass
             cdp.close()
-        if proc is not None: stop_chromium(proc)
-        srv.shutdown(); srv.server_close()
+        if proc is not None:
+            stop_chromium(proc)
+        srv.shutdown()
+        srv.server_close()
         shutil.rmtree(profile, ignore_errors=True)
     for st in shots:
         if f"{st}.html" in names and not any(p.stem == st for p in shot_paths):
             problems.setdefault(f"{st}.html", []).append("no screenshot was saved")
     failed = [n for n in problems if problems[n]]
     for n in failed:
-        for p in problems[n]: log(f"browser: {n}: {p}")
-    for p in shot_paths: log(f"browser: screenshot {p.relative_to(ROOT) if p.is_relative_to(ROOT) else p}")
-    log(f"browser check: {len(pages)} pages checked in headless Chromium ({', '.join(Path(n).stem for n in pages)}), "
-        f"{len(failed)} failed, {time.perf_counter() - t_start:.0f} s")
+        for p in problems[n]:
+            log(f"browser: {n}: {p}")
+    for p in shot_paths:
+        log(f"browser: screenshot {p.relative_to(ROOT) if p.is_relative_to(ROOT) else p}")
+    log(
+        f"browser check: {len(pages)} pages checked in headless Chromium ({', '.join(Path(n).stem for n in pages)}), "
+        f"{len(failed)} failed, {time.perf_counter() - t_start:.0f} s"
+    )
     return problems, shot_paths
 
 
@@ -396,15 +509,21 @@ def main(argv=None):
     docs = Path(argv[0]) if argv else ROOT / "_docs"
     if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
         required = os.environ.get("DOCS_BROWSER_REQUIRED", "") not in ("", "0")
-        print(f"browser check: {'FAILED' if required else 'skipped'}: no Chromium at {CHROMIUM} "
-              "(Debian: apt-get install chromium; .ci/run installs it)")
+        print(
+            f"browser check: {'FAILED' if required else 'skipped'}: no Chromium at {CHROMIUM} "
+            "(Debian: apt-get install chromium; .ci/run installs it)"
+        )
         return 1 if required else 0
-    try: import websocket  # noqa: F401
+    try:
+        import websocket  # noqa: F401
     except ImportError:
-        print("browser check failed: the websocket-client package is missing: pip install websocket-client"); return 1
+        print("browser check failed: the websocket-client package is missing: pip install websocket-client")
+        return 1
     problems, _ = run_check(docs, argv[1:] or None)
-    if any(problems.values()): print("browser check failed: fix the pages named above (open them from _docs/ in a browser to see)")
+    if any(problems.values()):
+        print("browser check failed: fix the pages named above (open them from _docs/ in a browser to see)")
     return 1 if any(problems.values()) else 0
 
 
-if __name__ == "__main__": sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

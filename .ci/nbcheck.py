@@ -14,7 +14,8 @@ the lesson and is not compared. A cell whose output cannot be the same twice say
 shows something, but is not compared. Numbers printed with more than 6 significant digits are compared within a
 relative 1e-6 (`same`: CPU models round differently in their last digits); everything else must be equal.
 Exit status 0: ran and matched; 1: a cell raised or an output differs (each listed with its first differing line)."""
-import difflib, json, os, re, sys
+
+import difflib, os, re, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,8 @@ def directives(src: str) -> dict:
     out = {}
     for line in src.splitlines():
         if not line.startswith("#|"):
-            if line.strip(): break
+            if line.strip():
+                break
             continue
         key, _, val = line[2:].strip().partition(" ")
         out[key.rstrip(":")] = val.strip()
@@ -38,12 +40,16 @@ def shown(outputs) -> str:
     parts = []
     for o in outputs or []:
         t = o.get("output_type")
-        if t == "stream" and o.get("name") == "stdout": parts.append("".join(o.get("text", "")))
+        if t == "stream" and o.get("name") == "stdout":
+            parts.append("".join(o.get("text", "")))
         elif t in ("execute_result", "display_data"):
             d = o.get("data", {})
-            if "image/png" in d or "image/svg+xml" in d: parts.append("<figure>")
-            else: parts.append("".join(d.get("text/markdown", "")) or "".join(d.get("text/plain", "")))
-        elif t == "error": parts.append(f"{o.get('ename')}: {o.get('evalue')}")
+            if "image/png" in d or "image/svg+xml" in d:
+                parts.append("<figure>")
+            else:
+                parts.append("".join(d.get("text/markdown", "")) or "".join(d.get("text/plain", "")))
+        elif t == "error":
+            parts.append(f"{o.get('ename')}: {o.get('evalue')}")
     return "\n".join(p.rstrip("\n") for p in parts)
 
 
@@ -63,13 +69,18 @@ def same(old: str, new: str) -> bool:
     another CPU model: vectorised reductions and math kernels (AVX2 / AVX-512) round in a different order, float64 by a
     few units of 1e-16 per operation, float32 by a few of 6e-8, so a summed float32 value by up to about its term
     count x 6e-8; such numbers match within REL = 1e-6 of their size (a reduction over up to ~16 float32 terms)."""
-    if old == new: return True
-    if NUMBER.sub("#", old) != NUMBER.sub("#", new): return False
+    if old == new:
+        return True
+    if NUMBER.sub("#", old) != NUMBER.sub("#", new):
+        return False
     for a, b in zip(NUMBER.findall(old), NUMBER.findall(new)):
-        if a == b: continue
-        if min(digits(a), digits(b)) <= 6: return False
+        if a == b:
+            continue
+        if min(digits(a), digits(b)) <= 6:
+            return False
         x, y = float(a), float(b)
-        if abs(x - y) > REL * max(abs(x), abs(y)): return False
+        if abs(x - y) > REL * max(abs(x), abs(y)):
+            return False
     return True
 
 
@@ -78,6 +89,7 @@ def main(argv) -> int:
     from execnb.nbio import read_nb, write_nb
     from execnb.shell import CaptureShell
     from nbdev.config import get_config
+
     flags = set(get_config().tst_flags.split()) | set(SKIP_ALWAYS)
     os.environ["IN_TEST"] = "1"
     nb = read_nb(path)
@@ -85,9 +97,11 @@ def main(argv) -> int:
     sh = CaptureShell(path)
     problems = []
     for i, c in enumerate(nb.cells):
-        if c.cell_type != "code": continue
+        if c.cell_type != "code":
+            continue
         d = directives(c.source)
-        if flags & d.keys() or d.get("eval", "").lower() == "false" or "nbdev_export" + "(" in c.source: continue
+        if flags & d.keys() or d.get("eval", "").lower() == "false" or "nbdev_export" + "(" in c.source:
+            continue
         saved = c.get("outputs", [])
         c.outputs = []
         sh.cell(c)
@@ -96,16 +110,21 @@ def main(argv) -> int:
             print(sh.prettytb(fname=path), file=sys.stderr)
             break
         old, new = shown(saved), shown(c.get("outputs", []))
-        if ("volatile" in d and (new == "" or old != "")) or same(old, new): continue
-        if not old: problems.append(f"cell {i} shows output and none is saved; first line: {new.splitlines()[0][:160]!r}")
+        if ("volatile" in d and (new == "" or old != "")) or same(old, new):
+            continue
+        if not old:
+            problems.append(f"cell {i} shows output and none is saved; first line: {new.splitlines()[0][:160]!r}")
         else:
-            diff = [l for l in difflib.unified_diff(old.splitlines(), new.splitlines(), "saved", "fresh", lineterm="", n=0)][2:6]
+            diff = [
+                l for l in difflib.unified_diff(old.splitlines(), new.splitlines(), "saved", "fresh", lineterm="", n=0)
+            ][2:6]
             problems.append(f"cell {i} shows other output than is saved: " + " / ".join(l[:160] for l in diff))
     if write and not any("raised" in p for p in problems):
         write_nb(nb, path)
         print(f"{path.name}: fresh outputs written ({len(problems)} cells changed); run nbdev_clean")
         return 0
-    for p in problems: print(f"{path.name}: {p}")
+    for p in problems:
+        print(f"{path.name}: {p}")
     return 1 if problems else 0
 
 

@@ -10,6 +10,7 @@ thread holds. Each notebook runs on one thread (OMP_NUM_THREADS=1, set before to
 two cores without oversubscription. The longest notebooks start first. Prints one line per notebook, then the timing
 table (slowest first); exits 1 if any notebook failed. Arguments are passed to nbcheck (`--write`: save fresh
 outputs)."""
+
 import json, os, sys, tempfile, time
 from pathlib import Path
 
@@ -21,8 +22,11 @@ def weight(nb: Path) -> int:
     "Rough cost, to start the long ones first: code characters outside cells nbdev_test skips (slow, gpu, notest)."
     cells = json.loads(nb.read_text())["cells"]
     skip = ("#| slow", "#| gpu", "#| notest", "#| eval: false")
-    return sum(len("".join(c["source"])) for c in cells if c["cell_type"] == "code" and
-               not any(f in "".join(c["source"])[:200] for f in skip))
+    return sum(
+        len("".join(c["source"]))
+        for c in cells
+        if c["cell_type"] == "code" and not any(f in "".join(c["source"])[:200] for f in skip)
+    )
 
 
 def preload():
@@ -30,6 +34,7 @@ def preload():
     os.environ.update(ENV)
     import torch, transformers, execnb.shell, nbdev.config  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM  # noqa: F401  (lazy modules)
+
     sys.path.insert(0, str(ROOT / ".ci"))
     import nbcheck  # noqa: F401
 
@@ -42,16 +47,24 @@ def start(nb: Path, extra: list[str]) -> tuple[int, Path, float, str]:
     if pid == 0:  # the child: its own stdout/stderr (fresh file objects), the notebook, then exit without cleanup
         rc = 1
         try:
-            os.dup2(fd, 1); os.dup2(fd, 2)
-            sys.stdout = open(1, "w", buffering=1, closefd=False); sys.stderr = open(2, "w", buffering=1, closefd=False)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
             os.chdir(ROOT)
             import nbcheck
+
             rc = nbcheck.main([str(nb), *extra])
         except BaseException:
-            import traceback; traceback.print_exc()
+            import traceback
+
+            traceback.print_exc()
         finally:
-            try: sys.stdout.flush(); sys.stderr.flush()
-            finally: os._exit(rc if isinstance(rc, int) else 1)
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(rc if isinstance(rc, int) else 1)
     os.close(fd)
     return pid, nb, t0, log
 
@@ -65,17 +78,23 @@ def main(argv: list[str]) -> int:
             pid, nb, t, log = start(todo.pop(0), argv)
             running[pid] = (nb, t, log)
         pid, status = os.wait()
-        if pid not in running: continue
+        if pid not in running:
+            continue
         nb, t, log = running.pop(pid)
         dt, ok = time.perf_counter() - t, os.waitstatus_to_exitcode(status) == 0
-        out = Path(log).read_text(errors="replace"); os.unlink(log)
+        out = Path(log).read_text(errors="replace")
+        os.unlink(log)
         print(f"{'ok  ' if ok else 'FAIL'} {nb.name} {dt:5.1f} s", flush=True)
         results.append((nb, ok, dt, out))
     failed = [r for r in results if not r[1]]
-    for nb, _, _, out in failed: print(f"\n===== {nb.name} failed =====\n{out[-6000:]}", file=sys.stderr)
-    print(f"\nnbtest: {len(results) - len(failed)} of {len(results)} notebooks passed in {time.perf_counter() - t0:.0f} s "
-          f"({os.cpu_count()} at a time); seconds per notebook (its own forked process, one thread):")
-    for nb, ok, dt, _ in sorted(results, key=lambda r: -r[2]): print(f"  {dt:6.1f}  {nb.name}{'' if ok else '  FAILED'}")
+    for nb, _, _, out in failed:
+        print(f"\n===== {nb.name} failed =====\n{out[-6000:]}", file=sys.stderr)
+    print(
+        f"\nnbtest: {len(results) - len(failed)} of {len(results)} notebooks passed in {time.perf_counter() - t0:.0f} s "
+        f"({os.cpu_count()} at a time); seconds per notebook (its own forked process, one thread):"
+    )
+    for nb, ok, dt, _ in sorted(results, key=lambda r: -r[2]):
+        print(f"  {dt:6.1f}  {nb.name}{'' if ok else '  FAILED'}")
     return 1 if failed else 0
 
 

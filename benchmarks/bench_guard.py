@@ -14,6 +14,7 @@ update by update (A, B, C, A, B, C, ...) so that drift in the machine's speed fa
 
 It prints the mean seconds per update of each and the overhead against `none`.
 """
+
 import argparse, os, statistics, sys, time
 from pathlib import Path
 
@@ -33,51 +34,91 @@ def main(argv=None):
     import transformers
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from dapo_ref import dist
-    from dapo_ref.core import config_from_dict
+    from dapo_ref.cli import config_from_dict
     from dapo_ref.scale import DeepSpeedLearner
     from dapo_ref.learner import RolloutBatch
+
     transformers.logging.set_verbosity_error()
     dist.init_distributed(single=True)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=14,
-                                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                                         tie_word_embeddings=False))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=4096,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=14,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )
+    )
     n = sum(p.numel() for p in model.parameters())
-    cfg = config_from_dict(dict(zero_stage=3, offload_optimizer=args.offload, lr=1e-6, warmup_steps=0,
-                                micro_token_budget=4096, mini_batch_size=8, group_size=8, prompts_per_step=1))
+    cfg = config_from_dict(
+        dict(
+            zero_stage=3,
+            offload_optimizer=args.offload,
+            lr=1e-6,
+            warmup_steps=0,
+            micro_token_budget=4096,
+            mini_batch_size=8,
+            group_size=8,
+            prompts_per_step=1,
+        )
+    )
     learner = DeepSpeedLearner(model, cfg, pad_token_id=0)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 4096, (64,), generator=g).tolist() for _ in range(8)]
     responses = [torch.randint(1, 4096, (192,), generator=g).tolist() for _ in range(8)]
-    batch = RolloutBatch(prompts, responses, torch.tensor([1.0, -1.0] * 4), torch.zeros(8, dtype=torch.bool),
-                         torch.tensor([1.0, -1.0] * 4))
+    batch = RolloutBatch(
+        prompts,
+        responses,
+        torch.tensor([1.0, -1.0] * 4),
+        torch.zeros(8, dtype=torch.bool),
+        torch.tensor([1.0, -1.0] * 4),
+    )
     guard = learner.guard
     real_after = guard.after_step
-    modes = {"none": lambda: None, "guard": real_after}  # the DeepSpeed learner's guard: after_step only (DeepSpeed skips non-finite norms)
+    modes = {
+        "none": lambda: None,
+        "guard": real_after,
+    }  # the DeepSpeed learner's guard: after_step only (DeepSpeed skips non-finite norms)
     times, guard_times = {k: [] for k in modes}, {k: [] for k in modes}
     for r in range(args.updates + 1):
         for name, after in modes.items():
             spent = [0.0]
+
             def timed(f):
                 def w():
-                    t = time.perf_counter(); out = f(); spent[0] += time.perf_counter() - t; return out
+                    t = time.perf_counter()
+                    out = f()
+                    spent[0] += time.perf_counter() - t
+                    return out
+
                 return w
+
             guard.after_step = timed(after)
             old, _ = learner.compute_logprobs(batch)
             t0 = time.perf_counter()
             m = learner.update(batch, old)
             dt = time.perf_counter() - t0
             assert m["skipped"] == 0.0 and guard.blown is None, (name, guard.reason, guard.blown)
-            if r: times[name].append(dt); guard_times[name].append(spent[0])  # round 0: warm-up
+            if r:
+                times[name].append(dt)
+                guard_times[name].append(spent[0])  # round 0: warm-up
     base = statistics.mean(times["none"])
-    print(f"57M Qwen2 ({n / 1e6:.1f}M parameters), DeepSpeed ZeRO-3 on 1 rank, optimizer offloaded: {args.offload}, "
-          f"torch {torch.__version__}, {args.threads} threads, os.cpu_count() = {os.cpu_count()}; "
-          f"{args.updates} updates per variant, interleaved")
+    print(
+        f"57M Qwen2 ({n / 1e6:.1f}M parameters), DeepSpeed ZeRO-3 on 1 rank, optimizer offloaded: {args.offload}, "
+        f"torch {torch.__version__}, {args.threads} threads, os.cpu_count() = {os.cpu_count()}; "
+        f"{args.updates} updates per variant, interleaved"
+    )
     print(f"{'variant':<9}{'s/update':>10}{'sd':>8}{'guard s':>9}{'overhead':>10}")
     for name in modes:
         ts = times[name]
-        print(f"{name:<9}{statistics.mean(ts):>10.3f}{statistics.stdev(ts) if len(ts) > 1 else 0:>8.3f}"
-              f"{statistics.mean(guard_times[name]):>9.3f}{(statistics.mean(ts) - base) / base:>+10.1%}")
+        print(
+            f"{name:<9}{statistics.mean(ts):>10.3f}{statistics.stdev(ts) if len(ts) > 1 else 0:>8.3f}"
+            f"{statistics.mean(guard_times[name]):>9.3f}{(statistics.mean(ts) - base) / base:>+10.1%}"
+        )
     torch.distributed.destroy_process_group()
 
 

@@ -14,7 +14,7 @@ Three measurements, side by side in one run:
 (b) Peak memory above the start (this process's VmHWM, Linux) of log-probs forward + backward at V = 152064 for T
     = 4096 response positions: the logits then `token_logprobs` vs `fused_token_logprobs`, each in a fresh process.
 (c) The 32B recipe's learner step on 128 ranks, simulated with the project's own balancing (`learner.balanced_share`,
-    by prompt + response tokens) and packing (`learner.pack_micro_batches`): 512 x 16 responses, mini-batches of
+    by prompt + response tokens) and packing (`packing.pack_micro_batches`): 512 x 16 responses, mini-batches of
     512, micro_token_budget 22528. A pass costs its tokens plus one all-gather of the weights (every rank waits for
     the slowest at each pass, and a rank with fewer micro-batches runs dummy passes that still gather); the ideal
     step spreads every mini-batch's tokens evenly in the fewest passes. Two length settings (mean response about
@@ -25,6 +25,7 @@ Three measurements, side by side in one run:
 The last line is the summary:
     bench_learner: packed X.XXx the padded tokens/s; log-prob peak Y MiB fused vs Z MiB unfused; 32B recipe learner step W.WWx ideal
 """
+
 import argparse, math, os, platform, subprocess, sys, tempfile, time
 from pathlib import Path
 
@@ -41,9 +42,18 @@ def lengths(n: int, l_max: int, median: float, sigma: float, p_max: float, seed:
 
 def small_qwen2(folder: Path, vocab: int, hidden: int, layers: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(folder)
     return folder
 
@@ -53,7 +63,9 @@ def bench_update(a) -> dict:
     from transformers import AutoModelForCausalLM
     from dapo_ref import learner as L
     from dapo_ref.core import DAPOConfig
-    from dapo_ref.learner import RolloutBatch, TorchLearner, collate, pack_micro_batches
+    from dapo_ref.learner import RolloutBatch, TorchLearner
+    from dapo_ref.packing import collate, pack_micro_batches
+
     torch.set_num_threads(a.threads)
     folder = small_qwen2(Path(tempfile.mkdtemp()) / "qwen2-small", 4096, a.hidden, a.layers)
     scale = a.l_max / 20480  # (c)'s first setting (median response 400 of L_max 20480, prompts around 150) scaled down
@@ -65,10 +77,11 @@ def bench_update(a) -> dict:
     adv = torch.randn(a.batch, generator=g)
     batch = RolloutBatch(P, R, adv, torch.tensor([n == a.l_max for n in resp]), torch.zeros(a.batch))
     budget = int(1.1 * a.l_max)  # the 32B recipe's micro_token_budget / L_max = 22528 / 20480
-    cfg = DAPOConfig(model=str(folder), micro_token_budget=budget, l_max=a.l_max, l_cache=a.l_max // 4, lr=1e-6,
-                     warmup_steps=0)
+    cfg = DAPOConfig(
+        model=str(folder), micro_token_budget=budget, l_max=a.l_max, l_cache=a.l_max // 4, lr=1e-6, warmup_steps=0
+    )
     out, real = {}, sum(prm) + sum(resp)
-    for layout in ("packed", "padded", "packed", "padded")[:2 if a.quick else 4]:  # the first two warm up; then timed
+    for layout in ("packed", "padded", "packed", "padded")[: 2 if a.quick else 4]:  # the first two warm up; then timed
         best, loss, passes = out.get(layout, {}).get("seconds", math.inf), None, None
         for _ in range(a.repeats):
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -78,15 +91,22 @@ def bench_update(a) -> dict:
             if layout == "padded":
                 L.pack = lambda p, r: collate(p, r, pad_id=0)
                 lrn.micro_batches = lambda b: pack_micro_batches(
-                    [(len(p), len(r)) for p, r in zip(b.prompt_ids, b.response_ids)], budget, padded=True)
+                    [(len(p), len(r)) for p, r in zip(b.prompt_ids, b.response_ids)], budget, padded=True
+                )
             try:
-                t0 = time.perf_counter(); m = lrn.update(batch, old); dt = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                m = lrn.update(batch, old)
+                dt = time.perf_counter() - t0
                 passes = len(lrn.micro_batches(batch))
-            finally: L.pack = saved[0]; lrn.__dict__.pop("micro_batches", None)
+            finally:
+                L.pack = saved[0]
+                lrn.__dict__.pop("micro_batches", None)
             best, loss = min(best, dt), m["loss"]
         out[layout] = dict(seconds=best, tokens_per_s=real / best, loss=loss, passes=passes)  # the best of all runs
-    pad_tokens = sum(len(mb) * (max(prm[i] for i in mb) + max(resp[i] for i in mb))
-                     for mb in pack_micro_batches(list(zip(prm, resp)), budget, padded=True))
+    pad_tokens = sum(
+        len(mb) * (max(prm[i] for i in mb) + max(resp[i] for i in mb))
+        for mb in pack_micro_batches(list(zip(prm, resp)), budget, padded=True)
+    )
     out.update(real_tokens=real, padded_tokens=pad_tokens, mean_response=sum(resp) / len(resp))
     return out
 
@@ -95,25 +115,40 @@ def child_peak(mode: str, T: int, V: int, H: int, threads: int) -> int:
     "(b), in a fresh process: peak bytes above the start of log-prob forward + backward."
     from dapo_ref.loss import fused_token_logprobs, token_logprobs
     from dapo_ref.zero import PeakRSS
+
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(T, H, generator=g, dtype=torch.bfloat16).requires_grad_()
     W = (torch.randn(V, H, generator=g, dtype=torch.bfloat16) / H**0.5).requires_grad_()
     lab = torch.randint(0, V, (T,), generator=g)
-    W.grad = torch.zeros_like(W); h.grad = torch.zeros_like(h)  # the gradients' own memory is outside the comparison
+    W.grad = torch.zeros_like(W)
+    h.grad = torch.zeros_like(h)  # the gradients' own memory is outside the comparison
     with PeakRSS() as m:
-        if mode == "fused": lp = fused_token_logprobs(h, W, lab)[0]
-        else: lp = token_logprobs((h @ W.T)[None], lab[None])[0]  # the lm head's bf16 logits, then fp32 chunks
+        if mode == "fused":
+            lp = fused_token_logprobs(h, W, lab)[0]
+        else:
+            lp = token_logprobs((h @ W.T)[None], lab[None])[0]  # the lm head's bf16 logits, then fp32 chunks
         lp.sum().backward()
     return m.extra
 
 
-def simulate_32b(median: float, seed: int, sp: int = 1, world: int = 128, prompts: int = 512, G: int = 16, mini: int = 512,
-                 budget: int = 22528, l_max: int = 20480, gather_tokens: float = 1333.0) -> dict:
+def simulate_32b(
+    median: float,
+    seed: int,
+    sp: int = 1,
+    world: int = 128,
+    prompts: int = 512,
+    G: int = 16,
+    mini: int = 512,
+    budget: int = 22528,
+    l_max: int = 20480,
+    gather_tokens: float = 1333.0,
+) -> dict:
     """(c): the learner step of one rollout step, in token-equivalents, against the ideal balanced step. With `sp` > 1,
     Ulysses sequence parallelism: groups of `sp` ranks share their sequences, each rank holding 1/sp of every token."""
-    from dapo_ref.learner import pack_micro_batches
+    from dapo_ref.packing import pack_micro_batches
     from dapo_ref.learner import balanced_share
+
     B, groups = prompts * G, world // sp
     resp = lengths(B, l_max, median, 1.0, 0.05, seed)
     prm = [n for n in lengths(prompts, 2048, 150, 0.5, 0.0, seed + 1) for _ in range(G)]  # G responses share a prompt
@@ -125,8 +160,9 @@ def simulate_32b(median: float, seed: int, sp: int = 1, world: int = 128, prompt
         cost = [[sum(tot[shares[r][k][j]] for j in mb) / sp for mb in mbs] for r, mbs in enumerate(per)]  # per rank
         n = max(len(c) for c in cost)
         step += sum(max((c[p] if p < len(c) else 0) for c in cost) + gather_tokens for p in range(n))
-        dummy += sum(n - len(c) for c in cost); passes_all += n * groups
-        each = sum(tot[k * mini:(k + 1) * mini]) / world
+        dummy += sum(n - len(c) for c in cost)
+        passes_all += n * groups
+        each = sum(tot[k * mini : (k + 1) * mini]) / world
         ideal += each + math.ceil(each / budget) * gather_tokens
     return dict(mean_response=sum(resp) / B, longest=max(tot), ratio=step / ideal, dummy_frac=dummy / passes_all)
 
@@ -138,38 +174,59 @@ def main(argv=None):
     ap.add_argument("--child", nargs=5, metavar=("MODE", "T", "V", "H", "THREADS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(child_peak(a.child[0], *map(int, a.child[1:]))); return
+        print(child_peak(a.child[0], *map(int, a.child[1:])))
+        return
     a.batch, a.l_max, a.hidden, a.layers, a.repeats = (16, 512, 64, 2, 1) if a.quick else (64, 2048, 256, 4, 3)
     T, V, H = (512, 152064, 64) if a.quick else (4096, 152064, 64)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{a.threads} threads")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{a.threads} threads"
+    )
     u = bench_update(a)
     speedup = u["packed"]["tokens_per_s"] / u["padded"]["tokens_per_s"]
-    print(f"(a) update, {a.batch} responses (mean {u['mean_response']:.0f} tokens, L_max {a.l_max}), "
-          f"{u['real_tokens']} real tokens, {u['padded_tokens']} in the padded layout:")
+    print(
+        f"(a) update, {a.batch} responses (mean {u['mean_response']:.0f} tokens, L_max {a.l_max}), "
+        f"{u['real_tokens']} real tokens, {u['padded_tokens']} in the padded layout:"
+    )
     for k in ("packed", "padded"):
         r = u[k]
-        print(f"    {k}: {r['passes']} micro-batches, {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} real tokens/s, loss {r['loss']:.6f}")
+        print(
+            f"    {k}: {r['passes']} micro-batches, {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} real tokens/s, loss {r['loss']:.6f}"
+        )
     peaks = {}
     for mode in ("fused", "unfused"):
-        res = subprocess.run([sys.executable, __file__, "--child", mode, str(T), str(V), str(H), str(a.threads)], capture_output=True,
-                             text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, __file__, "--child", mode, str(T), str(V), str(H), str(a.threads)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         peaks[mode] = int(res.stdout.split()[-1]) / 2**20
-    print(f"(b) log-prob forward + backward, T = {T}, V = {V}, H = {H}, bf16: peak above start "
-          f"{peaks['fused']:.0f} MiB fused, {peaks['unfused']:.0f} MiB unfused ({peaks['unfused'] / peaks['fused']:.1f}x)")
-    from dapo_ref.core import load_config
-    recipe_sp = load_config(Path(__file__).resolve().parents[1] / "recipes/dapo-qwen2.5-32b.yaml").sequence_parallel_size
+    print(
+        f"(b) log-prob forward + backward, T = {T}, V = {V}, H = {H}, bf16: peak above start "
+        f"{peaks['fused']:.0f} MiB fused, {peaks['unfused']:.0f} MiB unfused ({peaks['unfused'] / peaks['fused']:.1f}x)"
+    )
+    from dapo_ref.cli import load_config
+
+    recipe_sp = load_config(
+        Path(__file__).resolve().parents[1] / "recipes/dapo-qwen2.5-32b.yaml"
+    ).sequence_parallel_size
     sims = []
-    for med in ((400, 2400) if not a.quick else (400,)):
+    for med in (400, 2400) if not a.quick else (400,):
         for n_sp in (1, 2, 4, 8):
             s = simulate_32b(med, seed=3, sp=n_sp)
-            if n_sp == recipe_sp: sims.append(s)
-            print(f"(c) 32B recipe, 128 ranks, mean response {s['mean_response']:.0f} tokens (longest sequence "
-                  f"{s['longest']}), {'no sequence parallelism' if n_sp == 1 else f'Ulysses SP {n_sp}'}: learner step "
-                  f"{s['ratio']:.2f}x the ideal balanced step, {s['dummy_frac']:.1%} dummy passes")
+            if n_sp == recipe_sp:
+                sims.append(s)
+            print(
+                f"(c) 32B recipe, 128 ranks, mean response {s['mean_response']:.0f} tokens (longest sequence "
+                f"{s['longest']}), {'no sequence parallelism' if n_sp == 1 else f'Ulysses SP {n_sp}'}: learner step "
+                f"{s['ratio']:.2f}x the ideal balanced step, {s['dummy_frac']:.1%} dummy passes"
+            )
     w = max(s["ratio"] for s in sims)  # the recipe as it is (its sequence_parallel_size), the worse length setting
-    print(f"bench_learner: packed {speedup:.2f}x the padded tokens/s; log-prob peak {peaks['fused']:.0f} MiB fused vs "
-          f"{peaks['unfused']:.0f} MiB unfused; 32B recipe learner step {w:.2f}x ideal")
+    print(
+        f"bench_learner: packed {speedup:.2f}x the padded tokens/s; log-prob peak {peaks['fused']:.0f} MiB fused vs "
+        f"{peaks['unfused']:.0f} MiB unfused; 32B recipe learner step {w:.2f}x ideal"
+    )
 
 
 if __name__ == "__main__":

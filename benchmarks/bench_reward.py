@@ -13,23 +13,35 @@ scores it with `score_batch` in each mode, side by side in one run. Then:
 - the same round with 16 of its responses replaced by distinct pathological answers (power towers, which
   sympy never finishes): math-verify's time should be about the ordinary time plus one `--timeout`.
 """
+
 import argparse, os, platform, random, time
 
-import torch
 
 from dapo_ref.reward import score_batch, score_response, default_workers, verify_pairs, REWARD_MODES
 
 _TRUTHS = [  # (ground truth, equivalent forms a model writes that are not the same string)
-    ("42", ["42.0", "\\boxed{42}"]), ("\\frac{1}{2}", ["0.5", "1/2", "\\dfrac{1}{2}"]), ("2\\sqrt{3}", ["\\sqrt{12}"]),
-    ("(1,2)", ["(1, 2)"]), ("x^2+1", ["1+x^2"]), ("\\frac{\\pi}{4}", ["\\pi/4"]), ("-7", ["\u22127"]), ("540", ["540^\\circ"]),
-    ("\\frac{3\\sqrt{2}}{2}", ["\\frac{3}{\\sqrt{2}}"]), ("12", ["12.00"]), ("3+2\\sqrt{2}", ["2\\sqrt{2}+3"]), ("100", ["10^2"]),
+    ("42", ["42.0", "\\boxed{42}"]),
+    ("\\frac{1}{2}", ["0.5", "1/2", "\\dfrac{1}{2}"]),
+    ("2\\sqrt{3}", ["\\sqrt{12}"]),
+    ("(1,2)", ["(1, 2)"]),
+    ("x^2+1", ["1+x^2"]),
+    ("\\frac{\\pi}{4}", ["\\pi/4"]),
+    ("-7", ["\u22127"]),
+    ("540", ["540^\\circ"]),
+    ("\\frac{3\\sqrt{2}}{2}", ["\\frac{3}{\\sqrt{2}}"]),
+    ("12", ["12.00"]),
+    ("3+2\\sqrt{2}", ["2\\sqrt{2}+3"]),
+    ("100", ["10^2"]),
 ]
-_STEP = ["Let $x$ be the unknown; then $x^2 - 5x + 6 = 0$, so $(x-2)(x-3) = 0$.",
-         "Substituting, we get $\\frac{a+b}{2} = \\sqrt{ab}$ only when $a = b$.",
-         "By the triangle inequality, $|a - b| \\le |a| + |b|$, with equality iff $ab \\le 0$.",
-         "Summing the geometric series, $\\sum_{k=0}^{n} r^k = \\frac{1 - r^{n+1}}{1 - r}$.",
-         "Wait, let me double-check this step: the area is $\\frac{1}{2} \\cdot 6 \\cdot 4 = 12$.",
-         "Hence the number of ways is $\\binom{8}{3} = 56$, and we continue with the remaining cases."]
+_STEP = [
+    "Let $x$ be the unknown; then $x^2 - 5x + 6 = 0$, so $(x-2)(x-3) = 0$.",
+    "Substituting, we get $\\frac{a+b}{2} = \\sqrt{ab}$ only when $a = b$.",
+    "By the triangle inequality, $|a - b| \\le |a| + |b|$, with equality iff $ab \\le 0$.",
+    "Summing the geometric series, $\\sum_{k=0}^{n} r^k = \\frac{1 - r^{n+1}}{1 - r}$.",
+    "Wait, let me double-check this step: the area is $\\frac{1}{2} \\cdot 6 \\cdot 4 = 12$.",
+    "Hence the number of ways is $\\binom{8}{3} = 56$, and we continue with the remaining cases.",
+]
+
 
 def make_round(n: int, seed: int = 0, G: int = 16):
     "n responses, G per prompt: 40% right as a string, 10% right in another form, 45% wrong, 5% without an answer line."
@@ -44,6 +56,7 @@ def make_round(n: int, seed: int = 0, G: int = 16):
             gts.append(gt)
     return resp[:n], gts[:n]
 
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=8192, help="responses in the round (paper: 512 prompts x 16)")
@@ -52,30 +65,46 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=None, help="math-verify workers (default: default_workers())")
     args = ap.parse_args(argv)
     resp, gts = make_round(args.n)
-    print(f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
-          f"math-verify workers {args.workers or default_workers()}, per-call limit {args.timeout} s")
+    print(
+        f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+        f"math-verify workers {args.workers or default_workers()}, per-call limit {args.timeout} s"
+    )
     print(f"{args.n} responses, mean {sum(map(len, resp)) / len(resp):.0f} characters")
-    t = time.perf_counter(); verify_pairs([("$1$", "$1$")]); start = time.perf_counter() - t
+    t = time.perf_counter()
+    verify_pairs([("$1$", "$1$")])
+    start = time.perf_counter() - t
     print(f"math-verify pool start (once per process): {start:.2f} s")
     print(f"{'mode':16s} {'batch s':>8s} {'resp/s':>9s} {'accuracy':>9s} {'mv calls':>9s} {'worst call s':>13s}")
     for mode in REWARD_MODES:
         t = time.perf_counter()
         scores, accs, m = score_batch(resp, gts, mode=mode, timeout=args.timeout, workers=args.workers)
         dt = time.perf_counter() - t
-        idx = range(len(resp)) if mode != "math-verify" else random.Random(1).sample(range(len(resp)), min(args.single, len(resp)))
+        idx = (
+            range(len(resp))
+            if mode != "math-verify"
+            else random.Random(1).sample(range(len(resp)), min(args.single, len(resp)))
+        )
         worst = 0.0
         for i in idx:
-            t = time.perf_counter(); score_response(resp[i], gts[i], mode=mode, timeout_s=args.timeout)
+            t = time.perf_counter()
+            score_response(resp[i], gts[i], mode=mode, timeout_s=args.timeout)
             worst = max(worst, time.perf_counter() - t)
-        print(f"{mode:16s} {dt:8.2f} {len(resp) / dt:9.0f} {accs.float().mean().item():9.3f} "
-              f"{m['reward_math_verify_calls']:9d} {worst:13.4f}" + (f"  (over {len(idx)} calls)" if mode == "math-verify" else ""))
+        print(
+            f"{mode:16s} {dt:8.2f} {len(resp) / dt:9.0f} {accs.float().mean().item():9.3f} "
+            f"{m['reward_math_verify_calls']:9d} {worst:13.4f}"
+            + (f"  (over {len(idx)} calls)" if mode == "math-verify" else "")
+        )
     bad = list(resp)
-    for k in range(16): bad[k * (len(bad) // 16)] = f"Answer: 9^{{9^{{9^{{9^{{{k + 2}}}}}}}}}"
+    for k in range(16):
+        bad[k * (len(bad) // 16)] = f"Answer: 9^{{9^{{9^{{9^{{{k + 2}}}}}}}}}"
     t = time.perf_counter()
     scores, accs, m = score_batch(bad, gts, mode="math-verify", timeout=args.timeout, workers=args.workers)
     dt = time.perf_counter() - t
-    print(f"math-verify with 16 pathological responses: {dt:.2f} s, reward_timeouts {m['reward_timeouts']}, "
-          f"their scores {sorted(set(scores[[k * (len(bad) // 16) for k in range(16)]].tolist()))}")
+    print(
+        f"math-verify with 16 pathological responses: {dt:.2f} s, reward_timeouts {m['reward_timeouts']}, "
+        f"their scores {sorted(set(scores[[k * (len(bad) // 16) for k in range(16)]].tolist()))}"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ device's free memory (torch.cuda.mem_get_info) next to `dapo-plan`'s per-phase p
 
 A JSON summary goes to OUT/gpu_check.json. Exit status: 0 every check passed, 1 a check failed or the run ran past
 --timeout, 2 a missing requirement or bad input (one line, before any work)."""
+
 from __future__ import annotations
 import argparse, gc, importlib.util, json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -28,39 +29,83 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {  # Qwen2Config fields; "0.5b" is Qwen2.5-0.5B's config.json
-    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                 tie_word_embeddings=True),
-    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True),  # vLLM CPU: head_dim >= 32
+    "0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),  # vLLM CPU: head_dim >= 32
 }
 RUNS = {  # recipe fields of the two variants
-    "gpu": dict(dtype="bfloat16", l_max=512, l_cache=128, group_size=8, prompts_per_step=8, gen_batch_size=8,
-                mini_batch_size=32, micro_token_budget=8192, lr=1e-6, vllm_gpu_memory_utilization=0.4,
-                vllm_enforce_eager=False, vllm_enable_chunked_prefill=True),
-    "cpu": dict(dtype="float32", l_max=24, l_cache=8, group_size=4, prompts_per_step=2, gen_batch_size=2,
-                mini_batch_size=4, micro_token_budget=512, lr=1e-4, vllm_gpu_memory_utilization=0.3,
-                vllm_enforce_eager=True, vllm_enable_chunked_prefill=False),
+    "gpu": dict(
+        dtype="bfloat16",
+        l_max=512,
+        l_cache=128,
+        group_size=8,
+        prompts_per_step=8,
+        gen_batch_size=8,
+        mini_batch_size=32,
+        micro_token_budget=8192,
+        lr=1e-6,
+        vllm_gpu_memory_utilization=0.4,
+        vllm_enforce_eager=False,
+        vllm_enable_chunked_prefill=True,
+    ),
+    "cpu": dict(
+        dtype="float32",
+        l_max=24,
+        l_cache=8,
+        group_size=4,
+        prompts_per_step=2,
+        gen_batch_size=2,
+        mini_batch_size=4,
+        micro_token_budget=512,
+        lr=1e-4,
+        vllm_gpu_memory_utilization=0.3,
+        vllm_enforce_eager=True,
+        vllm_enable_chunked_prefill=False,
+    ),
 }
 # a sync check passes when the engine's and the learner's log-probs of the same tokens differ by less than this (mean
 # |d|): float32 on both sides differs by kernel rounding (~1e-6); bf16 kernels by ~1e-2 (verl reports 1e-3..3e-2);
 # an engine that kept its dummy weights, or missed the update, differs by ~1 (random weights: log-probs ~ -log V)
 SYNC_TOL = {"float32": 1e-3, "bfloat16": 0.1}
+
+
 def build_model(folder: Path, shape: str, dtype, device: str) -> int:
     "Save a random-weight Qwen2 of `shape` with the tiny task's tokenizer into `folder`; returns its parameter count."
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from dapo_ref.tiny import build_tiny_tokenizer
+
     tok = build_tiny_tokenizer(folder)
-    cfg = Qwen2Config(**SHAPES[shape], bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        **SHAPES[shape], bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg).to(dtype)
     model.save_pretrained(folder)
     n = sum(p.numel() for p in model.parameters())
     del model
-    if device == "cuda": torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return n
 
 
@@ -70,34 +115,56 @@ def write_prompts(path: Path, tokenizer_dir: Path, n: int = 64) -> int:
     from transformers import AutoTokenizer
     from dapo_ref.data import prompt_token_ids, save_math_dataset
     from dapo_ref.tiny import tiny_splits
+
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     pool = tiny_splits(20 * n, 0)[0]
     lens = [len(prompt_token_ids(ex, tok)) for ex in pool]
     common = Counter(lens).most_common(1)[0][0]
     chosen = [ex for ex, l in zip(pool, lens) if l == common][:n]
-    if len(chosen) < n: raise RuntimeError(f"only {len(chosen)} tiny prompts of {common} tokens")
+    if len(chosen) < n:
+        raise RuntimeError(f"only {len(chosen)} tiny prompts of {common} tokens")
     save_math_dataset(chosen, path)
     return common
 
 
 def config(model: Path, data: Path, out: Path, run: dict):
-    from dapo_ref.core import config_from_dict
-    return config_from_dict(dict(model=str(model), train_data=str(data), output_dir=str(out), total_steps=1, zero_stage=3,
-                                 rollout_backend="vllm", dynamic_sampling=False, max_num_gen_batches=1, temperature=1.0,
-                                 max_prompt_length=256, eval_every=0, save_every=0, warmup_steps=0, **run))
+    from dapo_ref.cli import config_from_dict
+
+    return config_from_dict(
+        dict(
+            model=str(model),
+            train_data=str(data),
+            output_dir=str(out),
+            total_steps=1,
+            zero_stage=3,
+            rollout_backend="vllm",
+            dynamic_sampling=False,
+            max_num_gen_batches=1,
+            temperature=1.0,
+            max_prompt_length=256,
+            eval_every=0,
+            save_every=0,
+            warmup_steps=0,
+            **run,
+        )
+    )
 
 
 def recipe(path: Path, cfg) -> Path:
     "The config as a recipe file, for dapo-plan."
-    from dapo_ref.core import save_config
+    from dapo_ref.cli import save_config
+
     save_config(cfg, path)
     return path
 
 
 def free_gib(cpu: bool) -> float | None:
-    if cpu: return None
+    if cpu:
+        return None
     import torch
-    gc.collect(); torch.cuda.empty_cache()
+
+    gc.collect()
+    torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()[0] / 2**30
 
 
@@ -106,78 +173,143 @@ def logprob_gap(engine, learner, prompts: list[list[int]], max_tokens: int) -> d
     import torch
     from dapo_ref.learner import RolloutBatch
     from dapo_ref.rollout import SamplingParams
+
     comps = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=max_tokens, seed=7))
     comps = [c for c in comps if c.token_ids and c.logprobs is not None]
-    batch = RolloutBatch([prompts[c.prompt_index] for c in comps], [c.token_ids for c in comps], torch.zeros(len(comps)),
-                         torch.zeros(len(comps), dtype=torch.bool), torch.zeros(len(comps)))
+    batch = RolloutBatch(
+        [prompts[c.prompt_index] for c in comps],
+        [c.token_ids for c in comps],
+        torch.zeros(len(comps)),
+        torch.zeros(len(comps), dtype=torch.bool),
+        torch.zeros(len(comps)),
+    )
     old, _ = learner.compute_logprobs(batch)
-    d = torch.cat([(o.double().cpu() - torch.tensor(c.logprobs, dtype=torch.float64)).abs() for o, c in zip(old, comps)])
+    d = torch.cat(
+        [(o.double().cpu() - torch.tensor(c.logprobs, dtype=torch.float64)).abs() for o, c in zip(old, comps)]
+    )
     return dict(tokens=int(d.numel()), mean=float(d.mean()), max=float(d.max()))
 
 
 def plan(recipe_path: Path, model: Path, gpu_gb: float) -> dict:
     "`dapo-plan --json` for the recipe (exit status 1 = does not fit still prints the plan)."
-    p = subprocess.run([sys.executable, "-m", "dapo_ref.plan", str(recipe_path), "--model-arch", str(model),
-                        "--gpu-memory-gb", f"{gpu_gb:.1f}", "--json"], capture_output=True, text=True, cwd=ROOT)
-    try: return json.loads(p.stdout)
-    except json.JSONDecodeError: return dict(error=(p.stderr or p.stdout).strip().splitlines()[-1:])
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_ref.plan",
+            str(recipe_path),
+            "--model-arch",
+            str(model),
+            "--gpu-memory-gb",
+            f"{gpu_gb:.1f}",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        return json.loads(p.stdout)
+    except json.JSONDecodeError:
+        return dict(error=(p.stderr or p.stdout).strip().splitlines()[-1:])
 
 
 def requirements(cpu: bool) -> str | None:
     "A one-line message naming what is missing, or None."
-    for mod, fix in (("torch", "pip install torch"), ("transformers", 'pip install -e ".[scale]"'),
-                     ("deepspeed", 'pip install -e ".[scale]"'), ("vllm", 'pip install -e ".[scale]" (on a CPU: make venv-vllm)')):
+    for mod, fix in (
+        ("torch", "pip install torch"),
+        ("transformers", 'pip install -e ".[scale]"'),
+        ("deepspeed", 'pip install -e ".[scale]"'),
+        ("vllm", 'pip install -e ".[scale]" (on a CPU: make venv-vllm)'),
+    ):
         if importlib.util.find_spec(mod) is None:
             return f"{mod} is not installed, and every phase needs it: {fix}; nothing was run"
     import torch
-    if not cpu and not torch.cuda.is_available(): return "no CUDA GPU visible to PyTorch; run with --cpu for the CPU variant"
+
+    if not cpu and not torch.cuda.is_available():
+        return "no CUDA GPU visible to PyTorch; run with --cpu for the CPU variant"
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="the same phases on the CPU with a tiny Qwen2 (make test)")
-    ap.add_argument("--out", default=None, help="a new (or empty) work folder; default: a temporary one, the model removed")
-    ap.add_argument("--timeout", type=float, default=540.0, help="seconds for the whole check (default 540: under 10 min)")
+    ap.add_argument(
+        "--out", default=None, help="a new (or empty) work folder; default: a temporary one, the model removed"
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=540.0, help="seconds for the whole check (default 540: under 10 min)"
+    )
     args = ap.parse_args(argv)
     cpu = args.cpu
     if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
-        print(f"gpu_check: --out {args.out} exists and is not empty; name a new folder", file=sys.stderr); return 2
-    if missing := requirements(cpu): print(f"gpu_check: {missing}", file=sys.stderr); return 2
+        print(f"gpu_check: --out {args.out} exists and is not empty; name a new folder", file=sys.stderr)
+        return 2
+    if missing := requirements(cpu):
+        print(f"gpu_check: {missing}", file=sys.stderr)
+        return 2
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, beside the learner
-    if cpu: os.environ.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    if cpu:
+        os.environ.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     t0 = time.perf_counter()
     import torch, transformers, deepspeed, vllm
     from dapo_ref.trainer import Trainer
     from dapo_ref.vllm_rollout import VLLMRolloutEngine
-    work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-")); work.mkdir(parents=True, exist_ok=True)
+
+    work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
+    work.mkdir(parents=True, exist_ok=True)
     shape, run = ("tiny", RUNS["cpu"]) if cpu else ("0.5b", RUNS["gpu"])
     device = "CPU" if cpu else torch.cuda.get_device_name(0)
     gpu_gb = 80.0 if cpu else torch.cuda.get_device_properties(0).total_memory / 2**30
     n_params = build_model(work / "model", shape, torch.float32 if cpu else torch.bfloat16, "cpu" if cpu else "cuda")
     write_prompts(work / "prompts.parquet", work / "model")
     flash = not cpu and importlib.util.find_spec("flash_attn") is not None
-    cfg = config(work / "model", work / "prompts.parquet", work / "run",
-                 dict(run, attn_implementation="flash_attention_2" if flash else "sdpa"))
+    cfg = config(
+        work / "model",
+        work / "prompts.parquet",
+        work / "run",
+        dict(run, attn_implementation="flash_attention_2" if flash else "sdpa"),
+    )
     predicted = plan(recipe(work / "recipe.yaml", cfg), work / "model", gpu_gb)
-    skipped = (["compiled engine (vLLM on the CPU runs eager here: torch.compile of the model takes minutes on 2 cores)",
-                "sleep/wake (vLLM's CPU backend has no sleep mode)", "free GPU memory per phase (no GPU)"] if cpu else [])
-    if not cpu and not flash: skipped.append("the learner on flash_attention_2 (flash-attn is not installed: pip install flash-attn)")
+    skipped = (
+        [
+            "compiled engine (vLLM on the CPU runs eager here: torch.compile of the model takes minutes on 2 cores)",
+            "sleep/wake (vLLM's CPU backend has no sleep mode)",
+            "free GPU memory per phase (no GPU)",
+        ]
+        if cpu
+        else []
+    )
+    if not cpu and not flash:
+        skipped.append("the learner on flash_attention_2 (flash-attn is not installed: pip install flash-attn)")
     phases, checks = [], {}
+
     def phase(name, **info):
         phases.append(dict(phase=name, free_gib=free_gib(cpu), s=round(time.perf_counter() - t0, 1), **info))
         print(f"gpu_check: {name}: " + ", ".join(f"{k} {v}" for k, v in phases[-1].items() if k != "phase"), flush=True)
-        if time.perf_counter() - t0 > args.timeout: raise TimeoutError(f"past --timeout {args.timeout:.0f} s after {name}")
+        if time.perf_counter() - t0 > args.timeout:
+            raise TimeoutError(f"past --timeout {args.timeout:.0f} s after {name}")
+
     try:
         torch.set_num_threads(1 if cpu else torch.get_num_threads())
         tr = Trainer(cfg, progress=False, log=None)  # ZeRO-3 learner, vLLM engine, the first weight sync
-        phase("build", engine=type(tr.engine).__name__, learner=type(tr.learner).__name__,
-              update_order=" ".join(tr.engine.update_order), eager=cfg.vllm_enforce_eager, attn=cfg.attn_implementation,
-              linear_is_torchs=torch.nn.functional.linear is torch._C._nn.linear)
+        phase(
+            "build",
+            engine=type(tr.engine).__name__,
+            learner=type(tr.learner).__name__,
+            update_order=" ".join(tr.engine.update_order),
+            eager=cfg.vllm_enforce_eager,
+            attn=cfg.attn_implementation,
+            linear_is_torchs=torch.nn.functional.linear is torch._C._nn.linear,
+        )
         checks["F.linear is torch's own after the ZeRO-3 build"] = phases[-1]["linear_is_torchs"]
         row = tr.step()
-        phase("step", grad_updates=row["grad_updates"], skipped=row.get("skipped_updates", 0),
-              rollout_logp_diff_mean=row.get("rollout_logp_diff_mean"))
+        phase(
+            "step",
+            grad_updates=row["grad_updates"],
+            skipped=row.get("skipped_updates", 0),
+            rollout_logp_diff_mean=row.get("rollout_logp_diff_mean"),
+        )
         checks["one DAPO step applied its updates"] = row["grad_updates"] >= 1 and not row.get("skipped_updates", 0)
         probe, tol = tr.prompt_ids[:4], SYNC_TOL[cfg.dtype]
         gap = logprob_gap(tr.engine, tr.learner, probe, run["l_max"])
@@ -185,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         checks[f"engine log-probs = learner's after the step (mean |d| < {tol:g})"] = gap["mean"] < tol
         sys.path.insert(0, str(ROOT / "tests"))
         from test_fused_bf16 import fused_grad_ratio
+
         ratio = fused_grad_ratio(1.0, device="cpu" if cpu else "cuda")
         phase("fused", max_err_over_bound=ratio)
         checks["fused lm-head weight gradient in bf16 within its derived bound"] = ratio <= 1
@@ -197,31 +330,55 @@ def main(argv: list[str] | None = None) -> int:
         checks[f"a restarted engine serves the learner's weights (mean |d| < {tol:g})"] = gap2["mean"] < tol
         engine.close()
     except TimeoutError as e:
-        print(f"gpu_check: {e}", file=sys.stderr); return 1
-    summary = dict(device=device, versions=dict(torch=torch.__version__, transformers=transformers.__version__,
-                   deepspeed=deepspeed.__version__, vllm=vllm.__version__), n_params=n_params, shape=shape, recipe=run,
-                   plan=predicted, phases=phases, checks=checks, skipped=skipped, wall_s=time.perf_counter() - t0)
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 1
+    summary = dict(
+        device=device,
+        versions=dict(
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            deepspeed=deepspeed.__version__,
+            vllm=vllm.__version__,
+        ),
+        n_params=n_params,
+        shape=shape,
+        recipe=run,
+        plan=predicted,
+        phases=phases,
+        checks=checks,
+        skipped=skipped,
+        wall_s=time.perf_counter() - t0,
+    )
     (work / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     report(summary)
-    if not args.out: shutil.rmtree(work / "model", ignore_errors=True)
+    if not args.out:
+        shutil.rmtree(work / "model", ignore_errors=True)
     print(f"summary: {work / 'gpu_check.json'}")
     return 0 if all(checks.values()) else 1
 
 
 def report(s: dict):
-    print(f"gpu_check on {s['device']}: Qwen2 of {s['n_params'] / 1e6:,.1f}M parameters (random weights), "
-          f"{s['recipe']['dtype']}, ZeRO-3 learner + vLLM engine in one process; "
-          + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
+    print(
+        f"gpu_check on {s['device']}: Qwen2 of {s['n_params'] / 1e6:,.1f}M parameters (random weights), "
+        f"{s['recipe']['dtype']}, ZeRO-3 learner + vLLM engine in one process; "
+        + ", ".join(f"{k} {v}" for k, v in s["versions"].items())
+    )
     pl = s["plan"]
     if "phases_gb" in pl:
-        print("dapo-plan per GPU: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in pl["phases_gb"].items())
-              + f"; peak {pl['peak_gb']:.1f} GiB")
-    else: print(f"dapo-plan: {pl.get('error')}")
+        print(
+            "dapo-plan per GPU: "
+            + ", ".join(f"{k} {v:.1f} GiB" for k, v in pl["phases_gb"].items())
+            + f"; peak {pl['peak_gb']:.1f} GiB"
+        )
+    else:
+        print(f"dapo-plan: {pl.get('error')}")
     for p in s["phases"]:
         free = "n/a" if p["free_gib"] is None else f"{p['free_gib']:.1f} GiB"
         print(f"  {p['phase']:<8} at {p['s']:6.1f} s   free device memory {free}")
-    for name, ok in s["checks"].items(): print(f"  [{'ok' if ok else 'FAILED'}] {name}")
-    for name in s["skipped"]: print(f"  [skipped] {name}")
+    for name, ok in s["checks"].items():
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}")
+    for name in s["skipped"]:
+        print(f"  [skipped] {name}")
     print(f"wall {s['wall_s']:.0f} s (limit 10 min)")
 
 

@@ -4,116 +4,212 @@
 
 # %% ../nbs/14_ablation.ipynb #dacafeec
 from __future__ import annotations
-import json, math, os, statistics, sys, time
-from dataclasses import asdict, replace
+import math, statistics
+from dataclasses import replace
 from pathlib import Path
 
-from .core import ArgParser, DAPOConfig, InputError, cli_errors, interrupts, load_config, parse_overrides
-from .runs import check_owned, read_marker, write_marker
-from .testbeds import TESTBEDS, model_fingerprint, testbed_model, versions
-from .jobs import compare_arms, mean_se, run_many, run_summary
+from .core import DAPOConfig
 
 # %% auto #0
-__all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'STUDIES', 'STUDY_METRICS',
-           'STUDY_FIGURES', 'ALL', 'TESTBED_TARGET', 'MECHANISMS', 'DEFAULT_BASE', 'row_switches', 'run_config',
-           'ablation_table', 'table_markdown', 'mean_curve', 'plot_figures', 'study_config', 'up_clipped_mean',
-           'clip_probe', 'mechanism_summary', 'study_table', 'run_study', 'plot_study', 'mechanism_table', 'run_all',
-           'run_ablation', 'main']
+__all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'QUICK', 'QUICK_EVAL_PROMPTS', 'COLUMNS', 'FIGURES', 'row_switches', 'run_config',
+           'ablation_table', 'table_markdown', 'mean_curve', 'plot_figures']
 
 # %% ../nbs/14_ablation.ipynb #0988fedb
 SWITCHES = ("eps_low", "eps_high", "loss_agg", "overlong_filter", "soft_overlong_punishment", "dynamic_sampling")
 
 ROWS = [  # (name, Table 1 label, what this row adds): the rows are cumulative
-    ("1-grpo", "Naive GRPO", dict(eps_low=0.2, eps_high=0.2, loss_agg="seq-mean-token-mean", overlong_filter=False,
-                                  soft_overlong_punishment=False, dynamic_sampling=False)),
+    (
+        "1-grpo",
+        "Naive GRPO",
+        dict(
+            eps_low=0.2,
+            eps_high=0.2,
+            loss_agg="seq-mean-token-mean",
+            overlong_filter=False,
+            soft_overlong_punishment=False,
+            dynamic_sampling=False,
+        ),
+    ),
     ("2-overlong-filter", "+ Overlong Filtering", dict(overlong_filter=True)),
     ("3-clip-higher", "+ Clip-Higher", dict(eps_high=0.28)),
     ("4-soft-punish", "+ Soft Overlong Punishment", dict(soft_overlong_punishment=True, overlong_filter=False)),
     ("5-token-loss", "+ Token-level Loss", dict(loss_agg="token-mean")),
     ("6-dynamic-sampling", "+ Dynamic Sampling (DAPO)", dict(dynamic_sampling=True)),
 ]
-PAPER_AIME = {"1-grpo": 30, "2-overlong-filter": 36, "3-clip-higher": 38, "4-soft-punish": 41, "5-token-loss": 42,
-              "6-dynamic-sampling": 50}  # Table 1, AIME 2024 avg@32, Qwen2.5-32B
+PAPER_AIME = {
+    "1-grpo": 30,
+    "2-overlong-filter": 36,
+    "3-clip-higher": 38,
+    "4-soft-punish": 41,
+    "5-token-loss": 42,
+    "6-dynamic-sampling": 50,
+}  # Table 1, AIME 2024 avg@32, Qwen2.5-32B
 
-def row_switches(name: str,  # a row name from `ROWS`
-                ) -> dict:
+
+def row_switches(
+    name: str,  # a row name from `ROWS`
+) -> dict:
     "The six technique switches of row `name`: row 1's values updated by every row up to and including `name`."
     names = [r[0] for r in ROWS]
-    if name not in names: raise ValueError(f"unknown ablation row {name!r}; rows are: {', '.join(names)}")
+    if name not in names:
+        raise ValueError(f"unknown ablation row {name!r}; rows are: {', '.join(names)}")
     sw = {}
-    for n, _, add in ROWS[:names.index(name) + 1]: sw.update(add)
+    for n, _, add in ROWS[: names.index(name) + 1]:
+        sw.update(add)
     return sw
 
 # %% ../nbs/14_ablation.ipynb #913b3f77
-QUICK = dict(total_steps=2, prompts_per_step=4, group_size=4, gen_batch_size=8, mini_batch_size=8, eval_every=1,
-             eval_k=1, save_every=1, warmup_steps=1, max_num_gen_batches=0)  # --quick: machinery only
+QUICK = dict(
+    total_steps=2,
+    prompts_per_step=4,
+    group_size=4,
+    gen_batch_size=8,
+    mini_batch_size=8,
+    eval_every=1,
+    eval_k=1,
+    save_every=1,
+    warmup_steps=1,
+    max_num_gen_batches=0,
+)  # --quick: machinery only
 QUICK_EVAL_PROMPTS = 8  # --quick evaluates on the first 8 held-out problems
 
-def run_config(base: DAPOConfig,  # the shared base config
-               row: str,          # row name
-               seed: int,         # the run's seed
-               out: str | Path,   # the ablation's folder
-              ) -> DAPOConfig:
+
+def run_config(
+    base: DAPOConfig,  # the shared base config
+    row: str,  # row name
+    seed: int,  # the run's seed
+    out: str | Path,  # the ablation's folder
+) -> DAPOConfig:
     "The config of one (row, seed) run: base + row switches + seed + output folder."
     return replace(base, **row_switches(row), seed=seed, output_dir=str(Path(out) / "runs" / row / f"seed-{seed}"))
 
 # %% ../nbs/14_ablation.ipynb #339cb5cf
-COLUMNS = ["row", "technique", "paper AIME", "held-out avg@k end", "held-out start", "updates to target",
-           "entropy", "resp len", "truncated", "gen rounds/step", "zero-adv groups", "train acc", "seeds"]
+COLUMNS = [
+    "row",
+    "technique",
+    "paper AIME",
+    "held-out avg@k end",
+    "held-out start",
+    "updates to target",
+    "entropy",
+    "resp len",
+    "truncated",
+    "gen rounds/step",
+    "zero-adv groups",
+    "train acc",
+    "seeds",
+]
+
 
 def _ms(xs):
     "(mean, sample std) of xs; std 0 for one value."
     xs = [x for x in xs if x is not None and not math.isnan(x)]
-    if not xs: return float("nan"), float("nan")
+    if not xs:
+        return float("nan"), float("nan")
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
-def ablation_table(summaries: dict,  # {row: [run_summary of each seed]}
-                  ) -> list[dict]:
+
+def ablation_table(
+    summaries: dict,  # {row: [run_summary of each seed]}
+) -> list[dict]:
     "One dict per row (in `ROWS` order) with mean/std over seeds."
     out = []
     for name, label, _ in ROWS:
         ss = summaries.get(name)
-        if not ss: continue
+        if not ss:
+            continue
         reached = [s["updates_to_target"] for s in ss if s["updates_to_target"] is not None]
         acc_m, acc_s = _ms([s["acc_end"] for s in ss])
-        out.append(dict(row=name, technique=label, paper_aime=PAPER_AIME[name], acc_end=acc_m, acc_end_std=acc_s,
-                        acc_start=_ms([s["acc_start"] for s in ss])[0],
-                        updates_to_target=statistics.fmean(reached) if reached else None,
-                        reached=len(reached), n_seeds=len(ss),
-                        **{k: _ms([s[k] for s in ss])[0] for k in ("entropy", "resp_len", "truncated_frac",
-                                                                     "gen_rounds", "zero_adv_frac", "train_acc")}))
+        out.append(
+            dict(
+                row=name,
+                technique=label,
+                paper_aime=PAPER_AIME[name],
+                acc_end=acc_m,
+                acc_end_std=acc_s,
+                acc_start=_ms([s["acc_start"] for s in ss])[0],
+                updates_to_target=statistics.fmean(reached) if reached else None,
+                reached=len(reached),
+                n_seeds=len(ss),
+                **{
+                    k: _ms([s[k] for s in ss])[0]
+                    for k in ("entropy", "resp_len", "truncated_frac", "gen_rounds", "zero_adv_frac", "train_acc")
+                },
+            )
+        )
     return out
 
-def table_markdown(table: list[dict],  # from `ablation_table`
-                   target: float,      # the stated accuracy of the "updates to target" column
-                  ) -> str:
+
+def table_markdown(
+    table: list[dict],  # from `ablation_table`
+    target: float,  # the stated accuracy of the "updates to target" column
+) -> str:
     "The table as markdown."
     head = [c if c != "updates to target" else f"updates to {target:.2f}" for c in COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in table:
-        upd = "never" if t["updates_to_target"] is None else f"{t['updates_to_target']:.0f} ({t['reached']}/{t['n_seeds']})"
-        lines.append("| " + " | ".join([
-            t["row"], t["technique"], str(t["paper_aime"]), f"{100 * t['acc_end']:.1f} ± {100 * t['acc_end_std']:.1f}",
-            f"{100 * t['acc_start']:.1f}", upd, f"{t['entropy']:.3f}", f"{t['resp_len']:.1f}",
-            f"{100 * t['truncated_frac']:.1f}%", f"{t['gen_rounds']:.2f}", f"{100 * t['zero_adv_frac']:.0f}%",
-            f"{100 * t['train_acc']:.1f}", str(t["n_seeds"])]) + " |")
+        upd = (
+            "never"
+            if t["updates_to_target"] is None
+            else f"{t['updates_to_target']:.0f} ({t['reached']}/{t['n_seeds']})"
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    t["row"],
+                    t["technique"],
+                    str(t["paper_aime"]),
+                    f"{100 * t['acc_end']:.1f} ± {100 * t['acc_end_std']:.1f}",
+                    f"{100 * t['acc_start']:.1f}",
+                    upd,
+                    f"{t['entropy']:.3f}",
+                    f"{t['resp_len']:.1f}",
+                    f"{100 * t['truncated_frac']:.1f}%",
+                    f"{t['gen_rounds']:.2f}",
+                    f"{100 * t['zero_adv_frac']:.0f}%",
+                    f"{100 * t['train_acc']:.1f}",
+                    str(t["n_seeds"]),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 # %% ../nbs/14_ablation.ipynb #46e520c1
 FIGURES = {  # file: (title, metric, rows compared, y label)
-    "fig2b_entropy_clip_higher.png": ("Entropy with and without Clip-Higher (Fig. 2b)", "entropy",
-                                      ["2-overlong-filter", "3-clip-higher"], "token entropy of the trained batch"),
-    "fig4_length_token_loss.png": ("Response length, token-level vs sample-level loss (Fig. 4)", "resp_len_mean",
-                                   ["4-soft-punish", "5-token-loss"], "mean response length (tokens)"),
-    "fig6_accuracy_dynamic_sampling.png": ("Held-out accuracy with and without dynamic sampling (Fig. 6)", "eval_acc",
-                                           ["5-token-loss", "6-dynamic-sampling"], "held-out avg@k"),
+    "fig2b_entropy_clip_higher.png": (
+        "Entropy with and without Clip-Higher (Fig. 2b)",
+        "entropy",
+        ["2-overlong-filter", "3-clip-higher"],
+        "token entropy of the trained batch",
+    ),
+    "fig4_length_token_loss.png": (
+        "Response length, token-level vs sample-level loss (Fig. 4)",
+        "resp_len_mean",
+        ["4-soft-punish", "5-token-loss"],
+        "mean response length (tokens)",
+    ),
+    "fig6_accuracy_dynamic_sampling.png": (
+        "Held-out accuracy with and without dynamic sampling (Fig. 6)",
+        "eval_acc",
+        ["5-token-loss", "6-dynamic-sampling"],
+        "held-out avg@k",
+    ),
     "accuracy_per_row.png": ("Held-out accuracy per row (Table 1)", "eval_acc", [r[0] for r in ROWS], "held-out avg@k"),
-    "length_per_row.png": ("Response length per row", "resp_len_mean", [r[0] for r in ROWS], "mean response length (tokens)"),
+    "length_per_row.png": (
+        "Response length per row",
+        "resp_len_mean",
+        [r[0] for r in ROWS],
+        "mean response length (tokens)",
+    ),
 }
 
-def mean_curve(runs: list[list[dict]],  # metrics rows of each seed
-               key: str,                # metric
-              ) -> tuple[list[float], list[float], list[float]]:
+
+def mean_curve(
+    runs: list[list[dict]],  # metrics rows of each seed
+    key: str,  # metric
+) -> tuple[list[float], list[float], list[float]]:
     "x (gradient updates), mean and std over seeds of `key`, at the steps every seed logged it."
     per = [{r["step"]: (r["grad_updates"], r[key]) for r in rows if key in r} for rows in runs]
     steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
@@ -121,477 +217,34 @@ def mean_curve(runs: list[list[dict]],  # metrics rows of each seed
     ms = [_ms([p[s][1] for p in per]) for s in steps]
     return xs, [m for m, _ in ms], [d for _, d in ms]
 
-def plot_figures(metrics: dict,   # {row: [metrics rows of each seed]}
-                 out: str | Path, # folder for the PNGs
-                ) -> list[Path]:
+
+def plot_figures(
+    metrics: dict,  # {row: [metrics rows of each seed]}
+    out: str | Path,  # folder for the PNGs
+) -> list[Path]:
     "Draw `FIGURES` from the runs' metrics; returns the files written."
-    import matplotlib; matplotlib.use("Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     labels = {n: f"{n.split('-')[0]}: {l}" for n, l, _ in ROWS}
     paths = []
     for fname, (title, key, rows, ylabel) in FIGURES.items():
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for row in rows:
-            if row not in metrics: continue
+            if row not in metrics:
+                continue
             xs, ms, sd = mean_curve(metrics[row], key)
             ax.plot(xs, ms, marker="o" if key == "eval_acc" else None, ms=3, label=labels[row])
             ax.fill_between(xs, [m - d for m, d in zip(ms, sd)], [m + d for m, d in zip(ms, sd)], alpha=0.2)
-        ax.set(title=title, xlabel="gradient updates", ylabel=ylabel); ax.legend(fontsize=7); ax.grid(alpha=0.3)
-        fig.tight_layout(); fig.savefig(out / fname, dpi=110); plt.close(fig)
+        ax.set(title=title, xlabel="gradient updates", ylabel=ylabel)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
         paths.append(out / fname)
     return paths
-
-# %% ../nbs/14_ablation.ipynb #b2f071ed
-STUDIES = {  # name: base recipe, arms (name, label, switches), diagnostics reported, overrides of the --quick base
-    "clip-higher": dict(base="recipes/ablation-clip.yaml",
-                        arms=[("eps-high-0.20", "eps_high 0.20 (symmetric clip)", dict(eps_high=0.2)),
-                              ("eps-high-0.28", "eps_high 0.28 (Clip-Higher)", dict(eps_high=0.28))],
-                        metrics=["entropy_mean", "entropy_end", "clipfrac_high", "clipfrac_low", "up_clipped_prob",
-                                 "all_correct_end", "acc_end", "pass_end", "acc_mean", "pass_mean"],
-                        quick=dict(mini_batch_size=1)),  # --quick: 16 responses, 16 updates per step
-    "dynamic-sampling": dict(base="recipes/ablation-tiny.yaml",  # Table 1's rows 5 and 6
-                             arms=[("no-dynamic-sampling", "row 5: no dynamic sampling", row_switches("5-token-loss")),
-                                   ("dynamic-sampling", "row 6: dynamic sampling", row_switches("6-dynamic-sampling"))],
-                             metrics=["acc_end", "acc_mean", "pass_mean", "zero_adv_frac", "gen_rounds", "wall_train"],
-                             quick={}),
-    "clip-higher-testbed": dict(base="recipes/ablation-clip-testbed.yaml",  # the same arms on the testbed policy
-                                arms=[("eps-high-0.20", "eps_high 0.20 (symmetric clip)", dict(eps_high=0.2)),
-                                      ("eps-high-0.28", "eps_high 0.28 (Clip-Higher)", dict(eps_high=0.28))],
-                                metrics=["entropy_mean", "entropy_end", "clipfrac_high", "clipfrac_low", "all_correct_end",
-                                         "acc_end", "pass_end", "acc_mean", "pass_mean", "trunc_mean"],
-                                quick=dict(mini_batch_size=1)),
-    "clip-higher-guesser": dict(base="recipes/ablation-clip-guesser.yaml",  # the exploration token is rare
-                                arms=[("eps-high-0.20", "eps_high 0.20 (symmetric clip)", dict(eps_high=0.2)),
-                                      ("eps-high-0.28", "eps_high 0.28 (Clip-Higher)", dict(eps_high=0.28))],
-                                metrics=["acc_mean", "acc_end", "pass_mean", "entropy_mean", "entropy_end", "clipfrac_high",
-                                         "up_clipped_prob", "len_mean"],
-                                quick=dict(mini_batch_size=1)),
-    "token-loss": dict(base="recipes/ablation-testbed.yaml",  # the testbed: runaway loops among the long responses
-                       arms=[("sample-level", "sample-level loss (seq-mean-token-mean)",
-                              dict(loss_agg="seq-mean-token-mean", overlong_filter=False, soft_overlong_punishment=False)),
-                             ("token-level", "token-level loss (token-mean, Eq. 12)",
-                              dict(loss_agg="token-mean", overlong_filter=False, soft_overlong_punishment=False))],
-                       metrics=["trunc_mean", "trunc_end", "len_mean", "len_end", "entropy_mean", "entropy_end",
-                                "acc_end", "acc_mean"],
-                       quick={}),
-    "overlong": dict(base="recipes/ablation-testbed.yaml",  # the testbed: correct restated solutions cut at L_max
-                     arms=[("no-filter", "truncated responses scored -1",
-                            dict(overlong_filter=False, soft_overlong_punishment=False, loss_agg="token-mean")),
-                           ("filter", "overlong filtering (truncated masked)",
-                            dict(overlong_filter=True, soft_overlong_punishment=False, loss_agg="token-mean"))],
-                     metrics=["acc_end", "acc_mean", "pass_mean", "entropy_mean", "entropy_end", "trunc_mean", "trunc_end",
-                              "len_mean", "len_end"],
-                     quick={}),
-}
-
-def study_config(base: DAPOConfig,     # the study's base config
-                 study: str,           # a name from `STUDIES`
-                 arm: str,             # an arm of that study
-                 seed: int,            # the run's seed
-                 out: str | Path,      # the study's folder
-                ) -> DAPOConfig:
-    "The config of one (arm, seed) run of a mechanism study: base + the arm's switches + seed + output folder."
-    if study not in STUDIES: raise ValueError(f"unknown study {study!r}; studies are: {', '.join(STUDIES)}")
-    arms = {a: sw for a, _, sw in STUDIES[study]["arms"]}
-    if arm not in arms: raise ValueError(f"unknown arm {arm!r} of study {study}; arms are: {', '.join(arms)}")
-    return replace(base, **arms[arm], seed=seed, output_dir=str(Path(out) / "runs" / arm / f"seed-{seed}"))
-
-# %% ../nbs/14_ablation.ipynb #e3b3864e
-def up_clipped_mean(ups: list[dict]) -> tuple[float, float]:
-    "(up-clipped tokens, their mean old probability) from `Learner.update` metrics, each update weighted by its clipped tokens."
-    n = [u["clipfrac_high"] * u["num_tokens"] for u in ups]  # up-clipped tokens of each update
-    return sum(n), sum(k * u["up_clipped_prob"] for k, u in zip(n, ups)) / max(sum(n), 1e-12)
-
-def clip_probe(cfg: DAPOConfig,  # a run's config; its first rollout step is run in a temporary folder
-              ) -> dict:
-    "One rollout step of `cfg`: per-update clip fractions, and the old probability averaged over the up-clipped tokens."
-    import tempfile, torch
-    from dapo_ref.trainer import Trainer
-    torch.use_deterministic_algorithms(True, warn_only=True)  # as `train` does: the step a run makes first
-    with tempfile.TemporaryDirectory() as d:
-        tr = Trainer(replace(cfg, total_steps=1, save_every=0, output_dir=d), eval_examples=[], progress=False, log=None)
-        ups, update = [], tr.learner.update
-        tr.learner.update = lambda *a, **k: ups.append(update(*a, **k)) or ups[-1]  # record every update's metrics
-        tr.fit()
-    n, p = up_clipped_mean(ups)
-    return dict(updates=len(ups), clipfrac_high=statistics.fmean(u["clipfrac_high"] for u in ups),
-                clipfrac_low=statistics.fmean(u["clipfrac_low"] for u in ups),
-                updates_clipping=sum(u["clipfrac_high"] > 0 for u in ups), up_clipped_tokens=round(n),
-                up_clipped_prob_tokens=p,  # mean over the up-clipped tokens
-                up_clipped_prob_step=statistics.fmean(u["up_clipped_prob"] for u in ups))  # the trainer's diluted value
-
-# %% ../nbs/14_ablation.ipynb #f90733ea
-def mechanism_summary(rows: list[dict],  # metrics rows of one run
-                      tail: int = 5,     # rollout steps averaged for the "end" statistics
-                     ) -> dict:
-    "One run's mechanism diagnostics: entropy, clipping, up-clipped probability, zero-advantage groups, cost, held-out accuracy."
-    steps = [r for r in rows if r.get("step", 0) > 0]
-    evals = [r for r in rows if "eval_acc" in r]
-    m = lambda xs: statistics.fmean(xs) if xs else float("nan")
-    up = [r["up_clipped_prob"] for r in steps if r.get("clipfrac_high", 0) > 0]
-    g = lambda k, last=0: [r[k] for r in steps[-last:] if k in r]  # a metric over the steps (the last `last`) that log it
-    return dict(entropy_mean=m([r["entropy"] for r in steps]), entropy_end=m([r["entropy"] for r in steps[-tail:]]),
-                clipfrac_high=m([r["clipfrac_high"] for r in steps]), clipfrac_low=m([r["clipfrac_low"] for r in steps]),
-                up_clipped_prob=m(up),
-                all_correct_end=m([r["groups_all_correct"] / r["groups_seen"] for r in steps[-tail:]]),
-                zero_adv_frac=m([(r["groups_all_correct"] + r["groups_all_wrong"]) / r["groups_seen"] for r in steps]),
-                gen_rounds=m([r["gen_rounds"] for r in steps]), wall_train=sum(r["time_step"] for r in steps),
-                len_mean=m(g("resp_len_mean")), len_end=m(g("resp_len_mean", tail)),
-                trunc_mean=m(g("truncated_frac")), trunc_end=m(g("truncated_frac", tail)),
-                acc_end=evals[-1]["eval_acc"] if evals else float("nan"),
-                pass_end=evals[-1]["eval_pass"] if evals else float("nan"),
-                acc_mean=m([r["eval_acc"] for r in evals[1:]]), pass_mean=m([r["eval_pass"] for r in evals[1:]]))
-
-# %% ../nbs/14_ablation.ipynb #adfabf6a
-STUDY_METRICS = {  # key of mechanism_summary: (label, scale in the table)
-    "entropy_mean": ("entropy, mean over the run", 1), "entropy_end": ("entropy, last 5 steps", 1),
-    "clipfrac_high": ("clipfrac_high (% tokens)", 100), "clipfrac_low": ("clipfrac_low (% tokens)", 100),
-    "up_clipped_prob": ("up_clipped_prob (trainer's per-update mean, diluted)", 1), "all_correct_end": ("all-correct groups, last 5 steps", 1),
-    "acc_end": ("held-out avg@k end (%)", 100), "pass_end": ("held-out pass@k end (%)", 100),
-    "acc_mean": ("held-out avg@k, mean of evals (%)", 100), "pass_mean": ("held-out pass@k, mean of evals (%)", 100),
-    "zero_adv_frac": ("zero-advantage groups (% generated)", 100), "gen_rounds": ("generation rounds per step", 1),
-    "wall_train": ("training wall time (s)", 1),
-    "len_mean": ("response length, mean over the run (tokens)", 1), "len_end": ("response length, last 5 steps", 1),
-    "trunc_mean": ("truncated at L_max, mean over the run (%)", 100), "trunc_end": ("truncated at L_max, last 5 steps (%)", 100)}
-
-def study_table(study: str, summaries: dict) -> tuple[dict, str]:
-    "{metric: compare_arms of the study's two arms} and the markdown table (mean ± se per arm, difference ± se)."
-    (a, la, _), (b, lb, _) = STUDIES[study]["arms"]
-    cmp, n = {}, len(summaries[a])
-    lines = [f"| metric | {la} | {lb} | difference ± se (paired se) | > 2 se |", "|---|---|---|---|---|"]
-    for k in STUDIES[study]["metrics"]:
-        label, sc = STUDY_METRICS[k]
-        xa, xb = [s[k] for s in summaries[a]], [s[k] for s in summaries[b]]
-        c = cmp[k] = compare_arms(xa, xb)
-        f = lambda x, sc=sc: f"{sc * x:.3g}"
-        (ma, sa, _), (mb, sb, _) = mean_se(xa), mean_se(xb)
-        lines.append(f"| {label} | {f(ma)} ± {f(sa)} | {f(mb)} ± {f(sb)} | {f(c['diff'])} ± {f(c['se'])} "
-                     f"({f(c['se_paired'])}) | {'yes' if c['separated'] else 'no'} |")
-    return cmp, "\n".join(lines) + f"\n\nmean ± standard error over {n} seeds per arm"
-
-def _prior_runs(out: Path) -> dict:
-    "{(arm, seed): run} recorded in an earlier `study.json` of this folder."
-    p = out / "study.json"
-    if not p.exists(): return {}
-    runs = json.loads(p.read_text()).get("runs", {})
-    return {(a, int(s)): r for a, by_seed in runs.items() for s, r in by_seed.items()}
-
-# %% ../nbs/14_ablation.ipynb #1b1e02a7
-def _testbed_base(base: DAPOConfig, quick: bool, log) -> DAPOConfig:
-    "Build the testbed policy here, once, before any worker needs it; --quick: a 10-step testbed (machinery only)."
-    if base.model not in TESTBEDS: return base
-    kw = TESTBEDS[base.model]
-    if quick: return replace(base, model=str(testbed_model(**{**kw, "steps": 10}, log=log)))
-    testbed_model(**kw, log=log)
-    return base
-
-def run_study(study: str,                     # a name from `STUDIES`
-              seeds: list[int] = (0, 1, 2),   # seeds run for every arm
-              out: str | Path | None = None,  # folder (None: benchmarks/ablation/<study>)
-              base: DAPOConfig | str | Path | None = None,  # base config (None: the study's recipe)
-              quick: bool = False, jobs: int = 1, threads: int = 1, figures: bool = True,
-              command: str | None = None, log=print) -> dict:
-    "Run (or reuse) every (arm, seed) of a mechanism study; write study.md, study.json and its figures to `out`."
-    log = log or (lambda s: None)
-    if study not in STUDIES: raise ValueError(f"unknown study {study!r}; studies are: {', '.join(STUDIES)}")
-    spec = STUDIES[study]
-    base = load_config(base or spec["base"]) if not isinstance(base, DAPOConfig) else base
-    if quick: base = replace(base, **{**QUICK, **spec.get("quick", {})})
-    base = _testbed_base(base, quick, log)
-    out = Path(out or Path("benchmarks/ablation") / study); out.mkdir(parents=True, exist_ok=True)
-    fp, n_eval = model_fingerprint(base.model), (QUICK_EVAL_PROMPTS if quick else None)
-    arms, t0 = [a for a, _, _ in spec["arms"]], time.perf_counter()
-    def done(rs, r):
-        took = "cached" if r["cached"] else f"{r['wall']:5.0f} s"
-        log(f"{rs[0]:>16s} seed {rs[1]}: {took}  [{time.perf_counter() - t0:.0f} s]")
-    res = run_many({(a, s): study_config(base, study, a, s, out) for s in seeds for a in arms}, fp, n_eval, jobs, threads,
-                   prior=_prior_runs(out), done=done)
-    summaries = {a: [mechanism_summary(res[(a, s)]["metrics"]) for s in seeds] for a in arms}
-    cmp, md = study_table(study, summaries)
-    from datetime import datetime, timezone
-    meta = dict(command=command, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), study=study,
-                base=asdict(base), quick=quick, seeds=list(seeds), model=fp,
-                versions=next((r["versions"] for r in res.values() if r.get("versions")), None) or versions(),
-                wall_this_invocation=time.perf_counter() - t0, wall_runs_total=sum(r["wall"] for r in res.values()),
-                cached_runs=sum(r["cached"] for r in res.values()), runs=len(res))
-    runs = {a: {str(s): {k: res[(a, s)][k] for k in ("key", "wall", "versions", "metrics")} for s in seeds} for a in arms}
-    (out / "study.md").write_text(md + "\n")
-    (out / "study.json").write_text(json.dumps(dict(meta=meta, arms=spec["arms"], summaries=summaries,
-                                                    comparison=cmp, runs=runs)))
-    metrics = {a: [res[(a, s)]["metrics"] for s in seeds] for a in arms}
-    figs = plot_study(study, metrics, out) if figures else []
-    return dict(comparison=cmp, markdown=md, meta=meta, summaries=summaries, metrics=metrics, figures=figs)
-
-# %% ../nbs/14_ablation.ipynb #46d9384d
-STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each])], x: gradient updates or training wall time
-    "clip-higher": [
-        ("fig2b_entropy.png", "Entropy of the trained batch (Fig. 2b)", [("entropy", "token entropy", "grad_updates")]),
-        ("fig3_clipping.png", "What the clip does (Fig. 3)",
-         [("clipfrac_high", "tokens clipped at the top", "grad_updates"),
-          ("up_clipped_prob", "old prob of up-clipped tokens", "grad_updates"),
-          ("all_correct_frac", "groups all correct (Fig. 3b)", "grad_updates")]),
-        ("fig2a_accuracy.png", "Held-out accuracy (Fig. 2a)",
-         [("eval_acc", "held-out avg@k", "grad_updates"), ("eval_pass", "held-out pass@k", "grad_updates")]),
-    ],
-    "dynamic-sampling": [
-        ("fig6_accuracy.png", "Held-out accuracy with and without dynamic sampling (Fig. 6)",
-         [("eval_acc", "held-out avg@k", "grad_updates"), ("eval_acc", "held-out avg@k", "wall_train")]),
-        ("zero_advantage.png", "Zero-advantage groups and what dynamic sampling pays for them",
-         [("zero_adv_frac", "zero-advantage groups / generated", "grad_updates"),
-          ("gen_rounds", "generation rounds per step", "grad_updates")]),
-    ],
-    "clip-higher-testbed": [
-        ("fig2b_entropy.png", "Entropy of the trained batch (Fig. 2b), testbed policy", [("entropy", "token entropy", "grad_updates")]),
-        ("fig3_clipping.png", "What the clip does (Fig. 3), testbed policy",
-         [("clipfrac_high", "tokens clipped at the top", "grad_updates"),
-          ("all_correct_frac", "groups all correct (Fig. 3b)", "grad_updates")]),
-        ("fig2a_accuracy.png", "Held-out accuracy (Fig. 2a), testbed policy",
-         [("eval_acc", "held-out avg@k", "grad_updates"), ("eval_pass", "held-out pass@k", "grad_updates")]),
-    ],
-    "clip-higher-guesser": [
-        ("fig2_clip_higher.png", "Clip-Higher where working it out is rare (Fig. 2)",
-         [("eval_acc", "held-out avg@k", "grad_updates"), ("entropy", "token entropy", "grad_updates"),
-          ("resp_len_mean", "mean response length (tokens)", "grad_updates")]),
-        ("fig3_clipping.png", "What the clip does (Fig. 3)",
-         [("clipfrac_high", "tokens clipped at the top", "grad_updates"),
-          ("up_clipped_prob", "old prob of up-clipped tokens", "grad_updates")]),
-    ],
-    "token-loss": [
-        ("fig4_length_entropy.png", "Sample-level vs token-level loss (Fig. 4)",
-         [("truncated_frac", "runaway: truncated at L_max", "grad_updates"),
-          ("resp_len_mean", "mean response length (tokens)", "grad_updates"), ("entropy", "token entropy", "grad_updates")]),
-        ("accuracy.png", "Held-out accuracy", [("eval_acc", "held-out avg@k", "grad_updates")]),
-    ],
-    "overlong": [
-        ("fig5_filtering.png", "Overlong filtering (Fig. 5)",
-         [("eval_acc", "held-out avg@k", "grad_updates"), ("entropy", "token entropy", "grad_updates"),
-          ("truncated_frac", "truncated at L_max", "grad_updates")]),
-        ("length.png", "Response length", [("resp_len_mean", "mean response length (tokens)", "grad_updates")]),
-    ],
-}
-
-# %% ../nbs/14_ablation.ipynb #237b7063
-def _derived(rows: list[dict]) -> list[dict]:
-    "Metrics rows with `all_correct_frac`, `zero_adv_frac` (of the groups generated) and `wall_train` (training seconds so far) added."
-    out, wall = [], 0.0
-    for r in rows:
-        wall += r.get("time_step", 0.0)
-        d = dict(r, wall_train=wall)
-        if r.get("groups_seen"):
-            d.update(all_correct_frac=r["groups_all_correct"] / r["groups_seen"],
-                     zero_adv_frac=(r["groups_all_correct"] + r["groups_all_wrong"]) / r["groups_seen"])
-        out.append(d)
-    return out
-
-def plot_study(study: str,       # a name from `STUDIES`
-               metrics: dict,    # {arm: [metrics rows of each seed]}
-               out: str | Path,  # folder for the PNGs
-              ) -> list[Path]:
-    "Draw the study's figures: each metric against gradient updates or wall time, mean over seeds with a ± 1 standard error band."
-    import matplotlib; matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    out, paths = Path(out), []
-    for fname, title, panels in STUDY_FIGURES[study]:
-        fig, axs = plt.subplots(1, len(panels), figsize=(max(6.0, 4.2 * len(panels)), 3.4), squeeze=False)
-        for ax, (key, ylabel, x) in zip(axs[0], panels):
-            for arm, label, _ in STUDIES[study]["arms"]:
-                runs = [_derived(m) for m in metrics[arm]]
-                xs, ms, sd = mean_curve(runs, key)
-                if x != "grad_updates":  # the mean over seeds of x at the same steps
-                    xs = mean_curve([[dict(r, **{key: r[x]}) for r in m if key in r] for m in runs], key)[1]
-                se = [d / math.sqrt(len(runs)) for d in sd]
-                ax.plot(xs, ms, marker="o" if key.startswith("eval") else None, ms=3, label=label)
-                ax.fill_between(xs, [m - e for m, e in zip(ms, se)], [m + e for m, e in zip(ms, se)], alpha=0.25)
-            ax.set(xlabel="gradient updates" if x == "grad_updates" else "training wall time (s, mean over seeds)",
-                   ylabel=ylabel); ax.grid(alpha=0.3)
-        axs[0][0].legend(fontsize=7)
-        fig.suptitle(f"{title}, mean ± s.e. over {len(next(iter(metrics.values())))} seeds", fontsize=10)
-        fig.tight_layout(); fig.savefig(out / fname, dpi=100); plt.close(fig)
-        paths.append(out / fname)
-    return paths
-
-# %% ../nbs/14_ablation.ipynb #7140547a
-ALL = [  # (kind, name, seeds, folder under benchmarks/ablation): what `dapo-ablate --all` runs, in this order
-    ("table", "recipes/ablation-testbed.yaml", (0, 1, 2), "testbed"),  # held-out starts at 0.27 here: target 0.45
-    ("study", "token-loss", (0, 1, 2, 3), "token-loss"),
-    ("study", "overlong", (0, 1, 2, 3), "overlong"),
-    ("study", "clip-higher-testbed", (0, 1, 2, 3, 4, 5), "clip-higher-testbed"),
-    ("study", "clip-higher-guesser", (0, 1, 2, 3, 4, 5), "clip-higher-guesser"),
-    ("study", "dynamic-sampling", (0, 1, 2), "dynamic-sampling"),
-]
-TESTBED_TARGET = 0.45  # "updates to target" on the testbed, whose held-out avg@4 starts at 0.27 (the tiny task: 0.60)
-MECHANISMS = [  # (technique, study, paper's claim, [(metric, direction the paper reports for arm 2 - arm 1)])
-    ("Clip-Higher (Fig. 2b)", "clip-higher-testbed", "eps_high 0.28 keeps entropy from collapsing",
-     [("entropy_mean", +1), ("pass_end", +1), ("acc_mean", +1)]),
-    ("Clip-Higher, rare token (Fig. 2)", "clip-higher-guesser", "unlikely tokens with positive advantage can grow",
-     [("acc_mean", +1), ("acc_end", +1), ("entropy_mean", +1)]),
-    ("Token-level loss (Fig. 4)", "token-loss", "sample-level averaging lets length and entropy drift up",
-     [("len_mean", -1), ("entropy_mean", -1)]),
-    ("Overlong filtering (Fig. 5)", "overlong", "masking truncated samples stabilises training and helps accuracy",
-     [("acc_mean", +1), ("entropy_mean", -1)]),
-    ("Dynamic sampling (Fig. 6)", "dynamic-sampling", "full batches of informative groups learn faster per update",
-     [("acc_mean", +1)]),
-]
-
-def mechanism_table(root: str | Path = "benchmarks/ablation",  # folder holding each study's study.json
-                   ) -> tuple[list[dict], str]:
-    "Per technique and paper metric: arm 2 - arm 1 ± se, seeds, separated (> 2 se), and reproduced (separated in the paper's direction)."
-    rows = []
-    for tech, study, claim, metrics in MECHANISMS:
-        p = Path(root) / study / "study.json"
-        if not p.exists(): continue
-        j = json.loads(p.read_text())
-        for k, sign in metrics:
-            c = j["comparison"][k] if k in j["comparison"] else compare_arms(*[[s[k] for s in j["summaries"][a]]
-                                                                                 for a, _, _ in j["arms"]])
-            rows.append(dict(technique=tech, study=study, claim=claim, metric=k, diff=c["diff"], se=c["se"],
-                             seeds=j["meta"]["seeds"], separated=c["separated"],
-                             reproduced=bool(c["separated"] and c["diff"] * sign > 0)))
-    md = ["| technique | paper's claim | metric (arm 2 - arm 1) | difference ± se | seeds | separated | reproduced |",
-          "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        label, sc = STUDY_METRICS[r["metric"]]
-        md.append(f"| {r['technique']} | {r['claim']} | {label} | {sc * r['diff']:+.3g} ± {sc * r['se']:.2g} | "
-                  f"{len(r['seeds'])} | {'yes' if r['separated'] else 'no'} | "
-                  f"{'yes' if r['reproduced'] else 'opposite' if r['separated'] else 'no'} |")
-    return rows, "\n".join(md)
-
-# %% ../nbs/14_ablation.ipynb #5042285b
-def run_all(out: str | Path = "benchmarks/ablation", quick: bool = False, jobs: int = 1, threads: int = 1,
-            figures: bool = True, command: str | None = None, log=print) -> dict:
-    "Every part of `ALL` (cached runs reused), then `mechanisms.md` in `out`."
-    out, t0, parts = Path(out), time.perf_counter(), {}
-    for kind, name, seeds, folder in ALL:
-        if quick: seeds = seeds[:1]  # --quick checks the machinery: one seed per part
-        if kind == "table":
-            parts[folder] = run_ablation(name, seeds, None, out / folder, quick=quick, target=TESTBED_TARGET, jobs=jobs,
-                                         threads=threads, figures=figures, command=command, log=log)
-        else:
-            parts[folder] = run_study(name, seeds, out / folder, quick=quick, jobs=jobs, threads=threads,
-                                      figures=figures, command=command, log=log)
-    rows, md = mechanism_table(out)
-    wall = time.perf_counter() - t0
-    runs = sum(p["meta"]["runs"] for p in parts.values()); cached = sum(p["meta"]["cached_runs"] for p in parts.values())
-    md += (f"\n\n{runs} runs ({cached} reused from the cache) in {wall:.0f} s; command: `{command}`; "
-           f"reproduced = separated beyond 2 standard errors in the direction the paper reports")
-    (out / "mechanisms.md").write_text(md + "\n")
-    return dict(rows=rows, markdown=md, parts=parts, meta=dict(runs=runs, cached_runs=cached, wall=wall))
-
-# %% ../nbs/14_ablation.ipynb #a27d361c
-DEFAULT_BASE = "recipes/ablation-tiny.yaml"
-
-def run_ablation(base: DAPOConfig | str | Path = DEFAULT_BASE,  # shared base config (or its YAML)
-                 seeds: list[int] = (0, 1, 2),   # seeds run for every row
-                 rows: list[str] | None = None,  # row names (None: all six)
-                 out: str | Path = "benchmarks/ablation",  # cached runs, table and figures
-                 quick: bool = False,            # the `QUICK` smoke-test base
-                 target: float = 0.6,            # stated held-out accuracy of "updates to target"
-                 jobs: int = 1,                  # runs at a time (separate processes)
-                 threads: int = 1,               # torch CPU threads per run
-                 figures: bool = True,           # write the PNG figures
-                 command: str | None = None,     # the command line, recorded in table.json
-                 log=print) -> dict:
-    "Run (or reuse) every (row, seed) run; write table.md, table.json and figures to `out`; return the table and runs."
-    log = log or (lambda s: None)
-    if not isinstance(base, DAPOConfig): base = load_config(base)
-    if quick: base = replace(base, **QUICK)
-    base = _testbed_base(base, quick, log)
-    rows = list(rows) if rows else [r[0] for r in ROWS]
-    for r in rows: row_switches(r)  # unknown names fail before any training
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    fp, n_eval = model_fingerprint(base.model), (QUICK_EVAL_PROMPTS if quick else None)
-    t0 = time.perf_counter()
-    def done(rs, r):
-        s, took = run_summary(r["metrics"], target), "cached" if r["cached"] else f"{r['wall']:5.0f} s"
-        log(f"{rs[0]:>20s} seed {rs[1]}: {took}  held-out "
-            f"{s['acc_start']:.3f} -> {s['acc_end']:.3f}  entropy {s['entropy']:.3f}  len {s['resp_len']:.1f}  "
-            f"[{time.perf_counter() - t0:.0f} s]")
-    res = run_many({(row, s): run_config(base, row, s, out) for s in seeds for row in rows}, fp, n_eval, jobs, threads,
-                   done=done)
-    metrics = {row: [res[(row, s)]["metrics"] for s in seeds] for row in rows}
-    table = ablation_table({row: [run_summary(m, target) for m in ms] for row, ms in metrics.items()})
-    wall = time.perf_counter() - t0
-    from datetime import datetime, timezone
-    meta = dict(command=command, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                base=asdict(base), quick=quick, seeds=list(seeds), rows=rows, target=target, model=fp,
-                versions=next(iter(res.values()))["versions"] if res else versions(),
-                wall_this_invocation=wall, wall_runs_total=sum(r["wall"] for r in res.values()),
-                cached_runs=sum(r["cached"] for r in res.values()), runs=len(res))
-    md = table_markdown(table, target)
-    (out / "table.md").write_text(md + "\n")
-    (out / "table.json").write_text(json.dumps(dict(meta=meta, table=table), indent=1))
-    figs = plot_figures(metrics, out) if figures else []
-    return dict(table=table, markdown=md, meta=meta, figures=figs, metrics=metrics)
-
-# %% ../nbs/14_ablation.ipynb #d368a517
-def main(argv: list[str] | None = None) -> int:
-    "`dapo-ablate [--quick] [--seeds 0 1 2] [--out DIR] [--rows ... | --study NAME] [--jobs N]`: Table 1 or a mechanism study on the tiny task."
-    ap = ArgParser(prog="dapo-ablate", description="Table 1 of the DAPO paper in miniature: six cumulative "
-                   "rows x seeds on the tiny task, cached per run; writes table.md/json and figures. "
-                   "--study NAME runs a mechanism study instead (two arms x seeds).")
-    ap.add_argument("--base", default=None, help=f"shared base recipe of all rows (YAML; default {DEFAULT_BASE}, or the "
-                    "study's recipe with --study; a relative path not found here is looked up in the dapo_ref checkout or package)")
-    ap.add_argument("--study", default=None, help="run a mechanism study instead of Table 1: " + " ".join(STUDIES))
-    ap.add_argument("--all", action="store_true", help="the whole study: Table 1 on the testbed and every mechanism "
-                    "study of ALL (most of an hour with --jobs 2 on 2 cores; benchmarks/README.md), then benchmarks/ablation/mechanisms.md")
-    ap.add_argument("--quick", action="store_true", help="smoke test: 2 tiny rollout steps per run (< 2 min in all)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--rows", nargs="+", default=None, help="row names (default all): " + " ".join(r[0] for r in ROWS))
-    ap.add_argument("--out", default=None, help="folder for runs, table and figures (default benchmarks/ablation, "
-                    "benchmarks/ablation/<study> with --study; under runs/ablation-quick with --quick)")
-    ap.add_argument("--target", type=float, default=0.6, help="held-out accuracy for the 'updates to target' column")
-    ap.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
-    ap.add_argument("--no-figures", action="store_true")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides of the base config (all rows)")
-    a = ap.parse(argv)
-    root = Path("runs/ablation-quick" if a.quick else "benchmarks/ablation")
-    out = a.out or str(root / a.study if a.study else root)
-    with cli_errors("dapo-ablate"):  # every input is checked before torch is imported or a run starts
-        if a.study is not None and a.study not in STUDIES:
-            raise InputError(f"--study {a.study} is not a study; studies are: {', '.join(STUDIES)}")
-        if a.all and (a.study or a.rows or a.base or a.overrides or a.seeds != [0, 1, 2]):
-            raise InputError("--all runs every part of the study with its own recipe and seeds; give it alone "
-                             "(with --quick, --jobs, --threads, --out, --no-figures)")
-        if a.study and a.rows: raise InputError("--rows selects rows of Table 1; a --study runs all its arms, so give one or the other")
-        base = load_config(a.base or (STUDIES[a.study]["base"] if a.study else DEFAULT_BASE), parse_overrides(a.overrides))
-        for r in a.rows or []: row_switches(r)
-        if len(set(a.seeds)) < len(a.seeds): raise InputError(f"--seeds {' '.join(map(str, a.seeds))}: a seed is repeated; give each once")
-        for flag, ok, allowed in [("--seeds", 0 <= min(a.seeds) <= max(a.seeds) < 2**31, "0 <= seed < 2**31"), ("--jobs", a.jobs >= 1, ">= 1"),
-                                  ("--threads", a.threads >= 1, ">= 1"), ("--target", 0 <= a.target <= 1, "0 <= target <= 1")]:
-            if not ok: raise InputError(f"{flag} {getattr(a, flag[2:])} is out of range: allowed {allowed}")
-        if Path(out).exists() and not Path(out).is_dir(): raise InputError(f"--out {out} is a file; give a folder for the runs, table and figures")
-        nested = (read_marker(Path(out).parent) or {}).get("kind") == "ablation"  # a study inside a dapo-ablate folder
-        if not nested: check_owned(out, "ablation", "--out")  # the user's folder: never written
-    if read_marker(out) is None and not nested: write_marker(out, "ablation")
-    if not __import__("torch").cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    with interrupts("dapo-ablate", "finished runs are kept, and an interrupted one resumes from its checkpoint: "
-                    "run the same command again to continue"):
-        return _run(a, out, root, base, argv)
-
-# %% ../nbs/14_ablation.ipynb #538a5cb9
-def _run(a, out, root, base, argv) -> int:
-    "The runs of `dapo-ablate` (its input already checked), then the table or study and its figures."
-    t0, command = time.perf_counter(), " ".join(["dapo-ablate", *(sys.argv[1:] if argv is None else argv)])
-    if a.all:
-        r = run_all(a.out or root, quick=a.quick, jobs=a.jobs, threads=a.threads, figures=not a.no_figures, command=command)
-        done = Path(a.out or root) / "mechanisms.md"
-    elif a.study:
-        r = run_study(a.study, a.seeds, out, base, quick=a.quick, jobs=a.jobs, threads=a.threads,
-                      figures=not a.no_figures, command=command)
-        done = Path(out) / "study.md"
-    else:
-        r = run_ablation(base, a.seeds, a.rows, out, quick=a.quick, target=a.target, jobs=a.jobs, threads=a.threads,
-                         figures=not a.no_figures, command=command)
-        done = Path(out) / "table.md"
-    print(r["markdown"])
-    print(f"dapo-ablate: {r['meta']['runs']} runs ({r['meta']['cached_runs']} cached) in {time.perf_counter() - t0:.0f} s; "
-          f"wrote {done}")
-    return 0
-
-# %% ../nbs/14_ablation.ipynb #71edcab5
-if __name__ == "__main__" and "get_ipython" not in globals():  # `python -m dapo_ref.ablation`; not when run in a notebook
-    sys.exit(main())

@@ -16,60 +16,72 @@ __all__ = ['group_advantages', 'group_advantages_by_id']
 def _as_rewards(rewards) -> Tensor:
     "`rewards` as a 1-D floating tensor (int and bool rewards become float32)."
     r = torch.as_tensor(rewards)
-    if r.ndim != 1: raise ValueError(f"rewards must be a 1-D tensor of shape (B,), got shape {tuple(r.shape)}")
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be a 1-D tensor of shape (B,), got shape {tuple(r.shape)}")
     return r if r.is_floating_point() else r.float()
+
 
 def _check_eps(eps):
     "Raise unless `eps` >= 0."
-    if not eps >= 0: raise ValueError(f"eps = {eps!r} is out of range: allowed eps >= 0 (reference recipe 1e-6)")
+    if not eps >= 0:
+        raise ValueError(f"eps = {eps!r} is out of range: allowed eps >= 0 (reference recipe 1e-6)")
 
-def group_advantages(rewards: Tensor,  # (B,) one reward per response; the G responses of a prompt are contiguous
-                     group_size: int,  # G: responses per prompt; B must be a multiple of it
-                     eps: float = 1e-6,  # added to the std before dividing (reference recipe 1e-6)
-                    ) -> Tensor:  # (B,) advantages, the dtype of `rewards` (float32 for int/bool rewards)
+
+def group_advantages(
+    rewards: Tensor,  # (B,) one reward per response; the G responses of a prompt are contiguous
+    group_size: int,  # G: responses per prompt; B must be a multiple of it
+    eps: float = 1e-6,  # added to the std before dividing (reference recipe 1e-6)
+) -> Tensor:  # (B,) advantages, the dtype of `rewards` (float32 for int/bool rewards)
     "GRPO advantage `(r - mean) / (std + eps)` within contiguous groups of `group_size`, unbiased std."
     r = _as_rewards(rewards)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size = {group_size!r} is out of range: allowed an integer >= 1")
     _check_eps(eps)
     if r.shape[0] % group_size:
-        raise ValueError(f"rewards has {r.shape[0]} entries, not a multiple of group_size = {group_size}: "
-                         f"expected B = P * G with the G responses of each prompt contiguous")
-    if group_size == 1 or r.numel() == 0: return r / (1 + eps)  # (B,) a group of one: mean 0, std 1 (reference recipe)
-    g = r.view(-1, group_size)                     # (P, G)
-    x = g - g.amin(dim=1, keepdim=True)            # (P, G) shifted by the group minimum: an all-equal group is exactly 0
-    mean = x.mean(dim=1, keepdim=True)             # (P, 1)
-    std = x.std(dim=1, keepdim=True)               # (P, 1) unbiased, divides by G - 1 like torch.std in the recipe
+        raise ValueError(
+            f"rewards has {r.shape[0]} entries, not a multiple of group_size = {group_size}: "
+            f"expected B = P * G with the G responses of each prompt contiguous"
+        )
+    if group_size == 1 or r.numel() == 0:
+        return r / (1 + eps)  # (B,) a group of one: mean 0, std 1 (reference recipe)
+    g = r.view(-1, group_size)  # (P, G)
+    x = g - g.amin(dim=1, keepdim=True)  # (P, G) shifted by the group minimum: an all-equal group is exactly 0
+    mean = x.mean(dim=1, keepdim=True)  # (P, 1)
+    std = x.std(dim=1, keepdim=True)  # (P, 1) unbiased, divides by G - 1 like torch.std in the recipe
     return ((x - mean) / (std + eps)).reshape(-1)  # (B,)
 
 # %% ../nbs/03_advantage.ipynb #f979c86b
 def _group_index(group_ids, n: int) -> tuple[Tensor, int]:
     "Map `group_ids` (tensor or sequence of hashables, length `n`) to dense indices 0..K-1; return them and K."
     if isinstance(group_ids, Tensor):
-        if group_ids.ndim != 1: raise ValueError(f"group_ids must be 1-D, got shape {tuple(group_ids.shape)}")
+        if group_ids.ndim != 1:
+            raise ValueError(f"group_ids must be 1-D, got shape {tuple(group_ids.shape)}")
         ids, inv = torch.unique(group_ids, return_inverse=True)
         idx, k = inv, len(ids)
     else:
         first: dict = {}
         idx = torch.tensor([first.setdefault(g, len(first)) for g in group_ids], dtype=torch.long)
         k = len(first)
-    if len(idx) != n: raise ValueError(f"group_ids has {len(idx)} entries but rewards has {n}: expected one id per response")
+    if len(idx) != n:
+        raise ValueError(f"group_ids has {len(idx)} entries but rewards has {n}: expected one id per response")
     return idx, k
 
-def group_advantages_by_id(rewards: Tensor,  # (B,) one reward per response, any order
-                           group_ids: Tensor | Sequence,  # (B,) id of each response's prompt (ints, strings, ...)
-                           eps: float = 1e-6,  # added to the std before dividing (reference recipe 1e-6)
-                          ) -> Tensor:  # (B,) advantages, the dtype of `rewards` (float32 for int/bool rewards)
+
+def group_advantages_by_id(
+    rewards: Tensor,  # (B,) one reward per response, any order
+    group_ids: Tensor | Sequence,  # (B,) id of each response's prompt (ints, strings, ...)
+    eps: float = 1e-6,  # added to the std before dividing (reference recipe 1e-6)
+) -> Tensor:  # (B,) advantages, the dtype of `rewards` (float32 for int/bool rewards)
     "GRPO advantage `(r - mean) / (std + eps)` within groups of equal `group_ids`, unbiased std; a group of one gets r / (1 + eps)."
     r = _as_rewards(rewards)
     _check_eps(eps)
-    idx, k = _group_index(group_ids, r.shape[0])          # (B,), K groups
-    zeros = r.new_zeros(k)                                 # (K,)
-    n = torch.bincount(idx, minlength=k).to(r.dtype)       # (K,) group sizes
+    idx, k = _group_index(group_ids, r.shape[0])  # (B,), K groups
+    zeros = r.new_zeros(k)  # (K,)
+    n = torch.bincount(idx, minlength=k).to(r.dtype)  # (K,) group sizes
     lo = r.new_full((k,), float("inf")).scatter_reduce(0, idx, r, reduce="amin")  # (K,) group minimum
-    x = r - lo[idx]                                        # (B,) shifted: an all-equal group is exactly 0
-    mean = zeros.index_add(0, idx, x) / n                  # (K,)
-    dev = x - mean[idx]                                    # (B,)
+    x = r - lo[idx]  # (B,) shifted: an all-equal group is exactly 0
+    mean = zeros.index_add(0, idx, x) / n  # (K,)
+    dev = x - mean[idx]  # (B,)
     var = zeros.index_add(0, idx, dev * dev) / (n - 1).clamp(min=1)  # (K,) unbiased
-    adv = dev / (var.sqrt()[idx] + eps)                    # (B,)
-    return torch.where(n[idx] == 1, r / (1 + eps), adv)    # (B,) a group of one: mean 0, std 1
+    adv = dev / (var.sqrt()[idx] + eps)  # (B,)
+    return torch.where(n[idx] == 1, r / (1 + eps), adv)  # (B,) a group of one: mean 0, std 1

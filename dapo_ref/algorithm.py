@@ -26,14 +26,20 @@ __all__ = ['PromptSampler', 'seed_of', 'round_seed', 'Group', 'score_groups', 'R
 # %% ../nbs/09_algorithm.ipynb #b9c152cc
 class PromptSampler:
     "Line 2's data order: a shuffled permutation of the `n` examples per epoch, drawn from `seed`; its state is one integer."
-    def __init__(self, n: int,     # number of examples
-                 seed: int = 0,     # seed of the permutations
-                 pos: int = 0):     # prompts already drawn (from a checkpoint)
+
+    def __init__(
+        self,
+        n: int,  # number of examples
+        seed: int = 0,  # seed of the permutations
+        pos: int = 0,
+    ):  # prompts already drawn (from a checkpoint)
         self.n, self.seed, self.pos, self._epoch, self._perm = n, seed, pos, None, None
 
     def _order(self, epoch: int) -> list[int]:
         perm = list(range(self.n))
-        random.Random(f"dapo_ref-data/{self.seed}/{epoch}").shuffle(perm)  # str seeds hash with sha512: stable across runs
+        random.Random(f"dapo_ref-data/{self.seed}/{epoch}").shuffle(
+            perm
+        )  # str seeds hash with sha512: stable across runs
         return perm
 
     def next(self, k: int) -> list[int]:
@@ -41,13 +47,17 @@ class PromptSampler:
         out = []
         for _ in range(k):
             epoch, i = divmod(self.pos, self.n)
-            if epoch != self._epoch: self._epoch, self._perm = epoch, self._order(epoch)
-            out.append(self._perm[i]); self.pos += 1
+            if epoch != self._epoch:
+                self._epoch, self._perm = epoch, self._order(epoch)
+            out.append(self._perm[i])
+            self.pos += 1
         return out
+
 
 def seed_of(*parts) -> int:
     "A 63-bit seed from (seed, step, round, ...), stable across runs and Python versions."
     return random.Random("dapo_ref/" + "/".join(map(str, parts))).getrandbits(63)
+
 
 def round_seed(seed: int, step: int, rnd: int, rank: int = 0, world: int = 1) -> int:
     "The sampling seed of one generation round (of one engine's share, with `world` > 1): a function of seed, step and round, so resume repeats it."
@@ -57,60 +67,95 @@ def round_seed(seed: int, step: int, rnd: int, rank: int = 0, world: int = 1) ->
 @dataclass
 class Group:
     "One prompt and its G sampled, scored responses."
-    index: int                     # row of the training set
-    prompt_ids: list[int]          # prompt token ids
-    responses: list[list[int]]     # G responses' token ids (EOS included when finished)
-    truncated: list[bool]          # (G,) hit l_max without EOS
-    scores: list[float]            # (G,) Eq. 7: +1 correct, -1 otherwise
-    acc: list[bool]                # (G,) correct
-    rewards: list[float]           # (G,) score + overlong_penalty_factor * Eq. 13 (when soft_overlong_punishment)
-    preds: list[str]               # (G,) extracted answers
-    logps: list | None = None      # (G,) the sampling engine's log-probs of each response's tokens; None if not reported
 
-def score_groups(comps: list[Completion],   # P*G completions, the G of a prompt contiguous
-                 tokenizer,                 # decodes responses for the reward
-                 examples: list[MathExample],   # the training set
-                 prompt_ids: list[list[int]],   # its prompts' token ids
-                 indices: list[int],        # the P rows the completions answer
-                 cfg: DAPOConfig,           # group_size, reward mode and timeout, overlong settings
-                 stats: dict | None = None, # adds the reward's timeouts and errors to stats["reward_timeouts"], ...
-                ) -> list[Group]:
+    index: int  # row of the training set
+    prompt_ids: list[int]  # prompt token ids
+    responses: list[list[int]]  # G responses' token ids (EOS included when finished)
+    truncated: list[bool]  # (G,) hit l_max without EOS
+    scores: list[float]  # (G,) Eq. 7: +1 correct, -1 otherwise
+    acc: list[bool]  # (G,) correct
+    rewards: list[float]  # (G,) score + overlong_penalty_factor * Eq. 13 (when soft_overlong_punishment)
+    preds: list[str]  # (G,) extracted answers
+    logps: list | None = None  # (G,) the sampling engine's log-probs of each response's tokens; None if not reported
+
+
+def score_groups(
+    comps: list[Completion],  # P*G completions, the G of a prompt contiguous
+    tokenizer,  # decodes responses for the reward
+    examples: list[MathExample],  # the training set
+    prompt_ids: list[list[int]],  # its prompts' token ids
+    indices: list[int],  # the P rows the completions answer
+    cfg: DAPOConfig,  # group_size, reward mode and timeout, overlong settings
+    stats: dict | None = None,  # adds the reward's timeouts and errors to stats["reward_timeouts"], ...
+) -> list[Group]:
     "Algorithm 1 line 5: the rule-based reward (Eq. 7, `cfg.reward`) plus the soft overlong punishment (Eq. 13) of every response."
-    if not indices: return []
+    if not indices:
+        return []
     G = cfg.group_size
     texts = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
-    scores, accs, m, preds = score_batch(texts, [examples[i].ground_truth for i in indices for _ in range(G)],
-                                         mode=cfg.reward, timeout=cfg.reward_timeout, return_preds=True)  # (P*G,)
+    scores, accs, m, preds = score_batch(
+        texts,
+        [examples[i].ground_truth for i in indices for _ in range(G)],
+        mode=cfg.reward,
+        timeout=cfg.reward_timeout,
+        return_preds=True,
+    )  # (P*G,)
     if stats is not None:
-        for k in ("reward_timeouts", "reward_errors"): stats[k] = stats.get(k, 0) + m[k]
+        for k in ("reward_timeouts", "reward_errors"):
+            stats[k] = stats.get(k, 0) + m[k]
     rewards = scores.clone()  # (P*G,)
     if cfg.soft_overlong_punishment:
         lengths = torch.tensor([len(c.token_ids) for c in comps])  # (P*G,) EOS counted
         rewards = rewards + cfg.overlong_penalty_factor * overlong_penalty(lengths, cfg.l_max, cfg.l_cache)  # (P*G,)
-    return [Group(i, prompt_ids[i], [c.token_ids for c in comps[p * G:(p + 1) * G]],
-                  [c.truncated for c in comps[p * G:(p + 1) * G]], scores[p * G:(p + 1) * G].tolist(),
-                  accs[p * G:(p + 1) * G].tolist(), rewards[p * G:(p + 1) * G].tolist(), preds[p * G:(p + 1) * G],
-                  None if any(c.logprobs is None for c in comps) else [c.logprobs for c in comps[p * G:(p + 1) * G]])
-            for p, i in enumerate(indices)]
+    return [
+        Group(
+            i,
+            prompt_ids[i],
+            [c.token_ids for c in comps[p * G : (p + 1) * G]],
+            [c.truncated for c in comps[p * G : (p + 1) * G]],
+            scores[p * G : (p + 1) * G].tolist(),
+            accs[p * G : (p + 1) * G].tolist(),
+            rewards[p * G : (p + 1) * G].tolist(),
+            preds[p * G : (p + 1) * G],
+            None if any(c.logprobs is None for c in comps) else [c.logprobs for c in comps[p * G : (p + 1) * G]],
+        )
+        for p, i in enumerate(indices)
+    ]
 
 # %% ../nbs/09_algorithm.ipynb #4368b562
 class Rollout:
     "Lines 4-5 in one process: a rollout engine samples G responses per prompt from the old policy, the reward scores them."
-    def __init__(self, engine: RolloutEngine,   # holds the old policy (line 3 loads it)
-                 tokenizer,                      # decodes responses for the reward
-                 examples: list[MathExample],    # the training set
-                 prompt_ids: list[list[int]],    # its prompts' token ids
-                 cfg: DAPOConfig,                # group_size, sampling, reward and overlong settings
-                 dp: tuple[int, int] = (0, 1),   # (which, how many) engines share each round: the seed of this one's share
-                 progress: bool = False):        # the engine's progress bar
-        self.engine, self.tokenizer, self.examples, self.prompt_ids, self.cfg = engine, tokenizer, examples, prompt_ids, cfg
+
+    def __init__(
+        self,
+        engine: RolloutEngine,  # holds the old policy (line 3 loads it)
+        tokenizer,  # decodes responses for the reward
+        examples: list[MathExample],  # the training set
+        prompt_ids: list[list[int]],  # its prompts' token ids
+        cfg: DAPOConfig,  # group_size, sampling, reward and overlong settings
+        dp: tuple[int, int] = (0, 1),  # (which, how many) engines share each round: the seed of this one's share
+        progress: bool = False,
+    ):  # the engine's progress bar
+        self.engine, self.tokenizer, self.examples, self.prompt_ids, self.cfg = (
+            engine,
+            tokenizer,
+            examples,
+            prompt_ids,
+            cfg,
+        )
         self.dp, self.progress, self.stats = dp, progress, {}  # stats: seconds and reward counts, read by the driver
 
     def groups(self, indices: list[int], step: int, rnd: int) -> list[Group]:
         "The P groups of one round: G responses for each of the prompts `indices`, scored, in their order."
         t0 = time.perf_counter()
-        params = sampling_params_from_config(self.cfg, seed=round_seed(self.cfg.seed, step, rnd, *self.dp))  # n = G, l_max
-        comps = self.engine.generate([self.prompt_ids[i] for i in indices], params, use_tqdm=self.progress) if indices else []
+        params = sampling_params_from_config(
+            self.cfg, seed=round_seed(self.cfg.seed, step, rnd, *self.dp)
+        )  # n = G, l_max
+        comps = (
+            self.engine.generate([self.prompt_ids[i] for i in indices], params, use_tqdm=self.progress)
+            if indices
+            else []
+        )
         t1 = time.perf_counter()
         out = score_groups(comps, self.tokenizer, self.examples, self.prompt_ids, indices, self.cfg, stats=self.stats)
         self.stats["generate"] = self.stats.get("generate", 0.0) + t1 - t0
@@ -126,107 +171,152 @@ class Rollout:
         return self.engine.around_update(update, weights)
 
 # %% ../nbs/09_algorithm.ipynb #a4d98c17
-def collect(rollout,                # `Rollout` (or `sharded.ShardedRollout`): `groups(indices, step, round)`
-            prompts: PromptSampler, # line 2's data order
-            cfg: DAPOConfig,        # prompts_per_step, group_size, gen_batch_size, dynamic sampling settings
-            step: int,              # this rollout step (seeds its rounds)
-            on_round: Callable[[DynamicSamplingBuffer], None] | None = None,  # after each round (the driver's watch)
-           ) -> tuple[list[Group], list[Group], dict]:
+def collect(
+    rollout,  # `Rollout` (or `sharded.ShardedRollout`): `groups(indices, step, round)`
+    prompts: PromptSampler,  # line 2's data order
+    cfg: DAPOConfig,  # prompts_per_step, group_size, gen_batch_size, dynamic sampling settings
+    step: int,  # this rollout step (seeds its rounds)
+    on_round: Callable[[DynamicSamplingBuffer], None] | None = None,  # after each round (the driver's watch)
+) -> tuple[list[Group], list[Group], dict]:
     "Algorithm 1 lines 2 and 4-8: generate and score rounds until `prompts_per_step` informative groups are kept (Eq. 11)."
-    buf = DynamicSamplingBuffer(cfg.prompts_per_step, cfg.group_size, cfg.max_num_gen_batches, enabled=cfg.dynamic_sampling)
+    buf = DynamicSamplingBuffer(
+        cfg.prompts_per_step, cfg.group_size, cfg.max_num_gen_batches, enabled=cfg.dynamic_sampling
+    )
     n = cfg.gen_batch_size if cfg.dynamic_sampling else cfg.prompts_per_step
     seen = []
-    while not buf.full:                                                     # lines 7-8: until N groups are kept
-        groups = rollout.groups(prompts.next(n), step, buf.rounds)          # lines 2, 4-5
+    while not buf.full:  # lines 7-8: until N groups are kept
+        groups = rollout.groups(prompts.next(n), step, buf.rounds)  # lines 2, 4-5
         seen += groups
-        buf.add(groups, torch.tensor([a for g in groups for a in g.acc]))   # line 6: drop all-equal groups (Eq. 11)
-        if on_round is not None: on_round(buf)
+        buf.add(groups, torch.tensor([a for g in groups for a in g.acc]))  # line 6: drop all-equal groups (Eq. 11)
+        if on_round is not None:
+            on_round(buf)
     timeouts, errors = rollout.reward_counts()
-    stats = dict(gen_rounds=buf.rounds, frac_kept=buf.frac_kept, groups_seen=buf.n_seen,
-                 groups_all_correct=buf.n_all_correct, groups_all_wrong=buf.n_all_wrong,
-                 reward_timeouts=timeouts, reward_errors=errors)
+    stats = dict(
+        gen_rounds=buf.rounds,
+        frac_kept=buf.frac_kept,
+        groups_seen=buf.n_seen,
+        groups_all_correct=buf.n_all_correct,
+        groups_all_wrong=buf.n_all_wrong,
+        reward_timeouts=timeouts,
+        reward_errors=errors,
+    )
     return buf.take(), seen, stats
 
 # %% ../nbs/09_algorithm.ipynb #9f6139ea
-def make_batch(groups: list[Group],  # P groups
-               group_size: int,      # G
-              ) -> RolloutBatch:
+def make_batch(
+    groups: list[Group],  # P groups
+    group_size: int,  # G
+) -> RolloutBatch:
     "Algorithm 1 line 9: flatten P groups into B = P*G responses with their group-normalised advantages (Eq. 4)."
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)  # (B,)
     logp = None if any(g.logps is None for g in groups) else [lp for g in groups for lp in g.logps]
-    return RolloutBatch([g.prompt_ids for g in groups for _ in g.responses], [r for g in groups for r in g.responses],
-                        group_advantages(rewards, group_size), torch.tensor([t for g in groups for t in g.truncated],
-                        dtype=torch.bool), rewards, logp)
+    return RolloutBatch(
+        [g.prompt_ids for g in groups for _ in g.responses],
+        [r for g in groups for r in g.responses],
+        group_advantages(rewards, group_size),
+        torch.tensor([t for g in groups for t in g.truncated], dtype=torch.bool),
+        rewards,
+        logp,
+    )
 
 # %% ../nbs/09_algorithm.ipynb #3fa96a6e
-def rollout_gap(learner: Learner,
-                minis: list[RolloutBatch],  # this process's part of each mini-batch, with the engine's log-probs (or None)
-                olds: list[tuple[list[Tensor], list[Tensor]]],  # the learner's old log-probs of the same responses
-               ) -> dict:
+def rollout_gap(
+    learner: Learner,
+    minis: list[RolloutBatch],  # this process's part of each mini-batch, with the engine's log-probs (or None)
+    olds: list[tuple[list[Tensor], list[Tensor]]],  # the learner's old log-probs of the same responses
+) -> dict:
     """How far the sampler's policy is from the one the learner thinks sampled: per response token, d = learner's old
     log-prob - engine's log-prob of the sampled token; the mean and max |d| and the k3 estimate of KL(engine || learner),
     mean of e^d - 1 - d (>= 0, Schulman's estimator from samples of the engine). {} without engine log-probs."""
-    if any(m.rollout_logp is None for m in minis): return {}
-    d = [old.double() - torch.tensor(eng, dtype=torch.float64) for m, (lp, _) in zip(minis, olds) for old, eng in zip(lp, m.rollout_logp)]
+    if any(m.rollout_logp is None for m in minis):
+        return {}
+    d = [
+        old.double() - torch.tensor(eng, dtype=torch.float64)
+        for m, (lp, _) in zip(minis, olds)
+        for old, eng in zip(lp, m.rollout_logp)
+    ]
     d = torch.cat(d) if d else torch.zeros(0, dtype=torch.float64)  # (tokens,)
     s = learner.all_sum([float(d.abs().sum()), float((torch.expm1(d) - d).sum()), d.numel()])  # each term >= 0, exactly
     mx = learner.all_max([float(d.abs().max()) if d.numel() else 0.0])[0]
     return dict(rollout_logp_diff_mean=s[0] / max(s[2], 1), rollout_logp_diff_max=mx, rollout_kl_k3=s[1] / max(s[2], 1))
 
-def train_on(learner: Learner,       # `Learner`: log-probs and one optimizer step per mini-batch
-             batch: RolloutBatch,    # the step's B responses (line 9)
-             mini_batch_size: int,   # responses per optimizer step
-             after_update: Callable[[dict], None] | None = None,  # after each update (the driver's guard bookkeeping)
-             timer: dict | None = None,
-            ) -> tuple[list[dict], dict]:
+
+def train_on(
+    learner: Learner,  # `Learner`: log-probs and one optimizer step per mini-batch
+    batch: RolloutBatch,  # the step's B responses (line 9)
+    mini_batch_size: int,  # responses per optimizer step
+    after_update: Callable[[dict], None] | None = None,  # after each update (the driver's guard bookkeeping)
+    timer: dict | None = None,
+) -> tuple[list[dict], dict]:
     "Algorithm 1 lines 10-11: the old log-probs of every mini-batch first, then one optimizer step per mini-batch."
     t0 = time.perf_counter()
-    minis = learner.minibatches(batch, mini_batch_size)    # line 10; this process's part of each (all of it alone)
+    minis = learner.minibatches(batch, mini_batch_size)  # line 10; this process's part of each (all of it alone)
     olds = [learner.compute_logprobs(mini) for mini in minis]  # pi_theta_old: before any update
     t1 = time.perf_counter()
     lp, en = [t for l, _ in olds for t in l], [t for _, e in olds for t in e]
-    s = learner.all_sum([sum(float(t.exp().sum()) for t in lp), sum(float(t.sum()) for t in en), sum(t.numel() for t in lp)])
+    s = learner.all_sum(
+        [sum(float(t.exp().sum()) for t in lp), sum(float(t.sum()) for t in en), sum(t.numel() for t in lp)]
+    )
     stats = dict(entropy=s[1] / max(s[2], 1), prob_mean=s[0] / max(s[2], 1), **rollout_gap(learner, minis, olds))
     updates = []
     for mini, (old_logp, _) in zip(minis, olds):
-        updates.append(learner.update(mini, old_logp))      # line 11: maximise J_DAPO (Eq. 8) on the mini-batch
-        if after_update is not None: after_update(updates[-1])
-    if timer is not None: timer["logprobs"], timer["update"] = t1 - t0, time.perf_counter() - t1
+        updates.append(learner.update(mini, old_logp))  # line 11: maximise J_DAPO (Eq. 8) on the mini-batch
+        if after_update is not None:
+            after_update(updates[-1])
+    if timer is not None:
+        timer["logprobs"], timer["update"] = t1 - t0, time.perf_counter() - t1
     return updates, stats
 
 # %% ../nbs/09_algorithm.ipynb #48a583c4
-def _mean(xs): xs = list(xs); return sum(xs) / len(xs) if xs else 0.0
+def _mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0
 
-def step_metrics(seen: list[Group],     # every group generated this step
-                 updates: list[dict],   # `Learner.update` results
-                 **extra) -> dict:
+
+def step_metrics(
+    seen: list[Group],  # every group generated this step
+    updates: list[dict],  # `Learner.update` results
+    **extra,
+) -> dict:
     "One `metrics.jsonl` row from a step's groups and updates (plus `extra` fields)."
     lens = [len(r) for g in seen for r in g.responses]
-    row = dict(reward_mean=_mean(r for g in seen for r in g.rewards), score_mean=_mean(s for g in seen for s in g.scores),
-               acc=_mean(float(a) for g in seen for a in g.acc), resp_len_mean=_mean(lens), resp_len_max=max(lens),
-               truncated_frac=_mean(float(t) for g in seen for t in g.truncated), **extra)
+    row = dict(
+        reward_mean=_mean(r for g in seen for r in g.rewards),
+        score_mean=_mean(s for g in seen for s in g.scores),
+        acc=_mean(float(a) for g in seen for a in g.acc),
+        resp_len_mean=_mean(lens),
+        resp_len_max=max(lens),
+        truncated_frac=_mean(float(t) for g in seen for t in g.truncated),
+        **extra,
+    )
     for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "up_clipped_prob", "loss", "grad_norm"):
         row[k] = _mean(u.get(k, 0.0) for u in updates)
-    row.update(grad_norm_max=max(u["grad_norm"] for u in updates), skipped_updates=int(sum(u["skipped"] for u in updates)),
-               ratio_min=min(u["ratio_min"] for u in updates), ratio_max=max(u["ratio_max"] for u in updates))
+    row.update(
+        grad_norm_max=max(u["grad_norm"] for u in updates),
+        skipped_updates=int(sum(u["skipped"] for u in updates)),
+        ratio_min=min(u["ratio_min"] for u in updates),
+        ratio_max=max(u["ratio_max"] for u in updates),
+    )
     return row
 
 # %% ../nbs/09_algorithm.ipynb #4d244f4b
-def dapo_step(rollout,                  # lines 4-5 and 3: `Rollout`, or `sharded.ShardedRollout` on N ranks
-              learner: Learner,         # lines 10-11
-              prompts: PromptSampler,   # line 2
-              cfg: DAPOConfig,
-              step: int,                # this rollout step, from 1
-              on_round: Callable | None = None,      # after each generation round (the driver's progress and time limit)
-              after_update: Callable | None = None,  # after each optimizer step (the driver's guard bookkeeping)
-              timer: dict | None = None,
-             ) -> tuple[dict, list[Group]]:
+def dapo_step(
+    rollout,  # lines 4-5 and 3: `Rollout`, or `sharded.ShardedRollout` on N ranks
+    learner: Learner,  # lines 10-11
+    prompts: PromptSampler,  # line 2
+    cfg: DAPOConfig,
+    step: int,  # this rollout step, from 1
+    on_round: Callable | None = None,  # after each generation round (the driver's progress and time limit)
+    after_update: Callable | None = None,  # after each optimizer step (the driver's guard bookkeeping)
+    timer: dict | None = None,
+) -> tuple[dict, list[Group]]:
     "One iteration of Algorithm 1: lines 2-11, then line 3 for the next; its metrics and the kept groups."
     lr = learner.lr  # this step's learning rate (the warm-up moves it after the step)
-    kept, seen, gstats = collect(rollout, prompts, cfg, step, on_round)        # lines 2, 4-8
-    batch = make_batch(kept, cfg.group_size)                                     # line 9
-    updates, bstats = rollout.around_update(                                     # lines 10-11, then line 3
-        lambda: train_on(learner, batch, cfg.mini_batch_size, after_update, timer), learner.named_weights)
+    kept, seen, gstats = collect(rollout, prompts, cfg, step, on_round)  # lines 2, 4-8
+    batch = make_batch(kept, cfg.group_size)  # line 9
+    updates, bstats = rollout.around_update(  # lines 10-11, then line 3
+        lambda: train_on(learner, batch, cfg.mini_batch_size, after_update, timer), learner.named_weights
+    )
     learner.end_step()  # the learning rate's warm-up counts rollout steps
     kept_reward = float(batch.rewards.sum()) / max(len(batch), 1)
     return step_metrics(seen, updates, kept_reward_mean=kept_reward, **gstats, **bstats, lr=lr), kept

@@ -16,22 +16,29 @@ __all__ = ['QWEN25', 'ModelArch', 'n_params', 'layer_params', 'largest_layer_par
 @dataclass(frozen=True)
 class ModelArch:
     "The shape of a Qwen2-style decoder: everything the size formulas need from a `config.json`."
-    hidden_size: int            # h
-    num_hidden_layers: int      # L
-    num_attention_heads: int    # query heads
-    num_key_value_heads: int    # K/V heads (grouped-query attention)
-    intermediate_size: int      # I: SwiGLU MLP width
-    vocab_size: int             # V
-    tie_word_embeddings: bool   # lm head shares the embedding matrix
+
+    hidden_size: int  # h
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # K/V heads (grouped-query attention)
+    intermediate_size: int  # I: SwiGLU MLP width
+    vocab_size: int  # V
+    tie_word_embeddings: bool  # lm head shares the embedding matrix
     name: str = ""
-    head_size: int = 0          # per-head width when a config sets it apart from h / heads (0 = h / heads, as in Qwen2.5)
+    head_size: int = 0  # per-head width when a config sets it apart from h / heads (0 = h / heads, as in Qwen2.5)
 
     @property
-    def head_dim(self) -> int: return self.head_size or self.hidden_size // self.num_attention_heads
+    def head_dim(self) -> int:
+        return self.head_size or self.hidden_size // self.num_attention_heads
+
     @property
-    def q_dim(self) -> int: return self.num_attention_heads * self.head_dim  # = h for Qwen2.5
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim  # = h for Qwen2.5
+
     @property
-    def kv_dim(self) -> int: return self.num_key_value_heads * self.head_dim  # h_kv
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim  # h_kv
+
 
 QWEN25 = {  # hub config.json values of Qwen/Qwen2.5-{size}
     "0.5B": ModelArch(896, 24, 14, 2, 4864, 151936, True, "Qwen2.5-0.5B"),
@@ -46,51 +53,79 @@ QWEN25 = {  # hub config.json values of Qwen/Qwen2.5-{size}
 # %% ../nbs/07b_arch.ipynb #2347a783
 def n_params(arch: ModelArch) -> int:
     "Parameter count of a Qwen2 causal LM (tied embeddings counted once)."
-    return arch.vocab_size * arch.hidden_size + arch.num_hidden_layers * layer_params(arch) + arch.hidden_size \
+    return (
+        arch.vocab_size * arch.hidden_size
+        + arch.num_hidden_layers * layer_params(arch)
+        + arch.hidden_size
         + (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
+    )
+
 
 def layer_params(arch: ModelArch) -> int:
     "Parameters of one decoder layer: attention, SwiGLU MLP and its two RMSNorms."
     h, q, hkv, I = arch.hidden_size, arch.q_dim, arch.kv_dim, arch.intermediate_size
-    attn = (h * q + q) + 2 * (h * hkv + hkv) + q * h   # q (bias), k, v (bias), o (no bias)
-    return attn + 3 * h * I + 2 * h                     # + gate, up, down + two RMSNorms
+    attn = (h * q + q) + 2 * (h * hkv + hkv) + q * h  # q (bias), k, v (bias), o (no bias)
+    return attn + 3 * h * I + 2 * h  # + gate, up, down + two RMSNorms
+
 
 def largest_layer_params(arch: ModelArch) -> int:
     "Parameters of the largest single module (DeepSpeed's 'largest layer'): the embedding for every Qwen2.5."
     h = arch.hidden_size
     return max(arch.vocab_size * h, h * arch.intermediate_size, h * h + h)
 
+
 def kv_bytes_per_token(arch: ModelArch, dtype_bytes: int = 2) -> int:
     "Bytes of the KV cache per token of one sequence: keys and values of every layer."
     return 2 * arch.num_hidden_layers * arch.kv_dim * dtype_bytes
 
 # %% ../nbs/07b_arch.ipynb #978008fb
-def resolve_arch(model: str | Path | dict | ModelArch  # hub name, local folder with config.json, config dict or ModelArch
-              ) -> ModelArch:
+def resolve_arch(
+    model: str | Path | dict | ModelArch,  # hub name, local folder with config.json, config dict or ModelArch
+) -> ModelArch:
     "The architecture of `model`: a Qwen2.5 hub name from the built-in table, a folder's config.json, or a dict."
-    if isinstance(model, ModelArch): return model
+    if isinstance(model, ModelArch):
+        return model
     if isinstance(model, dict):
-        keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size"]
-        missing = [k for k in keys if k not in model and not (k == "num_key_value_heads" and "num_attention_heads" in model)]
-        if missing: raise ValueError(f"model config lacks {', '.join(missing)}; the planner needs {', '.join(keys)}")
-        return ModelArch(*(int(model.get(k, model["num_attention_heads"])) for k in keys),
-                         bool(model.get("tie_word_embeddings", False)), str(model.get("_name_or_path", "")))
+        keys = [
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+        ]
+        missing = [
+            k for k in keys if k not in model and not (k == "num_key_value_heads" and "num_attention_heads" in model)
+        ]
+        if missing:
+            raise ValueError(f"model config lacks {', '.join(missing)}; the planner needs {', '.join(keys)}")
+        return ModelArch(
+            *(int(model.get(k, model["num_attention_heads"])) for k in keys),
+            bool(model.get("tie_word_embeddings", False)),
+            str(model.get("_name_or_path", "")),
+        )
     p = Path(model)
     if str(model) == "tiny" or str(model).startswith("tiny-") and not p.exists():  # the tiny model and its testbeds
         import importlib.util  # (one architecture; the shipped folder's config.json, without importing torch)
+
         p = Path(importlib.util.find_spec("dapo_ref").origin).parent / "tiny_model"
     if (p / "config.json").is_file():
-        try: arch = resolve_arch(json.loads((p / "config.json").read_text()))
+        try:
+            arch = resolve_arch(json.loads((p / "config.json").read_text()))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{p / 'config.json'} is not valid JSON ({e.msg}, line {e.lineno}); pass a model folder with "
-                             "the config.json that save_pretrained writes") from None
+            raise ValueError(
+                f"{p / 'config.json'} is not valid JSON ({e.msg}, line {e.lineno}); pass a model folder with "
+                "the config.json that save_pretrained writes"
+            ) from None
         return dataclasses.replace(arch, name=str(p))
     m = re.search(r"qwen2\.5-(?:math-|coder-)?(\d+(?:\.\d+)?)b(?![a-z0-9.])", str(model), re.I)
-    if m and m.group(1).upper() + "B" in QWEN25: return QWEN25[m.group(1).upper() + "B"]
-    raise ValueError(f"model = {str(model)!r}: no config.json in that folder and not a Qwen2.5 name the planner "
-                     f"knows ({', '.join('Qwen2.5-' + k for k in QWEN25)}); give the model as a folder with "
-                     "config.json (e.g. a downloaded model), or pass --model-arch with one (or with a Qwen2.5 name)")
+    if m and m.group(1).upper() + "B" in QWEN25:
+        return QWEN25[m.group(1).upper() + "B"]
+    raise ValueError(
+        f"model = {str(model)!r}: no config.json in that folder and not a Qwen2.5 name the planner "
+        f"knows ({', '.join('Qwen2.5-' + k for k in QWEN25)}); give the model as a folder with "
+        "config.json (e.g. a downloaded model), or pass --model-arch with one (or with a Qwen2.5 name)"
+    )
 
 # %% ../nbs/07b_arch.ipynb #48b42baa
 def arch_from_config(config) -> ModelArch:
@@ -98,6 +133,14 @@ def arch_from_config(config) -> ModelArch:
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     h, heads = c.hidden_size, c.num_attention_heads
     hd = getattr(c, "head_dim", None) or h // heads
-    return ModelArch(h, c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads,
-                     getattr(c, "intermediate_size", None) or 4 * h, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)),
-                     str(getattr(c, "_name_or_path", "") or ""), 0 if hd == h // heads else hd)
+    return ModelArch(
+        h,
+        c.num_hidden_layers,
+        heads,
+        getattr(c, "num_key_value_heads", None) or heads,
+        getattr(c, "intermediate_size", None) or 4 * h,
+        c.vocab_size,
+        bool(getattr(c, "tie_word_embeddings", False)),
+        str(getattr(c, "_name_or_path", "") or ""),
+        0 if hd == h // heads else hd,
+    )

@@ -4,41 +4,54 @@
 
 # %% ../nbs/00_core.ipynb #bb6d6cbb
 from __future__ import annotations
-import argparse, contextlib, difflib, math, os, re, sys
-from dataclasses import dataclass, field, fields, asdict
-from pathlib import Path
+import math, os, re
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
-
-import yaml
 
 # %% auto #0
 __all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS', 'PATH_FIELDS',
-           'USER_ERRORS', 'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'DAPOHyperparams', 'DAPOConfig',
-           'InputError', 'short', 'validate', 'find_recipe', 'read_yaml', 'config_from_dict', 'load_config',
-           'save_config', 'parse_overrides', 'strict_bool', 'one_line', 'cli_errors', 'interrupts', 'ArgParser']
+           'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'DAPOHyperparams', 'DAPOConfig', 'InputError',
+           'short', 'validate']
 
 # %% ../nbs/00_core.ipynb #e040a55c
 @dataclass(frozen=True)
 class Allowed:
     "A field's allowed values: a predicate and its words, as errors say them (`{}` stands for the field's name)."
+
     ok: Callable[[Any], bool]
     words: str
 
+
 def ge(x, note: str = ""):  # note: what the bound value means, e.g. "0 = unbounded"
     return Allowed(lambda v: v >= x, f"{{}} >= {x}" + (f" ({note})" if note else ""))
-def gt(x): return Allowed(lambda v: v > x, f"{{}} > {x}")
-def below_1(lo_open: bool = False):  # [0, 1) or (0, 1)
-    return Allowed((lambda v: 0 < v < 1) if lo_open else (lambda v: 0 <= v < 1), f"0 {'<' if lo_open else '<='} {{}} < 1")
-def prob(): return Allowed(lambda v: 0 < v <= 1, "0 < {} <= 1")
-def one_of(*xs): return Allowed(lambda v: v in xs, "one of " + ", ".join(map(str, xs)))
 
-def knob(default: Any,                # the value when a recipe does not set it
-         help: str,                   # what it means, one line (its paper symbol first where it has one)
-         allowed: Allowed | None = None,  # its range; None = any value of its type
-         paper: str = "",             # what the paper sets ("" = the paper is silent)
-         script: str = "",            # what the reference run's script sets
-         why: str = "",               # why the default is what it is, where it is not the paper's value
-        ):
+
+def gt(x):
+    return Allowed(lambda v: v > x, f"{{}} > {x}")
+
+
+def below_1(lo_open: bool = False):  # [0, 1) or (0, 1)
+    return Allowed(
+        (lambda v: 0 < v < 1) if lo_open else (lambda v: 0 <= v < 1), f"0 {'<' if lo_open else '<='} {{}} < 1"
+    )
+
+
+def prob():
+    return Allowed(lambda v: 0 < v <= 1, "0 < {} <= 1")
+
+
+def one_of(*xs):
+    return Allowed(lambda v: v in xs, "one of " + ", ".join(map(str, xs)))
+
+
+def knob(
+    default: Any,  # the value when a recipe does not set it
+    help: str,  # what it means, one line (its paper symbol first where it has one)
+    allowed: Allowed | None = None,  # its range; None = any value of its type
+    paper: str = "",  # what the paper sets ("" = the paper is silent)
+    script: str = "",  # what the reference run's script sets
+    why: str = "",  # why the default is what it is, where it is not the paper's value
+):
     "A config field declared once: default, help, allowed range and sources. Validation, the docs table and errors read it."
     return field(default=default, metadata=dict(help=help, allowed=allowed, paper=paper, script=script, why=why))
 
@@ -47,41 +60,73 @@ REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
 REWARD_PLUGIN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # your own: `reward: package.module:function`
 REPORT_TO = ("none", "tensorboard", "wandb")  # experiment trackers `report_to` may name (TRL's field)
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-_REWARD = Allowed(lambda v: v in REWARD_MODES or REWARD_PLUGIN.fullmatch(v) is not None,
-                  "one of " + ", ".join(REWARD_MODES) + ", or a plug-in package.module:function")
+_REWARD = Allowed(
+    lambda v: v in REWARD_MODES or REWARD_PLUGIN.fullmatch(v) is not None,
+    "one of " + ", ".join(REWARD_MODES) + ", or a plug-in package.module:function",
+)
+
 
 @dataclass
 class DAPOHyperparams:
     "The algorithm's knobs with the paper's defaults (the reference script's where the paper is silent)."
+
     # --- objective (Eq. 8, 10, 12) ---
     eps_low: float = knob(0.2, "ε_low: lower clip range of the ratio", below_1(), "0.2", "0.2")
     eps_high: float = knob(0.28, "ε_high: upper clip range (Clip-Higher, Eq. 10)", ge(0), "0.28", "0.28")
-    clip_c: float | None = knob(10.0, "c: dual-clip bound of the ratio for A < 0; null = off",
-                                Allowed(lambda v: v > 1, "{} > 1, or null to disable dual clip"), "not mentioned",
-                                "10.0 (clip_ratio_c)", "script: the loss that produced Table 1")
-    loss_agg: str = knob("token-mean", "Eq. 12 token-level loss; seq-mean-token-mean is GRPO's sample-level loss",
-                         one_of(*LOSS_AGGS), "token-mean (Eq. 12)", "token-mean")
+    clip_c: float | None = knob(
+        10.0,
+        "c: dual-clip bound of the ratio for A < 0; null = off",
+        Allowed(lambda v: v > 1, "{} > 1, or null to disable dual clip"),
+        "not mentioned",
+        "10.0 (clip_ratio_c)",
+        "script: the loss that produced Table 1",
+    )
+    loss_agg: str = knob(
+        "token-mean",
+        "Eq. 12 token-level loss; seq-mean-token-mean is GRPO's sample-level loss",
+        one_of(*LOSS_AGGS),
+        "token-mean (Eq. 12)",
+        "token-mean",
+    )
     # --- group sampling and dynamic sampling (Eq. 11, Algorithm 1) ---
     group_size: int = knob(16, "G: responses per prompt", ge(1), "16", "16")
     prompts_per_step: int = knob(512, "prompts per rollout step after filtering", ge(1), "512", "512")
     gen_batch_size: int = knob(1536, "prompts generated per round, before filtering", ge(1), "not stated", "3 x 512")
     mini_batch_size: int = knob(512, "responses per gradient update", ge(1), "512 (16 updates a step)", "32 x 16")
     dynamic_sampling: bool = knob(True, "drop groups whose accuracies are all equal", None, "on (Eq. 11)", "on (acc)")
-    max_num_gen_batches: int = knob(10, "bound on generation rounds per step; 0 = unbounded",
-                                    ge(0, "0 = unbounded"), "a bound, no value", "10")
+    max_num_gen_batches: int = knob(
+        10, "bound on generation rounds per step; 0 = unbounded", ge(0, "0 = unbounded"), "a bound, no value", "10"
+    )
     # --- rule-based reward (Section 2.4, Eq. 7) ---
-    reward: str = knob("dapo-reference", "the verdict: dapo-reference (the reference's), dapo-strict, math-verify",
-                       _REWARD, "is_equivalent (Eq. 7)", "math_dapo: string equality",
-                       "script: the verdicts the paper's numbers were trained with")
-    reward_timeout: float = knob(5.0, "seconds per math-verify call; a call past it scores -1", gt(0), "-", "-",
-                                 "math-verify's bound (unused by the default reward)")
+    reward: str = knob(
+        "dapo-reference",
+        "the verdict: dapo-reference (the reference's), dapo-strict, math-verify",
+        _REWARD,
+        "is_equivalent (Eq. 7)",
+        "math_dapo: string equality",
+        "script: the verdicts the paper's numbers were trained with",
+    )
+    reward_timeout: float = knob(
+        5.0,
+        "seconds per math-verify call; a call past it scores -1",
+        gt(0),
+        "-",
+        "-",
+        "math-verify's bound (unused by the default reward)",
+    )
     # --- overlong reward shaping (Section 3.4, Eq. 13) ---
     l_max: int = knob(20480, "L_max: maximum response length, expected + cache", ge(1), "16384 + 4096", "20480")
     l_cache: int = knob(4096, "L_cache: soft punishment interval before L_max", ge(0), "4096", "4096")
     overlong_penalty_factor: float = knob(1.0, "scale of the Eq. 13 penalty", ge(0), "1 (Eq. 13)", "1.0")
     soft_overlong_punishment: bool = knob(True, "add Eq. 13 to the reward", None, "on (Table 1 row 4 on)", "on")
-    overlong_filter: bool = knob(False, "mask the loss of truncated responses (Table 1 row 2)", None, "on in rows 2-3",
-                                 "absent", "off: row 4's punishment replaces it in the final recipe")
+    overlong_filter: bool = knob(
+        False,
+        "mask the loss of truncated responses (Table 1 row 2)",
+        None,
+        "on in rows 2-3",
+        "absent",
+        "off: row 4's punishment replaces it in the final recipe",
+    )
     max_prompt_length: int = knob(2048, "prompt tokens at most", ge(1), "not stated", "2048")
     # --- optimisation (Section 4.1) ---
     lr: float = knob(1e-6, "learning rate of AdamW", gt(0), "1e-6", "1e-6")
@@ -93,148 +138,267 @@ class DAPOHyperparams:
     # --- sampling (Section 4.1) ---
     temperature: float = knob(1.0, "training rollout temperature", gt(0), "1.0", "1.0")
     top_p: float = knob(1.0, "training rollout top-p", prob(), "not stated", "1.0")
-    top_k: int = knob(-1, "training rollout top-k; -1 = off",
-                      Allowed(lambda v: v == -1 or v >= 1, "{} >= 1, or -1 for off"), "not stated", "-1 (off)")
+    top_k: int = knob(
+        -1,
+        "training rollout top-k; -1 = off",
+        Allowed(lambda v: v == -1 or v >= 1, "{} >= 1, or -1 for off"),
+        "not stated",
+        "-1 (off)",
+    )
     eval_temperature: float = knob(1.0, "evaluation temperature", gt(0), "1.0", "1.0")
     eval_top_p: float = knob(0.7, "evaluation top-p", prob(), "0.7", "1.0 (0.7 in its 7B script)")
     eval_k: int = knob(32, "samples per evaluation prompt: avg@k", ge(1), "32 (avg@32)", "rows repeated 32 times")
 
 # %% ../nbs/00_core.ipynb #33a257cf
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")  # transformers' names; flash: GPU only
-_REPORT_TO = Allowed(lambda v: bool(v.strip()) and all(s.strip() in REPORT_TO for s in v.split(",") if s.strip()),
-                     "none, or one or more of " + ", ".join(REPORT_TO[1:]) + " separated by commas")
+ATTN_IMPLEMENTATIONS = (
+    "sdpa",
+    "eager",
+    "flash_attention_2",
+    "flash_attention_3",
+)  # transformers' names; flash: GPU only
+_REPORT_TO = Allowed(
+    lambda v: bool(v.strip()) and all(s.strip() in REPORT_TO for s in v.split(",") if s.strip()),
+    "none, or one or more of " + ", ".join(REPORT_TO[1:]) + " separated by commas",
+)
+
 
 @dataclass
 class DAPOConfig(DAPOHyperparams):
     "A whole run: the algorithm's knobs (`DAPOHyperparams`), then the model, the data, the schedule and the scale-out."
+
     # --- run ---
     model: str = knob("tiny", "hub name or local folder of a causal LM; tiny = the embedded tiny default")
     train_data: str | None = knob(None, "parquet/JSONL in DAPO-Math-17k schema; null = the tiny task")
     eval_data: str | None = knob(None, "held-out parquet/JSONL; null = the tiny task's held-out split")
     total_steps: int = knob(200, "rollout steps to train for", ge(0))
-    seed: int = knob(0, "one seed for data order, sampling and init",
-                     Allowed(lambda v: 0 <= v < 2**31, "0 <= {} < 2**31 (torch, numpy and Python seed from it)"))
-    micro_token_budget: int = knob(22528, "tokens (prompt + response) per micro-batch on one device", ge(1), "", "22528")
+    seed: int = knob(
+        0,
+        "one seed for data order, sampling and init",
+        Allowed(lambda v: 0 <= v < 2**31, "0 <= {} < 2**31 (torch, numpy and Python seed from it)"),
+    )
+    micro_token_budget: int = knob(
+        22528, "tokens (prompt + response) per micro-batch on one device", ge(1), "", "22528"
+    )
     eval_every: int = knob(10, "rollout steps between held-out evaluations; 0 = only at start and end", ge(0))
     save_every: int = knob(10, "rollout steps between checkpoints (what --resume needs); 0 = only at the end", ge(0))
     export_every: int = knob(0, "rollout steps between HF exports (exports/step-N); 0 = only final/", ge(0))
     output_dir: str = knob("runs/dapo", "metrics.jsonl, curves.png and checkpoints go here")
-    dtype: str = knob("float32", "learner dtype", Allowed(lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"))
+    dtype: str = knob(
+        "float32", "learner dtype", Allowed(lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16")
+    )
     report_to: str = knob("none", "trackers beside metrics.jsonl: none, tensorboard, wandb, or several", _REPORT_TO)
-    samples_per_step: int = knob(2, "training groups per step whose responses go to samples.jsonl (with every eval one)",
-                                 ge(0, "0 = no training samples"))
-    samples_max_mb: float = knob(256.0, "samples.jsonl + samples.1.jsonl stay under this (the older half is dropped)",
-                                 ge(0, "0 = no samples.jsonl"))
+    samples_per_step: int = knob(
+        2,
+        "training groups per step whose responses go to samples.jsonl (with every eval one)",
+        ge(0, "0 = no training samples"),
+    )
+    samples_max_mb: float = knob(
+        256.0,
+        "samples.jsonl + samples.1.jsonl stay under this (the older half is dropped)",
+        ge(0, "0 = no samples.jsonl"),
+    )
     # --- scale-out (the paper's run: 16 nodes x 8 GPUs) ---
     rollout_backend: str = knob("hf", "rollout engine: hf (transformers, one device) or vllm", one_of("hf", "vllm"))
     nnodes: int = knob(1, "nodes", ge(1), "16")
     gpus_per_node: int = knob(1, "GPUs per node", ge(1), "8")
-    zero_stage: int = knob(0, "learner: 0 = plain PyTorch AdamW; 2, 3 = DeepSpeed ZeRO stage",
-                           Allowed(lambda v: v in (0, 2, 3), "0 (plain PyTorch learner), 2 or 3 (DeepSpeed ZeRO)"),
-                           "", "FSDP, all sharded")
+    zero_stage: int = knob(
+        0,
+        "learner: 0 = plain PyTorch AdamW; 2, 3 = DeepSpeed ZeRO stage",
+        Allowed(lambda v: v in (0, 2, 3), "0 (plain PyTorch learner), 2 or 3 (DeepSpeed ZeRO)"),
+        "",
+        "FSDP, all sharded",
+    )
     gradient_checkpointing: bool = knob(False, "recompute activations in backward", None, "", "on")
-    sequence_parallel_size: int = knob(1, "Ulysses: ranks sharing each packed row, 1/size of its tokens each",
-                                       ge(1, "1 = off"), "", "8")
+    sequence_parallel_size: int = knob(
+        1, "Ulysses: ranks sharing each packed row, 1/size of its tokens each", ge(1, "1 = off"), "", "8"
+    )
     attn_implementation: str = knob("sdpa", "learner attention (flash: GPU, bf16)", one_of(*ATTN_IMPLEMENTATIONS))
     offload_params: bool = knob(False, "ZeRO-3 parameter offload to CPU", None, "", "on")
     offload_optimizer: bool = knob(False, "ZeRO optimizer-state offload to CPU", None, "", "on")
     vllm_tensor_parallel: int = knob(1, "vLLM tensor-parallel size per engine", ge(1), "", "4 for 32B")
-    vllm_gpu_memory_utilization: float = knob(0.7, "GPU memory fraction vLLM may take", below_1(lo_open=True), "", "0.7-0.8")
+    vllm_gpu_memory_utilization: float = knob(
+        0.7, "GPU memory fraction vLLM may take", below_1(lo_open=True), "", "0.7-0.8"
+    )
     vllm_enable_chunked_prefill: bool = knob(True, "vLLM chunked prefill", None, "", "on")
-    vllm_enforce_eager: bool = knob(False, "vLLM without CUDA graphs or torch.compile: starts in seconds, decodes slower")
-    dist_timeout: float = knob(1800.0, "seconds a rank may wait in one collective; the longest designed wait: ranks whose "
-                               "engine finished, for the slowest engine's round (32B: 3 h)", gt(0))
+    vllm_enforce_eager: bool = knob(
+        False, "vLLM without CUDA graphs or torch.compile: starts in seconds, decodes slower"
+    )
+    dist_timeout: float = knob(
+        1800.0,
+        "seconds a rank may wait in one collective; the longest designed wait: ranks whose "
+        "engine finished, for the slowest engine's round (32B: 3 h)",
+        gt(0),
+    )
 
-    def __post_init__(self): validate(self)  # `DAPOConfig(...)` is a boundary: a config that exists is a valid one
+    def __post_init__(self):
+        validate(self)  # `DAPOConfig(...)` is a boundary: a config that exists is a valid one
 
 # %% ../nbs/00_core.ipynb #9590422b
 class InputError(ValueError):
     "Bad input from the user (a config value, a file, a command-line flag); the message is one line naming the input and the fix."
-    def __init__(self, message: str,
-                 field: str | None = None):  # the config field it is about, if one (a recipe's error names its file)
+
+    def __init__(
+        self, message: str, field: str | None = None
+    ):  # the config field it is about, if one (a recipe's error names its file)
         super().__init__(message)
         self.field = field
 
 # %% ../nbs/00_core.ipynb #c6cfafd1
-VLLM_FIELDS = ("vllm_tensor_parallel", "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager")
+VLLM_FIELDS = (
+    "vllm_tensor_parallel",
+    "vllm_gpu_memory_utilization",
+    "vllm_enable_chunked_prefill",
+    "vllm_enforce_eager",
+)
 
-def _divisors(n: int) -> str: return ", ".join(str(t) for t in range(1, n + 1) if n % t == 0)
 
+def _divisors(n: int) -> str:
+    return ", ".join(str(t) for t in range(1, n + 1) if n % t == 0)
+
+# %% ../nbs/00_core.ipynb #caa2f651
 def _rules(c) -> Iterator[tuple[str, bool, str]]:
     "The cross-field rules, in order: (the field an error names, the rule holds, the error naming the fix)."
     world, tp, sp, per = c.nnodes * c.gpus_per_node, c.vllm_tensor_parallel, c.sequence_parallel_size, c.gpus_per_node
-    yield "l_cache", c.l_cache < c.l_max, f"l_cache = {c.l_cache} is out of range: allowed 0 <= l_cache < l_max (= {c.l_max})"
-    yield "eps_high", c.eps_high >= c.eps_low, (f"eps_high = {c.eps_high} is out of range: allowed eps_high >= eps_low "
-                                                f"(= {c.eps_low}); Clip-Higher raises the upper bound, set eps_high = "
-                                                "eps_low to turn it off")
-    yield "gen_batch_size", c.gen_batch_size >= c.prompts_per_step, (f"gen_batch_size = {c.gen_batch_size} is out of range: "
-                                                                     "allowed gen_batch_size >= prompts_per_step "
-                                                                     f"(= {c.prompts_per_step})")
-    yield "offload_params", not c.offload_params or c.zero_stage == 3, (
-        f"offload_params = true needs zero_stage = 3 (got {c.zero_stage}): only ZeRO-3 partitions the parameters it "
-        "could offload (ZeRO-2 keeps them whole on every GPU); set zero_stage: 3 or offload_params: false")
-    yield "offload_optimizer", not c.offload_optimizer or c.zero_stage > 0, (
-        "offload_optimizer = true needs a DeepSpeed learner (zero_stage: 2 or 3); the plain PyTorch learner "
-        "(zero_stage: 0) keeps AdamW on the device: set zero_stage or offload_optimizer: false")
-    yield "attn_implementation", not c.attn_implementation.startswith("flash") or c.dtype == "bfloat16", (
-        f"attn_implementation = {c.attn_implementation} runs in fp16/bf16 only, but dtype = {c.dtype}: "
-        "set dtype: bfloat16 or attn_implementation: sdpa")
-    yield "sequence_parallel_size", sp == 1 or c.zero_stage > 0, (
-        f"sequence_parallel_size = {sp} needs a DeepSpeed learner (zero_stage: 2 or 3): Ulysses runs inside "
-        "DeepSpeed's attention wrapper; set zero_stage or sequence_parallel_size: 1")
-    yield "sequence_parallel_size", per % sp == 0, (
-        f"sequence_parallel_size = {sp} does not divide gpus_per_node = {per}: a group's ranks would span two nodes "
-        f"(its all-to-all over the network in every layer); use one of {_divisors(per)}")
+    yield (
+        "l_cache",
+        c.l_cache < c.l_max,
+        f"l_cache = {c.l_cache} is out of range: allowed 0 <= l_cache < l_max (= {c.l_max})",
+    )
+    yield (
+        "eps_high",
+        c.eps_high >= c.eps_low,
+        (
+            f"eps_high = {c.eps_high} is out of range: allowed eps_high >= eps_low "
+            f"(= {c.eps_low}); Clip-Higher raises the upper bound, set eps_high = "
+            "eps_low to turn it off"
+        ),
+    )
+    yield (
+        "gen_batch_size",
+        c.gen_batch_size >= c.prompts_per_step,
+        (
+            f"gen_batch_size = {c.gen_batch_size} is out of range: "
+            "allowed gen_batch_size >= prompts_per_step "
+            f"(= {c.prompts_per_step})"
+        ),
+    )
+    yield (
+        "offload_params",
+        not c.offload_params or c.zero_stage == 3,
+        (
+            f"offload_params = true needs zero_stage = 3 (got {c.zero_stage}): only ZeRO-3 partitions the parameters it "
+            "could offload (ZeRO-2 keeps them whole on every GPU); set zero_stage: 3 or offload_params: false"
+        ),
+    )
+    yield (
+        "offload_optimizer",
+        not c.offload_optimizer or c.zero_stage > 0,
+        (
+            "offload_optimizer = true needs a DeepSpeed learner (zero_stage: 2 or 3); the plain PyTorch learner "
+            "(zero_stage: 0) keeps AdamW on the device: set zero_stage or offload_optimizer: false"
+        ),
+    )
+    yield (
+        "attn_implementation",
+        not c.attn_implementation.startswith("flash") or c.dtype == "bfloat16",
+        (
+            f"attn_implementation = {c.attn_implementation} runs in fp16/bf16 only, but dtype = {c.dtype}: "
+            "set dtype: bfloat16 or attn_implementation: sdpa"
+        ),
+    )
+    yield (
+        "sequence_parallel_size",
+        sp == 1 or c.zero_stage > 0,
+        (
+            f"sequence_parallel_size = {sp} needs a DeepSpeed learner (zero_stage: 2 or 3): Ulysses runs inside "
+            "DeepSpeed's attention wrapper; set zero_stage or sequence_parallel_size: 1"
+        ),
+    )
+    yield (
+        "sequence_parallel_size",
+        per % sp == 0,
+        (
+            f"sequence_parallel_size = {sp} does not divide gpus_per_node = {per}: a group's ranks would span two nodes "
+            f"(its all-to-all over the network in every layer); use one of {_divisors(per)}"
+        ),
+    )
     for f in VLLM_FIELDS:
-        yield f, c.rollout_backend == "vllm" or getattr(c, f) == getattr(DAPOConfig, f), (
-            f"{f} = {getattr(c, f)!r} configures the vLLM engine, but rollout_backend = hf; set rollout_backend: vllm "
-            f"or remove {f}")
+        yield (
+            f,
+            c.rollout_backend == "vllm" or getattr(c, f) == getattr(DAPOConfig, f),
+            (
+                f"{f} = {getattr(c, f)!r} configures the vLLM engine, but rollout_backend = hf; set rollout_backend: vllm "
+                f"or remove {f}"
+            ),
+        )
     # one process alone may run a vLLM engine over several GPUs (vLLM starts its workers)
-    yield "vllm_tensor_parallel", world == 1 or world % tp == 0, (
-        f"vllm_tensor_parallel = {tp} does not divide the {world} GPUs (nnodes x gpus_per_node): one vLLM engine "
-        f"spans vllm_tensor_parallel consecutive ranks; use one of {_divisors(per)}")
-    yield "vllm_tensor_parallel", world == 1 or per % tp == 0, (
-        f"vllm_tensor_parallel = {tp} does not divide gpus_per_node = {per}: an engine's ranks would span two nodes "
-        f"(its all-reduce over the network every layer); use one of {_divisors(per)}")
+    yield (
+        "vllm_tensor_parallel",
+        world == 1 or world % tp == 0,
+        (
+            f"vllm_tensor_parallel = {tp} does not divide the {world} GPUs (nnodes x gpus_per_node): one vLLM engine "
+            f"spans vllm_tensor_parallel consecutive ranks; use one of {_divisors(per)}"
+        ),
+    )
+    yield (
+        "vllm_tensor_parallel",
+        world == 1 or per % tp == 0,
+        (
+            f"vllm_tensor_parallel = {tp} does not divide gpus_per_node = {per}: an engine's ranks would span two nodes "
+            f"(its all-reduce over the network every layer); use one of {_divisors(per)}"
+        ),
+    )
 
 # %% ../nbs/00_core.ipynb #a08b1d9c
 PATH_FIELDS = ("model", "train_data", "eval_data", "output_dir")  # paths (or hub names): `~` expanded, never empty
 
-def short(v: Any,          # a value to quote in a message
-          n: int = 80,     # characters at most
-         ) -> str:
+
+def short(
+    v: Any,  # a value to quote in a message
+    n: int = 80,  # characters at most
+) -> str:
     "`repr(v)`, cut to `n` characters: a YAML alias or a pasted file can make one value megabytes long."
     r = repr(v)
-    return r if len(r) <= n else f"{r[:n - 20]}... ({len(r)} characters)"
+    return r if len(r) <= n else f"{r[: n - 20]}... ({len(r)} characters)"
+
 
 def _check_type(name: str, value: Any, tp: str, allowed: Allowed | None = None) -> Any:
     "Coerce `value` to the field's declared type `tp` (a string annotation), or raise naming the field."
     kinds = {"float": float, "int": int, "bool": bool, "str": str}
     optional = "None" in tp
     if value is None:
-        if optional: return None
+        if optional:
+            return None
         raise InputError(f"{name}: got null, expected {tp}", name)
     base = tp.split("|")[0].strip()
     want = kinds[base]
     if want is bool:
-        if isinstance(value, bool): return value
+        if isinstance(value, bool):
+            return value
         raise InputError(f"{name}: got {short(value)}, expected true or false", name)
     if want is float:
         x = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool): x = float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            x = float(value)
         elif isinstance(value, str):  # YAML 1.1 reads `1e-6` (no dot) as a string
-            try: x = float(value)
-            except ValueError: pass
+            try:
+                x = float(value)
+            except ValueError:
+                pass
         if x is not None:
-            if math.isfinite(x): return x
+            if math.isfinite(x):
+                return x
             words = allowed.words.format(name) if allowed else "a finite number"
             raise InputError(f"{name} = {x} is not a finite number: allowed {words}", name)
-    if want is int and isinstance(value, int) and not isinstance(value, bool): return value
-    if want is int and isinstance(value, float) and value.is_integer(): return int(value)
+    if want is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if want is int and isinstance(value, float) and value.is_integer():
+        return int(value)
     if want is str and name == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value) or "none"  # report_to: [tensorboard, wandb] in YAML
     if want is str and isinstance(value, str):
-        if name not in PATH_FIELDS: return value
+        if name not in PATH_FIELDS:
+            return value
         if not value.strip():  # `train_data=$UNSET`: an empty path is never what was meant
             none = ", or null for " + ("the built-in tiny task" if "data" in name else "none") if optional else ""
             raise InputError(f"{name} is empty (an unset shell variable?): give a path{none}", name)
@@ -251,191 +415,6 @@ def validate(cfg: DAPOConfig) -> DAPOConfig:
         if allowed is not None and v is not None and not allowed.ok(v):
             raise InputError(f"{f.name} = {short(v)} is out of range: allowed {allowed.words.format(f.name)}", f.name)
     for name, holds, error in _rules(cfg):
-        if not holds: raise InputError(error, name)
+        if not holds:
+            raise InputError(error, name)
     return cfg
-
-# %% ../nbs/00_core.ipynb #c99ac896
-class _UniqueKeyLoader(yaml.SafeLoader):
-    "`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try: first = seen.setdefault(key, key_node.start_mark.line + 1)
-            except TypeError: continue  # an unhashable key: the parent class raises its own error
-            if first != key_node.start_mark.line + 1:
-                raise InputError(f"{self.name}: key '{key}' appears twice (lines {first} and "
-                                 f"{key_node.start_mark.line + 1}); keep one of them")
-        return super().construct_mapping(node, deep)
-
-def find_recipe(path: str | Path) -> Path:
-    "`path` if it exists; else, for a relative path, the same path in the dapo_ref checkout or package, if there."
-    p = Path(path).expanduser()
-    if p.exists() or p.is_absolute(): return p
-    import dapo_ref
-    pkg = Path(dapo_ref.__file__).resolve().parent
-    for base in (pkg.parent, pkg):  # a checkout (recipes/ next to dapo_ref/), or recipes shipped inside the package
-        if (base / p).exists(): return base / p
-    return p
-
-def read_yaml(path: str | Path,  # a YAML file
-              what: str = "recipe",  # names the file's role in errors
-             ) -> Any:
-    "Parse a YAML file; a folder, a missing or unreadable file, bad UTF-8, bad YAML or a repeated key raise a one-line `InputError`."
-    p = Path(path)
-    if p.is_dir():
-        hint = f"; did you mean {p / 'config.yaml'}?" if (p / "config.yaml").is_file() else ""
-        raise InputError(f"{path} is a folder, not a YAML {what}; pass the {what} file{hint}")
-    if not p.exists(): raise InputError(f"no {what} file at {path}; check the path (recipes that ship: recipes/*.yaml)")
-    try: raw = p.read_bytes()
-    except OSError as e: raise InputError(f"cannot read {path}: {e.strerror}; check its permissions") from None
-    try: text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise InputError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); save the {what} as UTF-8") from None
-    loader = _UniqueKeyLoader(text)
-    loader.name = str(path)  # marks name the file, not "<unicode string>"
-    try: return loader.get_single_data()
-    except yaml.YAMLError as e:
-        m = getattr(e, "problem_mark", None)
-        where = f" at line {m.line + 1}, column {m.column + 1}" if m else ""
-        what_ = "; ".join(x for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
-        raise InputError(f"{path}: YAML syntax error{where}: {what_}; fix that line (indentation, quotes, 'key: value')") from None
-    finally: loader.dispose()
-
-# %% ../nbs/00_core.ipynb #45068e0a
-def _key_hint(k: str, names: list[str]) -> str:
-    "'; did you mean ...' for an unknown key: a dotted key (verl's `actor.optim.lr`) by its last part, else the closest name."
-    last = k.rsplit(".", 1)[-1].replace("-", "_")
-    if "." in k and last in names: return f"; did you mean '{last}'? (DAPOConfig is flat: no sections)"
-    close = difflib.get_close_matches(last, names, n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
-
-def config_from_dict(d: dict[str, Any]) -> DAPOConfig:
-    "Build a validated `DAPOConfig` from a dict; an unknown key names itself and the closest valid key."
-    names = [f.name for f in fields(DAPOConfig)]
-    for k in d:
-        if k not in names:
-            raise InputError(f"unknown config key '{short(str(k), 60)[1:-1]}'{_key_hint(str(k), names)}", str(k))
-    return DAPOConfig(**d)  # its __post_init__ validates
-
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DAPOConfig:
-    "Read a YAML recipe from `path` (see `find_recipe`), apply `overrides`, validate."
-    p = find_recipe(path)
-    d = read_yaml(p)
-    if d is None: raise InputError(f"{path} holds no config keys; an empty recipe would run the paper's full-size "
-                                   "defaults: set the fields you want (start from recipes/tiny-cpu.yaml), or write {} "
-                                   "to ask for every default")
-    if not isinstance(d, dict): raise InputError(f"{path}: expected a mapping of config keys (key: value lines), got {type(d).__name__}")
-    ov = overrides or {}
-    try: return config_from_dict({**d, **ov})
-    except InputError as e:  # name the file when the bad key came from it
-        if e.field in d and e.field not in ov: raise InputError(f"{path}: {e}", e.field) from None
-        raise
-
-def save_config(cfg: DAPOConfig, path: str | Path) -> Path:
-    "Write `cfg` as YAML to `path` (all fields, so a run's config is complete on disk)."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
-    return path
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    "Parse command-line `key=value` items; values are read as YAML scalars (`1e-6`, `true`, `null`)."
-    out = {}
-    for it in items:
-        shown = short(it)[1:-1]
-        if "=" not in it: raise InputError(f"override '{shown}' must look like key=value, e.g. lr=1e-6")
-        k, v = it.split("=", 1)
-        k = k.strip()
-        if not k: raise InputError(f"override '{shown}' has no key before '='; write key=value, e.g. lr=1e-6")
-        if k in out: raise InputError(f"override {k}= is given twice ({k}={short(out[k])} and {shown}); keep one")
-        if not v.strip():  # `train_data=$UNSET` would read as null: the built-in task instead of the user's data
-            raise InputError(f"override '{shown}' has no value after '=' (an unset shell variable?); give the value, "
-                             f"or {k}=null where null means none")
-        try: out[k] = yaml.safe_load(v)
-        except yaml.YAMLError: raise InputError(f"override {shown}: the value is not a YAML scalar; quote it, e.g. {k}='{v[:40]}'") from None
-    return out
-
-def strict_bool(name: str, v: Any) -> bool:
-    "`v` if it is a YAML boolean (true/false, yes/no, on/off); `InputError` naming `name` otherwise (`resume=nope` is not true)."
-    if isinstance(v, bool): return v
-    raise InputError(f"{name}={short(v)}: expected true or false")
-
-# %% ../nbs/00_core.ipynb #28647e8c
-USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-
-def one_line(e: BaseException,  # an exception whose message is shown to the user
-             n: int = 2000,       # characters at most: the start (what is wrong) and the end (the fix) are kept
-            ) -> str:
-    "The message of `e` on one line (continuation lines joined with a space), or its type's name if it has none."
-    s = " ".join(l.strip() for l in str(e).splitlines() if l.strip()) or type(e).__name__
-    return s if len(s) <= n else f"{s[:n // 2]} [... {len(s) - n} characters cut ...] {s[-n // 2:]}"
-
-@contextlib.contextmanager
-def cli_errors(prog: str,                  # the command's name, e.g. "dapo-eval"
-               catch: tuple = USER_ERRORS, # exception types that are the user's to fix
-              ):
-    "Turn an input error raised in the block into `prog: error: <one line>` on stderr and `SystemExit(2)`, as argparse does."
-    try: yield
-    except catch as e:
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-
-# %% ../nbs/00_core.ipynb #d9c2e6c1
-@contextlib.contextmanager
-def interrupts(prog: str,             # the command's name
-               then: Any = "",        # what to do next, in words (or a function returning them, called at the interrupt)
-               quiet: bool = False,   # say nothing (the other ranks of a launch: rank 0 says it)
-              ):
-    "Ctrl-C in the block: one line `prog: interrupted; <then>` on stderr and exit status 130 (128 + SIGINT), no traceback."
-    try: yield
-    except KeyboardInterrupt:
-        if not quiet:
-            what = then() if callable(then) else then
-            print(f"\n{prog}: interrupted" + (f"; {what}" if what else ""), file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
-
-# %% ../nbs/00_core.ipynb #c2d44d4b
-class ArgParser(argparse.ArgumentParser):
-    """argparse as every dapo_ref command uses it: a usage error on one line with the fix, an option given twice refused
-    (argparse keeps the last silently), `key=value` overrides before and after flags, `--lr 1e-5` pointed to `lr=1e-5`."""
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
-    def _option(self, tok: str):
-        "The action a `--flag` or `--flag=value` token names (exactly, or by argparse's unique prefix), or None."
-        name = tok.split("=", 1)[0]
-        if name in self._option_string_actions: return self._option_string_actions[name]
-        hits = {a for o, a in self._option_string_actions.items() if o.startswith(name)} if self.allow_abbrev else set()
-        return hits.pop() if len(hits) == 1 else None
-
-    def parse(self, argv: list[str] | None = None) -> argparse.Namespace:
-        "Parse `argv` (None: sys.argv[1:]); every usage error is one line and exit status 2."
-        argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-        seen = {}
-        for i, tok in enumerate(argv):
-            if tok == "--": break
-            a = self._option(tok) if tok.startswith("--") else None
-            if a is None or a.nargs == 0: continue  # a switch given twice changes nothing; an unknown one: below
-            val = tok.split("=", 1)[1] if "=" in tok else (argv[i + 1] if i + 1 < len(argv) else "")
-            if a.dest in seen:
-                self.error(f"{a.option_strings[-1]} is given twice ({short(seen[a.dest], 60)} and {short(val, 60)}); give it once")
-            seen[a.dest] = val
-        overrides = any(a.dest == "overrides" for a in self._actions)  # the commands that take key=value overrides
-        ns, extra = self.parse_known_intermixed_args(argv) if overrides else self.parse_known_args(argv)
-        if extra: self.error(self._unknown(argv, extra, overrides))
-        return ns
-
-    def _unknown(self, argv: list[str], extra: list[str], overrides: bool) -> str:
-        "'unrecognized arguments: ...' and the likely fix: `key=value` for a config field, or the closest flag."
-        msg = "unrecognized arguments: " + " ".join(short(t, 60)[1:-1] for t in extra[:4]) + (" ..." if len(extra) > 4 else "")
-        tok = next((t for t in extra if t.startswith("--")), None)
-        if tok is None: return msg
-        name, eq, val = tok[2:].partition("=")
-        if not eq and tok in argv and argv.index(tok) + 1 < len(argv) and not argv[argv.index(tok) + 1].startswith("-"):
-            val = argv[argv.index(tok) + 1]
-        key = name.replace("-", "_")
-        if overrides and key in {f.name for f in fields(DAPOConfig)}:
-            return f"{msg}; config fields are set as key=value, e.g. {key}={short(val, 40)[1:-1] if val else '...'}"
-        close = difflib.get_close_matches(tok.split("=")[0], [o for o in self._option_string_actions if o.startswith("--")], n=1, cutoff=0.6)
-        return f"{msg}; did you mean {close[0]}?" if close else msg

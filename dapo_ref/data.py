@@ -12,7 +12,8 @@ from typing import Iterable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .core import ArgParser, InputError, cli_errors, one_line
+from .core import InputError
+from .cli import ArgParser, cli_errors, one_line
 
 # %% auto #0
 __all__ = ['PROMPT_TEMPLATE', 'DEFAULT_STYLE', 'HUB_DATASETS', 'MathExample', 'make_example', 'example_from_row',
@@ -29,30 +30,40 @@ PROMPT_TEMPLATE = (
 # %% ../nbs/01_data.ipynb #ce8d9abc
 DEFAULT_STYLE = "rule-lighteval/MATH_v2"  # reward_model.style of DAPO-Math-17k and AIME-2024
 
+
 @dataclass
 class MathExample:
     "One math prompt (chat messages) and its reference answer, in the DAPO-Math-17k schema."
-    prompt: list[dict]          # chat messages [{"role": ..., "content": ...}], at least one "user" message
-    ground_truth: str           # the reference answer a (Eq. 7), e.g. "540"
-    data_source: str = ""       # e.g. "math_dapo"
-    ability: str = "MATH"       # task family, "MATH" in DAPO-Math-17k
+
+    prompt: list[dict]  # chat messages [{"role": ..., "content": ...}], at least one "user" message
+    ground_truth: str  # the reference answer a (Eq. 7), e.g. "540"
+    data_source: str = ""  # e.g. "math_dapo"
+    ability: str = "MATH"  # task family, "MATH" in DAPO-Math-17k
     extra_info: dict = field(default_factory=dict)  # free-form per-row metadata, e.g. {"index": 2}
     style: str = DEFAULT_STYLE  # reward_model.style, kept so that a file round-trips
-    source: str = field(default="", compare=False, repr=False)  # where it was read, e.g. "row 17 of data.parquet"; not saved
+    source: str = field(
+        default="", compare=False, repr=False
+    )  # where it was read, e.g. "row 17 of data.parquet"; not saved
 
     @property
     def question(self) -> str:
         "Content of the last user message."
         return [m["content"] for m in self.prompt if m["role"] == "user"][-1]
 
-def make_example(problem: str,         # the problem text, inserted into `PROMPT_TEMPLATE`
-                 answer,               # the reference answer; an int is stored as its decimal string
-                 data_source="tiny",   # `data_source` column
-                 **extra_info          # stored in `extra_info`
-                ) -> MathExample:
+
+def make_example(
+    problem: str,  # the problem text, inserted into `PROMPT_TEMPLATE`
+    answer,  # the reference answer; an int is stored as its decimal string
+    data_source="tiny",  # `data_source` column
+    **extra_info,  # stored in `extra_info`
+) -> MathExample:
     "A one-message `MathExample` whose user message is `PROMPT_TEMPLATE` applied to `problem`."
-    return MathExample(prompt=[{"role": "user", "content": PROMPT_TEMPLATE.format(problem=problem)}],
-                       ground_truth=str(answer), data_source=data_source, extra_info=dict(extra_info))
+    return MathExample(
+        prompt=[{"role": "user", "content": PROMPT_TEMPLATE.format(problem=problem)}],
+        ground_truth=str(answer),
+        data_source=data_source,
+        extra_info=dict(extra_info),
+    )
 
 # %% ../nbs/01_data.ipynb #3f6584a2
 _NEEDS = {  # top-level field: what every row needs, quoted in error messages
@@ -63,65 +74,103 @@ _NEEDS = {  # top-level field: what every row needs, quoted in error messages
     "extra_info": "extra_info = a dict (or null)",
 }
 
+
 def _bad(where, fld, what):
     top = fld.split(".")[0].split("[")[0]
     return ValueError(f"{where}: {fld} {what}; every row needs {_NEEDS[top]}")
 
-def _tname(v): return "null" if v is None else type(v).__name__
+
+def _tname(v):
+    return "null" if v is None else type(v).__name__
+
 
 def _opt_str(row, key, default, where):
     v = row.get(key)
-    if v is None: return default
-    if not isinstance(v, str): raise _bad(where, key, f"is {_tname(v)} ({v!r:.40}), expected a string")
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise _bad(where, key, f"is {_tname(v)} ({v!r:.40}), expected a string")
     return v
 
-def example_from_row(row: dict,          # one row of the DAPO-Math-17k schema
-                     where: str = "row"  # names the row in errors, e.g. "row 17 of data.parquet"
-                    ) -> MathExample:
+
+def example_from_row(
+    row: dict,  # one row of the DAPO-Math-17k schema
+    where: str = "row",  # names the row in errors, e.g. "row 17 of data.parquet"
+) -> MathExample:
     "Validate one row and return it as a `MathExample`; raise `ValueError` naming the field on a bad row."
-    if not isinstance(row, dict): raise ValueError(f"{where}: expected an object with fields {', '.join(_NEEDS)}, got {_tname(row)}")
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object with fields {', '.join(_NEEDS)}, got {_tname(row)}")
     msgs = row.get("prompt")
-    if msgs is None: raise _bad(where, "prompt", "missing")
-    if not isinstance(msgs, (list, tuple)): raise _bad(where, "prompt", f"is {_tname(msgs)}, expected a list of messages")
-    if len(msgs) == 0: raise _bad(where, "prompt", "is an empty list")
+    if msgs is None:
+        raise _bad(where, "prompt", "missing")
+    if not isinstance(msgs, (list, tuple)):
+        raise _bad(where, "prompt", f"is {_tname(msgs)}, expected a list of messages")
+    if len(msgs) == 0:
+        raise _bad(where, "prompt", "is an empty list")
     prompt = []
     for j, m in enumerate(msgs):
-        if not isinstance(m, dict): raise _bad(where, f"prompt[{j}]", f"is {_tname(m)}, expected a {{role, content}} dict")
+        if not isinstance(m, dict):
+            raise _bad(where, f"prompt[{j}]", f"is {_tname(m)}, expected a {{role, content}} dict")
         for k in ("role", "content"):
-            if m.get(k) is None: raise _bad(where, f"prompt[{j}].{k}", "missing")
-            if not isinstance(m[k], str): raise _bad(where, f"prompt[{j}].{k}", f"is {_tname(m[k])} ({m[k]!r:.40}), expected a string")
+            if m.get(k) is None:
+                raise _bad(where, f"prompt[{j}].{k}", "missing")
+            if not isinstance(m[k], str):
+                raise _bad(where, f"prompt[{j}].{k}", f"is {_tname(m[k])} ({m[k]!r:.40}), expected a string")
         prompt.append({"role": m["role"], "content": m["content"]})
     if not any(m["role"] == "user" for m in prompt):
         raise _bad(where, "prompt", f"has no message with role 'user' (roles: {[m['role'] for m in prompt]})")
     rm = row.get("reward_model")
-    if rm is None: raise _bad(where, "reward_model", "missing")
-    if not isinstance(rm, dict): raise _bad(where, "reward_model", f"is {_tname(rm)}, expected a dict")
+    if rm is None:
+        raise _bad(where, "reward_model", "missing")
+    if not isinstance(rm, dict):
+        raise _bad(where, "reward_model", f"is {_tname(rm)}, expected a dict")
     gt = rm.get("ground_truth")
-    if gt is None: raise _bad(where, "reward_model.ground_truth", "missing")
-    if isinstance(gt, int) and not isinstance(gt, bool): gt = str(gt)  # JSONL often stores integer answers
-    if not isinstance(gt, str): raise _bad(where, "reward_model.ground_truth", f"is {_tname(gt)} ({gt!r:.40}), expected a string or an integer")
-    if not gt.strip(): raise _bad(where, "reward_model.ground_truth", "is an empty string")
+    if gt is None:
+        raise _bad(where, "reward_model.ground_truth", "missing")
+    if isinstance(gt, int) and not isinstance(gt, bool):
+        gt = str(gt)  # JSONL often stores integer answers
+    if not isinstance(gt, str):
+        raise _bad(where, "reward_model.ground_truth", f"is {_tname(gt)} ({gt!r:.40}), expected a string or an integer")
+    if not gt.strip():
+        raise _bad(where, "reward_model.ground_truth", "is an empty string")
     style = rm.get("style")
-    if style is None: style = DEFAULT_STYLE
-    if not isinstance(style, str): raise _bad(where, "reward_model.style", f"is {_tname(style)}, expected a string")
+    if style is None:
+        style = DEFAULT_STYLE
+    if not isinstance(style, str):
+        raise _bad(where, "reward_model.style", f"is {_tname(style)}, expected a string")
     extra = row.get("extra_info")
-    if extra is None: extra = {}
-    if not isinstance(extra, dict): raise _bad(where, "extra_info", f"is {_tname(extra)}, expected a dict")
-    return MathExample(prompt=prompt, ground_truth=gt, data_source=_opt_str(row, "data_source", "", where),
-                       ability=_opt_str(row, "ability", "MATH", where), extra_info=dict(extra), style=style)
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise _bad(where, "extra_info", f"is {_tname(extra)}, expected a dict")
+    return MathExample(
+        prompt=prompt,
+        ground_truth=gt,
+        data_source=_opt_str(row, "data_source", "", where),
+        ability=_opt_str(row, "ability", "MATH", where),
+        extra_info=dict(extra),
+        style=style,
+    )
 
 # %% ../nbs/01_data.ipynb #33580ab4
 def example_to_row(ex: MathExample) -> dict:
     "The row of `ex` in the DAPO-Math-17k schema (inverse of `example_from_row`)."
-    return {"data_source": ex.data_source, "prompt": [{"role": m["role"], "content": m["content"]} for m in ex.prompt],
-            "ability": ex.ability, "reward_model": {"ground_truth": ex.ground_truth, "style": ex.style},
-            "extra_info": ex.extra_info}
+    return {
+        "data_source": ex.data_source,
+        "prompt": [{"role": m["role"], "content": m["content"]} for m in ex.prompt],
+        "ability": ex.ability,
+        "reward_model": {"ground_truth": ex.ground_truth, "style": ex.style},
+        "extra_info": ex.extra_info,
+    }
 
 # %% ../nbs/01_data.ipynb #0876ae69
-def _prompt_key(ex: MathExample): return tuple((m["role"], m["content"]) for m in ex.prompt)
+def _prompt_key(ex: MathExample):
+    return tuple((m["role"], m["content"]) for m in ex.prompt)
 
-def dedup_examples(examples: Iterable[MathExample]  # examples in file order
-                  ) -> tuple[list[MathExample], int]:
+
+def dedup_examples(
+    examples: Iterable[MathExample],  # examples in file order
+) -> tuple[list[MathExample], int]:
     "Keep the first example of each distinct prompt; return `(kept, n_dropped)`. Warns if duplicates disagree on the answer."
     seen, kept, n, conflicts = {}, [], 0, 0
     for ex in examples:
@@ -132,45 +181,69 @@ def dedup_examples(examples: Iterable[MathExample]  # examples in file order
             continue
         seen[k] = ex.ground_truth
         kept.append(ex)
-    if conflicts: warnings.warn(f"{conflicts} duplicate rows have a different ground_truth from the first row of their prompt; "
-                                "the first row's answer was kept")
+    if conflicts:
+        warnings.warn(
+            f"{conflicts} duplicate rows have a different ground_truth from the first row of their prompt; "
+            "the first row's answer was kept"
+        )
     return kept, n - len(kept)
 
 # %% ../nbs/01_data.ipynb #033245d0
 _COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 _FORMATS = (".parquet", ".jsonl")
 
+
 def _check_format(path: Path, verb: str):
     if path.suffix.lower() not in _FORMATS:
-        raise ValueError(f"cannot {verb} {path}: unknown file extension {path.suffix!r}; expected one of {', '.join(_FORMATS)}")
+        raise ValueError(
+            f"cannot {verb} {path}: unknown file extension {path.suffix!r}; expected one of {', '.join(_FORMATS)}"
+        )
+
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
-    def unreadable(e): return ValueError(f"{path}: not a readable parquet file ({one_line(e)}); write it with pyarrow "
-                                         "or pandas (DataFrame.to_parquet), or save the rows as .jsonl")
-    try: f = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e: raise unreadable(e) from None
+    def unreadable(e):
+        return ValueError(
+            f"{path}: not a readable parquet file ({one_line(e)}); write it with pyarrow "
+            "or pandas (DataFrame.to_parquet), or save the rows as .jsonl"
+        )
+
+    try:
+        f = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise unreadable(e) from None
     cols = [c for c in f.schema_arrow.names if c in _COLUMNS]
     i, batches = 0, f.iter_batches(batch_size=65536, columns=cols)
     while True:
-        try: rows = next(batches).to_pylist()  # a corrupt page fails here, after the footer read fine
-        except StopIteration: return
-        except (pa.ArrowException, OSError) as e: raise unreadable(e) from None
+        try:
+            rows = next(batches).to_pylist()  # a corrupt page fails here, after the footer read fine
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            raise unreadable(e) from None
         for r in rows:
             yield i, r
             i += 1
+
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
     i = 0
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
-            try: line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading byte-order mark is allowed
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading byte-order mark is allowed
             except UnicodeDecodeError as e:
-                raise ValueError(f"row {i} of {path.name} (line {lineno}): not valid UTF-8 (byte 0x{raw[e.start]:02x} "
-                                 f"at column {e.start + 1}); save {path} as UTF-8") from None
-            if not line.strip(): continue
-            try: r = json.loads(line)
+                raise ValueError(
+                    f"row {i} of {path.name} (line {lineno}): not valid UTF-8 (byte 0x{raw[e.start]:02x} "
+                    f"at column {e.start + 1}); save {path} as UTF-8"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"row {i} of {path.name} (line {lineno}): not valid JSON ({e}); every row is one JSON object") from None
+                raise ValueError(
+                    f"row {i} of {path.name} (line {lineno}): not valid JSON ({e}); every row is one JSON object"
+                ) from None
             yield i, r
             i += 1
 
@@ -179,23 +252,33 @@ def _sourced(ex: MathExample, where: str) -> MathExample:
     ex.source = where
     return ex
 
-def load_math_dataset(path: str | Path,    # a .parquet or .jsonl file in the DAPO-Math-17k schema
-                      dedup: bool = True,   # keep only the first row of each distinct prompt
-                      verbose: bool = True  # print one line: rows read, unique prompts, rows dropped
-                     ) -> list[MathExample]:
+
+def load_math_dataset(
+    path: str | Path,  # a .parquet or .jsonl file in the DAPO-Math-17k schema
+    dedup: bool = True,  # keep only the first row of each distinct prompt
+    verbose: bool = True,  # print one line: rows read, unique prompts, rows dropped
+) -> list[MathExample]:
     "Read and validate every row of a DAPO-Math-17k / AIME-2024 style file; deduplicate prompts unless `dedup=False`."
     path = Path(path)
     _check_format(path, "read")
-    if path.is_dir(): raise ValueError(f"{path} is a folder; give one {path.suffix} file (a partitioned dataset folder is not read)")
-    if not path.is_file(): raise FileNotFoundError(f"no dataset file at {path}")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give one {path.suffix} file (a partitioned dataset folder is not read)")
+    if not path.is_file():
+        raise FileNotFoundError(f"no dataset file at {path}")
     rows = _parquet_rows(path) if path.suffix.lower() == ".parquet" else _jsonl_rows(path)
-    examples = (_sourced(example_from_row(r, w), w) for i, r in rows for w in [f"row {i} of {path.name}"])  # validated one by one
+    examples = (
+        _sourced(example_from_row(r, w), w) for i, r in rows for w in [f"row {i} of {path.name}"]
+    )  # validated one by one
     if dedup:  # streaming: a duplicate is dropped as soon as it is read, so memory grows with unique prompts only
         examples, dropped = dedup_examples(examples)
-        if verbose: print(f"{path.name}: {len(examples) + dropped} rows, {len(examples)} unique prompts; "
-                          f"dropped {dropped} duplicate rows (dedup=False keeps them)")
+        if verbose:
+            print(
+                f"{path.name}: {len(examples) + dropped} rows, {len(examples)} unique prompts; "
+                f"dropped {dropped} duplicate rows (dedup=False keeps them)"
+            )
         return examples
-    examples = list(examples); n = len(examples)
+    examples = list(examples)
+    n = len(examples)
     if verbose:
         n_unique = len({_prompt_key(e) for e in examples})
         print(f"{path.name}: {n} rows, {n_unique} unique prompts; kept all {n} rows (dedup=False)")
@@ -205,63 +288,84 @@ def load_math_dataset(path: str | Path,    # a .parquet or .jsonl file in the DA
 _PROMPT_TYPE = pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))  # as in the published files
 _RM_TYPE = pa.struct([("ground_truth", pa.string()), ("style", pa.string())])
 
+
 def _to_table(rows: list[dict], path: Path) -> pa.Table:
     extra = [r["extra_info"] or None for r in rows]  # {} -> null: parquet cannot store a struct with no fields
-    try: extra_col = pa.array(extra) if any(e is not None for e in extra) else pa.nulls(len(rows))
+    try:
+        extra_col = pa.array(extra) if any(e is not None for e in extra) else pa.nulls(len(rows))
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise ValueError(f"cannot write {path.name}: extra_info values must have one type per key across rows "
-                         f"for parquet ({e}); use .jsonl for free-form extra_info") from None
-    return pa.table({"data_source": pa.array([r["data_source"] for r in rows], pa.string()),
-                     "prompt": pa.array([r["prompt"] for r in rows], _PROMPT_TYPE),
-                     "ability": pa.array([r["ability"] for r in rows], pa.string()),
-                     "reward_model": pa.array([r["reward_model"] for r in rows], _RM_TYPE),
-                     "extra_info": extra_col})
+        raise ValueError(
+            f"cannot write {path.name}: extra_info values must have one type per key across rows "
+            f"for parquet ({e}); use .jsonl for free-form extra_info"
+        ) from None
+    return pa.table(
+        {
+            "data_source": pa.array([r["data_source"] for r in rows], pa.string()),
+            "prompt": pa.array([r["prompt"] for r in rows], _PROMPT_TYPE),
+            "ability": pa.array([r["ability"] for r in rows], pa.string()),
+            "reward_model": pa.array([r["reward_model"] for r in rows], _RM_TYPE),
+            "extra_info": extra_col,
+        }
+    )
 
-def save_math_dataset(examples: Iterable[MathExample],  # examples to write, in order
-                      path: str | Path                   # destination, .parquet or .jsonl (parent folders are created)
-                     ) -> Path:
+
+def save_math_dataset(
+    examples: Iterable[MathExample],  # examples to write, in order
+    path: str | Path,  # destination, .parquet or .jsonl (parent folders are created)
+) -> Path:
     "Write `examples` in the DAPO-Math-17k schema to a .parquet or .jsonl file; `load_math_dataset` reads it back."
     path = Path(path)
     _check_format(path, "write")
     rows = []
     for i, ex in enumerate(examples):
-        if not isinstance(ex, MathExample): raise ValueError(f"example {i} passed to save_math_dataset is {_tname(ex)}, expected a MathExample")
+        if not isinstance(ex, MathExample):
+            raise ValueError(f"example {i} passed to save_math_dataset is {_tname(ex)}, expected a MathExample")
         rows.append(example_to_row(example_from_row(example_to_row(ex), f"example {i} passed to save_math_dataset")))
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() == ".parquet": pq.write_table(_to_table(rows, path), path)
+    if path.suffix.lower() == ".parquet":
+        pq.write_table(_to_table(rows, path), path)
     else:
-        try: text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-        except TypeError as e: raise ValueError(f"cannot write {path.name}: extra_info must be JSON-serialisable ({e})") from None
+        try:
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        except TypeError as e:
+            raise ValueError(f"cannot write {path.name}: extra_info must be JSON-serialisable ({e})") from None
         path.write_text(text, encoding="utf-8")
     return path
 
 # %% ../nbs/01_data.ipynb #d7d8f9f1
-def prompt_token_ids(example: MathExample,  # the prompt to encode
-                     tokenizer              # a transformers tokenizer
-                    ) -> list[int]:
+def prompt_token_ids(
+    example: MathExample,  # the prompt to encode
+    tokenizer,  # a transformers tokenizer
+) -> list[int]:
     "Token ids of the prompt: chat template with generation prompt if the tokenizer has one, else the user message."
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(example.prompt, add_generation_prompt=True, tokenize=False)
     else:
         if len(example.prompt) > 1:
-            raise ValueError(f"the prompt has {len(example.prompt)} messages but the tokenizer has no chat_template; "
-                             "only a single user message can be encoded without one (set tokenizer.chat_template)")
+            raise ValueError(
+                f"the prompt has {len(example.prompt)} messages but the tokenizer has no chat_template; "
+                "only a single user message can be encoded without one (set tokenizer.chat_template)"
+            )
         text = example.question
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 # %% ../nbs/01_data.ipynb #cc67f4db
-def check_prompt_lengths(examples: Sequence[MathExample],  # the problems, in order
-                         prompt_ids: Sequence[Sequence[int]], # their prompt token ids (`prompt_token_ids`)
-                         limit: int,                          # most prompt tokens allowed
-                         setting: str = "max_prompt_length",  # the name of the setting that sets `limit`, for the message
-                        ) -> None:
+def check_prompt_lengths(
+    examples: Sequence[MathExample],  # the problems, in order
+    prompt_ids: Sequence[Sequence[int]],  # their prompt token ids (`prompt_token_ids`)
+    limit: int,  # most prompt tokens allowed
+    setting: str = "max_prompt_length",  # the name of the setting that sets `limit`, for the message
+) -> None:
     "Raise `InputError` naming the first prompt longer than `limit` tokens by its row in the file, and the fix."
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > limit]
-    if not too_long: return
+    if not too_long:
+        return
     i, longest = too_long[0], max(len(prompt_ids[j]) for j in too_long)
     where = examples[i].source or f"example {i}"
-    raise InputError(f"{setting} = {limit}: {len(too_long)} of {len(examples)} prompts are longer (first: {where}, "
-                     f"{len(prompt_ids[i])} tokens; longest: {longest}); raise {setting} or drop those rows")
+    raise InputError(
+        f"{setting} = {limit}: {len(too_long)} of {len(examples)} prompts are longer (first: {where}, "
+        f"{len(prompt_ids[i])} tokens; longest: {longest}); raise {setting} or drop those rows"
+    )
 
 # %% ../nbs/01_data.ipynb #53591f59
 HUB_DATASETS = {  # name: (hub dataset repository, file in it), as the reference recipe's prepare script fetches them
@@ -269,38 +373,57 @@ HUB_DATASETS = {  # name: (hub dataset repository, file in it), as the reference
     "aime-2024": ("BytedTsinghua-SIA/AIME-2024", "data/aime-2024.parquet"),
 }
 
+
 def sha256(path: str | Path) -> str:
     "Hex SHA-256 of a file, read in 1 MiB blocks."
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""): h.update(block)
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
     return h.hexdigest()
 
-def fetch_dataset(name: str,                 # a key of HUB_DATASETS
-                  out_dir: str | Path,       # where <name>.parquet goes
-                  revision: str | None = None,  # a branch, tag or commit of the hub repository; None: main
-                 ) -> dict:
+
+def fetch_dataset(
+    name: str,  # a key of HUB_DATASETS
+    out_dir: str | Path,  # where <name>.parquet goes
+    revision: str | None = None,  # a branch, tag or commit of the hub repository; None: main
+) -> dict:
     "Fetch `name` (the hub or its cache), validate and deduplicate it, write out_dir/<name>.parquet; return counts and checksums."
     repo, fname = HUB_DATASETS[name]
     from huggingface_hub import hf_hub_download
-    try: src = Path(hf_hub_download(repo, fname, repo_type="dataset", revision=revision))
+
+    try:
+        src = Path(hf_hub_download(repo, fname, repo_type="dataset", revision=revision))
     except Exception as e:
-        raise InputError(f"cannot fetch {fname} of {repo} ({type(e).__name__}: {one_line(e)[:200]}); check the network, "
-                         "or unset HF_HUB_OFFLINE (with it only the local cache is read)") from None
+        raise InputError(
+            f"cannot fetch {fname} of {repo} ({type(e).__name__}: {one_line(e)[:200]}); check the network, "
+            "or unset HF_HUB_OFFLINE (with it only the local cache is read)"
+        ) from None
     rows = pq.ParquetFile(src).metadata.num_rows
-    examples = load_math_dataset(src, verbose=False)              # validated, first row of each prompt kept
+    examples = load_math_dataset(src, verbose=False)  # validated, first row of each prompt kept
     dest = Path(out_dir) / f"{name}.parquet"
     tmp = dest.with_name(f".{name}.tmp.parquet")
-    save_math_dataset(examples, tmp); os.replace(tmp, dest)       # never a half-written file under the recipe's name
-    return dict(name=name, repo=repo, file=fname, rows=rows, unique=len(examples), source_sha256=sha256(src),
-                out=str(dest), sha256=sha256(dest))
-
+    save_math_dataset(examples, tmp)
+    os.replace(tmp, dest)  # never a half-written file under the recipe's name
+    return dict(
+        name=name,
+        repo=repo,
+        file=fname,
+        rows=rows,
+        unique=len(examples),
+        source_sha256=sha256(src),
+        out=str(dest),
+        sha256=sha256(dest),
+    )
 
 # %% ../nbs/01_data.ipynb #fe51b69f
 def main(argv: list[str] | None = None) -> int:
     "The `dapo-data` command: fetch, check, deduplicate and write the files the recipes name; one line per file."
-    ap = ArgParser(prog="dapo-data", description="Fetch DAPO-Math-17k and AIME-2024 from the hub into the files the "
-                   "recipes name (data/dapo-math-17k.parquet, data/aime-2024.parquet), deduplicated, with checksums.")
+    ap = ArgParser(
+        prog="dapo-data",
+        description="Fetch DAPO-Math-17k and AIME-2024 from the hub into the files the "
+        "recipes name (data/dapo-math-17k.parquet, data/aime-2024.parquet), deduplicated, with checksums.",
+    )
     ap.add_argument("--out", default="data", help="folder for <name>.parquet (default: data, as the recipes name them)")
     ap.add_argument("--only", choices=sorted(HUB_DATASETS), action="append", help="fetch only this one (repeatable)")
     ap.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of both repositories")
@@ -309,14 +432,17 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or list(HUB_DATASETS)
     with cli_errors("dapo-data"):
         out = Path(args.out).expanduser()
-        if out.exists() and not out.is_dir(): raise InputError(f"--out {args.out} is a file; give a folder")
+        if out.exists() and not out.is_dir():
+            raise InputError(f"--out {args.out} is a file; give a folder")
         there = [out / f"{n}.parquet" for n in names if (out / f"{n}.parquet").exists()]
         if there and not args.overwrite:
             raise InputError(f"{there[0]} exists; pass --overwrite to replace it, or --out another folder")
         out.mkdir(parents=True, exist_ok=True)
         for n in names:
             r = fetch_dataset(n, out, args.revision)
-            print(f"{n}: {r['rows']} rows of {r['repo']}/{r['file']} (sha256 {r['source_sha256'][:16]}), {r['unique']} "
-                  f"unique prompts -> {r['out']} (sha256 {r['sha256']})", flush=True)
+            print(
+                f"{n}: {r['rows']} rows of {r['repo']}/{r['file']} (sha256 {r['source_sha256'][:16]}), {r['unique']} "
+                f"unique prompts -> {r['out']} (sha256 {r['sha256']})",
+                flush=True,
+            )
     return 0
-

@@ -18,19 +18,25 @@ def is_distributed() -> bool:
     "True when a process group of more than one rank is up."
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
+
 def rank() -> int:
     "This process's rank: the process group's, else the launcher's `RANK`, else 0."
-    if dist.is_available() and dist.is_initialized(): return dist.get_rank()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", 0))
+
 
 def world_size() -> int:
     "Number of ranks: the process group's, else the launcher's `WORLD_SIZE`, else 1."
-    if dist.is_available() and dist.is_initialized(): return dist.get_world_size()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", 1))
+
 
 def local_rank() -> int:
     "This process's index on its node (its GPU), from the launcher's `LOCAL_RANK`."
     return int(os.environ.get("LOCAL_RANK", 0))
+
 
 def is_main() -> bool:
     "Rank 0: writes files, prints the summary."
@@ -39,20 +45,25 @@ def is_main() -> bool:
 # %% ../nbs/00a_dist.ipynb #62d18aa3
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-def init_distributed(backend: str | None = None,  # None: nccl with CUDA, else gloo
-                     single: bool = False,        # also build a one-rank group when no launcher started us
-                     timeout: float | None = None, # seconds a collective may wait before it fails (None: torch's default,
-                                                   # 10 min for NCCL); the trainer passes `DAPOConfig.dist_timeout`
-                    ) -> tuple[int, int]:
+
+def init_distributed(
+    backend: str | None = None,  # None: nccl with CUDA, else gloo
+    single: bool = False,  # also build a one-rank group when no launcher started us
+    timeout: float | None = None,  # seconds a collective may wait before it fails (None: torch's default,
+    # 10 min for NCCL); the trainer passes `DAPOConfig.dist_timeout`
+) -> tuple[int, int]:
     "Join the process group a launcher described (or a one-rank group when `single`); returns `(rank, world_size)`."
     if dist.is_available() and not dist.is_initialized() and (int(os.environ.get("WORLD_SIZE", 1)) > 1 or single):
         if "WORLD_SIZE" not in os.environ:  # a lone process: a one-rank group on this machine
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+            os.environ.update(
+                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+            )
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl": torch.cuda.set_device(local_rank())
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank())
         kw = {} if timeout is None else dict(timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group(backend, **kw)
     return rank(), world_size()
@@ -62,54 +73,72 @@ def _device() -> torch.device:
     "NCCL reduces tensors on the GPU, gloo on the CPU."
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
+
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
-def all_reduce(values: list[float],  # a few numbers from this rank
-               op: str = "sum",       # sum | max | min
-              ) -> list[float]:
+
+def all_reduce(
+    values: list[float],  # a few numbers from this rank
+    op: str = "sum",  # sum | max | min
+) -> list[float]:
     "Reduce a short list of numbers over all ranks (float64); `[float(v) for v in values]` in one process."
-    if op not in _OPS: raise ValueError(f"op = {op!r}: allowed {', '.join(_OPS)}")
-    if not is_distributed(): return [float(v) for v in values]
+    if op not in _OPS:
+        raise ValueError(f"op = {op!r}: allowed {', '.join(_OPS)}")
+    if not is_distributed():
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=_device())
     dist.all_reduce(t, op=getattr(dist.ReduceOp, _OPS[op]))
     return t.tolist()
 
-def all_reduce_tensors(tensors: list[torch.Tensor]  # reduced in place
-                      ) -> None:
+
+def all_reduce_tensors(
+    tensors: list[torch.Tensor],  # reduced in place
+) -> None:
     "Sum tensors over all ranks in place (one flat buffer per call); nothing in one process."
-    if not is_distributed() or not tensors: return
+    if not is_distributed() or not tensors:
+        return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])): t.copy_(part.view_as(t))
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
 
 def all_gather(obj) -> list:
     "Every rank's `obj` (picklable), in rank order; `[obj]` in one process."
-    if not is_distributed(): return [obj]
+    if not is_distributed():
+        return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
+
 def broadcast_object(obj, src: int = 0):
     "Rank `src`'s `obj` on every rank; `obj` in one process."
-    if not is_distributed(): return obj
+    if not is_distributed():
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
+
 def barrier() -> None:
     "Wait for every rank; returns at once in one process."
-    if is_distributed(): dist.barrier()
+    if is_distributed():
+        dist.barrier()
 
 # %% ../nbs/00a_dist.ipynb #d9b3356c
-def shard(items: list,     # the round's items in global order (prompt indices, examples)
-          rank: int,       # this rank
-          world_size: int, # N ranks
-         ) -> list:
+def shard(
+    items: list,  # the round's items in global order (prompt indices, examples)
+    rank: int,  # this rank
+    world_size: int,  # N ranks
+) -> list:
     "Rank `rank`'s share: items `rank, rank + N, rank + 2N, ...`."
     return list(items[rank::world_size])
 
-def interleave(per_rank: list[list]  # N lists, rank r's holding global items r, r+N, ...
-              ) -> list:
+
+def interleave(
+    per_rank: list[list],  # N lists, rank r's holding global items r, r+N, ...
+) -> list:
     "Inverse of `shard`: the global order from the N ranks' shares."
     W, n = len(per_rank), sum(len(x) for x in per_rank)
     return [per_rank[p % W][p // W] for p in range(n)]

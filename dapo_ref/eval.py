@@ -4,164 +4,203 @@
 
 # %% ../nbs/08_eval.ipynb #8a19df05
 from __future__ import annotations
-import argparse, importlib.util, json, math, os, sys, tempfile, time
-from pathlib import Path
+import math
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from .arch import arch_from_config, kv_bytes_per_token, n_params
-from .core import DAPOConfig, REWARD_MODES, REWARD_PLUGIN, ArgParser, InputError, cli_errors, interrupts, one_line
-from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
-from .reward import check_plugin, normalize_answer, score_batch
+from .data import MathExample, prompt_token_ids
+from .reward import normalize_answer, score_batch
 from .rollout import RolloutEngine, SamplingParams
 
 # %% auto #0
-__all__ = ['INVALID', 'WRITTEN_BY', 'LOAD_ERRORS', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k',
-           'generate_checked', 'response_rows', 'evaluate', 'check_output_file', 'check_device', 'resolve_model',
-           'load_model_config', 'check_model', 'weights_problem', 'generation_memory', 'available_memory',
-           'check_generation_memory', 'main', 'vllm_engine']
+__all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k', 'generate_checked',
+           'response_rows', 'evaluate']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
     "`correct` as a (P, k) bool tensor, or a `ValueError` that names the shape it got."
     t = torch.as_tensor(correct)
     if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
-        raise ValueError(f"correct must be a (P, k) matrix with P >= 1 prompts and k >= 1 samples, got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"correct must be a (P, k) matrix with P >= 1 prompts and k >= 1 samples, got shape {tuple(t.shape)}"
+        )
     return t.bool()
 
-def avg_at_k(correct,  # (P, k) bool: correct[p, j] is True when sample j of prompt p is correct
-            ) -> float:
+
+def avg_at_k(
+    correct,  # (P, k) bool: correct[p, j] is True when sample j of prompt p is correct
+) -> float:
     "Mean accuracy over all k samples of all P prompts (the paper's avg@32)."
     return _as_bool_matrix(correct).double().mean().item()
 
 # %% ../nbs/08_eval.ipynb #ddd0e2ec
-def pass_at_k(n: int,  # samples drawn for the problem
-              c: int,  # how many of them are correct, 0 <= c <= n
-              k: int,  # subset size, 1 <= k <= n
-             ) -> float:
+def pass_at_k(
+    n: int,  # samples drawn for the problem
+    c: int,  # how many of them are correct, 0 <= c <= n
+    k: int,  # subset size, 1 <= k <= n
+) -> float:
     "Unbiased pass@k of Chen et al. 2021: 1 - C(n-c, k) / C(n, k), computed as a stable product."
     if not (n >= 1 and 0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k needs n >= 1, 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
-    if n - c < k: return 1.0
+    if n - c < k:
+        return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 # %% ../nbs/08_eval.ipynb #6db59e62
-def pass_at_k_batch(correct,  # (P, n) bool: n samples for each of P problems
-                    k: int,   # subset size, 1 <= k <= n
-                   ) -> Tensor:
+def pass_at_k_batch(
+    correct,  # (P, n) bool: n samples for each of P problems
+    k: int,  # subset size, 1 <= k <= n
+) -> Tensor:
     "Unbiased pass@k of every problem, (P,) float64; `.mean()` is the pass@k of the set."
     correct = _as_bool_matrix(correct)
     P, n = correct.shape
-    if not 1 <= k <= n: raise ValueError(f"pass@k needs 1 <= k <= n = {n} samples per problem, got k={k}")
-    c = correct.sum(1, keepdim=True)                                    # (P, 1) correct per problem
-    i = torch.arange(1, n + 1, dtype=torch.float64)                     # (n,)
-    in_range = i > (n - c)                                              # (P, n): i in [n-c+1, n]
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n = {n} samples per problem, got k={k}")
+    c = correct.sum(1, keepdim=True)  # (P, 1) correct per problem
+    i = torch.arange(1, n + 1, dtype=torch.float64)  # (n,)
+    in_range = i > (n - c)  # (P, n): i in [n-c+1, n]
     factors = torch.where(in_range, 1.0 - k / i, torch.ones((), dtype=torch.float64))  # (P, n)
-    fail = factors.prod(1)                                              # (P,) C(n-c,k)/C(n,k)
+    fail = factors.prod(1)  # (P,) C(n-c,k)/C(n,k)
     return torch.where(n - c.squeeze(1) < k, torch.ones_like(fail), 1.0 - fail)  # (P,)
 
 # %% ../nbs/08_eval.ipynb #d8308306
 INVALID = "[INVALID]"  # the reward module's prediction for a response with no extractable answer
 
-def _is_vote(pred) -> bool: return pred is not None and pred != "" and pred != INVALID
 
-def majority_vote(preds: Sequence[str | None],  # k extracted, normalised answers of one problem
-                 ) -> int | None:
+def _is_vote(pred) -> bool:
+    return pred is not None and pred != "" and pred != INVALID
+
+
+def majority_vote(
+    preds: Sequence[str | None],  # k extracted, normalised answers of one problem
+) -> int | None:
     "Index of the first sample holding the most frequent valid answer (ties: first to appear); None when none is valid."
     counts, first = {}, {}
     for j, a in enumerate(preds):
-        if not _is_vote(a): continue
+        if not _is_vote(a):
+            continue
         counts[a] = counts.get(a, 0) + 1
         first.setdefault(a, j)
-    if not counts: return None
+    if not counts:
+        return None
     best = max(counts.values())
     return min(first[a] for a, n in counts.items() if n == best)  # earliest first appearance among the tied
 
-def maj_at_k(preds: list[list[str | None]],  # P lists of k predictions (extracted, normalised answers)
-             ground_truths: list[str],        # P ground-truth answers
-             correct=None,                    # optional (P, k) bool verdicts of the reward function
-            ) -> float:
+
+def maj_at_k(
+    preds: list[list[str | None]],  # P lists of k predictions (extracted, normalised answers)
+    ground_truths: list[str],  # P ground-truth answers
+    correct=None,  # optional (P, k) bool verdicts of the reward function
+) -> float:
     "Fraction of problems whose majority-voted answer is correct; `[INVALID]` does not vote, ties go to the first."
     if len(preds) != len(ground_truths) or not preds:
-        raise ValueError(f"maj_at_k needs one ground truth per problem and at least one problem; "
-                         f"got {len(preds)} prediction lists and {len(ground_truths)} ground truths")
+        raise ValueError(
+            f"maj_at_k needs one ground truth per problem and at least one problem; "
+            f"got {len(preds)} prediction lists and {len(ground_truths)} ground truths"
+        )
     if correct is not None:
         correct = _as_bool_matrix(correct)
         if correct.shape[0] != len(preds) or any(len(ps) != correct.shape[1] for ps in preds):
-            raise ValueError(f"correct has shape {tuple(correct.shape)}, preds has {len(preds)} lists of lengths "
-                             f"{sorted({len(ps) for ps in preds})}; they must match")
+            raise ValueError(
+                f"correct has shape {tuple(correct.shape)}, preds has {len(preds)} lists of lengths "
+                f"{sorted({len(ps) for ps in preds})}; they must match"
+            )
     hits = 0
     for p, (ps, gt) in enumerate(zip(preds, ground_truths)):
         j = majority_vote(ps)
-        if j is None: continue
+        if j is None:
+            continue
         hits += bool(correct[p, j]) if correct is not None else ps[j] == normalize_answer(str(gt))
     return hits / len(preds)
 
 # %% ../nbs/08_eval.ipynb #58a8e84d
-def generate_checked(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, progress: bool = False) -> list:
+def generate_checked(
+    engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, progress: bool = False
+) -> list:
     "`engine.generate`, checked: `len(prompts) * params.n` completions, the n of each prompt contiguous, in prompt order."
     outs = engine.generate(prompts, params, use_tqdm=True) if progress else engine.generate(prompts, params)
     n = params.n
     if len(outs) != len(prompts) * n:
-        raise RuntimeError(f"{type(engine).__name__}.generate returned {len(outs)} completions for "
-                           f"{len(prompts)} prompts x n={n}; expected {len(prompts) * n}")
+        raise RuntimeError(
+            f"{type(engine).__name__}.generate returned {len(outs)} completions for "
+            f"{len(prompts)} prompts x n={n}; expected {len(prompts) * n}"
+        )
     for j, out in enumerate(outs):
         if out.prompt_index != j // n:
-            raise RuntimeError(f"completion {j} belongs to prompt {out.prompt_index}, expected {j // n}: "
-                               "the engine must return the n completions of each prompt contiguously, in prompt order")
+            raise RuntimeError(
+                f"completion {j} belongs to prompt {out.prompt_index}, expected {j // n}: "
+                "the engine must return the n completions of each prompt contiguously, in prompt order"
+            )
     return outs
 
 # %% ../nbs/08_eval.ipynb #d406a4f9
-def response_rows(prompts: list[str],   # P prompt texts
-                  texts: list[str],     # P*k responses, prompt q's k responses at rows q*k .. q*k+k-1
-                  truths: list,         # P*k ground truths
-                  preds: list[str],     # P*k extracted answers
-                  accs: Tensor,         # (P*k,) correct
-                  lengths: Tensor,      # (P, k) response tokens
-                  truncated: Tensor,    # (P, k)
-                  reward: str,          # the reward mode
-                 ) -> list[dict]:
+def response_rows(
+    prompts: list[str],  # P prompt texts
+    texts: list[str],  # P*k responses, prompt q's k responses at rows q*k .. q*k+k-1
+    truths: list,  # P*k ground truths
+    preds: list[str],  # P*k extracted answers
+    accs: Tensor,  # (P*k,) correct
+    lengths: Tensor,  # (P, k) response tokens
+    truncated: Tensor,  # (P, k)
+    reward: str,  # the reward mode
+) -> list[dict]:
     "samples.jsonl rows (`track.SampleLog`) of one evaluation batch, one per response."
     k = lengths.shape[1]
-    return [dict(split="eval", prompt=prompts[i // k], response=t, pred=p, ground_truth=str(g), score=1.0 if a else -1.0,
-                 length=int(n), truncated=bool(tr), reward_mode=reward)
-            for i, (t, g, p, a, n, tr) in enumerate(zip(texts, truths, preds, accs.tolist(), lengths.flatten().tolist(),
-                                                       truncated.flatten().tolist()))]
-
+    return [
+        dict(
+            split="eval",
+            prompt=prompts[i // k],
+            response=t,
+            pred=p,
+            ground_truth=str(g),
+            score=1.0 if a else -1.0,
+            length=int(n),
+            truncated=bool(tr),
+            reward_mode=reward,
+        )
+        for i, (t, g, p, a, n, tr) in enumerate(
+            zip(texts, truths, preds, accs.tolist(), lengths.flatten().tolist(), truncated.flatten().tolist())
+        )
+    ]
 
 # %% ../nbs/08_eval.ipynb #d39b40de
-def evaluate(engine: RolloutEngine,        # generates k completions per prompt
-             tokenizer,                     # the policy's tokenizer (chat template, decode)
-             examples: Sequence[MathExample], # P problems
-             *,
-             k: int,                        # samples per prompt (paper 32)
-             temperature: float,            # sampling temperature (paper 1.0)
-             top_p: float,                  # nucleus sampling (paper 0.7)
-             max_tokens: int,               # response length limit; longer responses count as truncated
-             seed: int = 0,                 # batch b of prompts is sampled with seed + b
-             batch_prompts: int = 64,       # prompts per engine call
-             reward: str = "dapo-reference", # how a response is judged (`score_batch` mode, REWARD_MODES)
-             use_math_verify: bool = False, # the older spelling of reward="math-verify"
-             return_per_prompt: bool = False, # add "per_prompt": per-problem predictions and counts
-             progress: bool = False,        # pass use_tqdm=True to the engine (a progress bar per call)
-             samples: list | None = None,   # when a list: one row per response appended (samples.jsonl, `track`)
-            ) -> dict:
+def evaluate(
+    engine: RolloutEngine,  # generates k completions per prompt
+    tokenizer,  # the policy's tokenizer (chat template, decode)
+    examples: Sequence[MathExample],  # P problems
+    *,
+    k: int,  # samples per prompt (paper 32)
+    temperature: float,  # sampling temperature (paper 1.0)
+    top_p: float,  # nucleus sampling (paper 0.7)
+    max_tokens: int,  # response length limit; longer responses count as truncated
+    seed: int = 0,  # batch b of prompts is sampled with seed + b
+    batch_prompts: int = 64,  # prompts per engine call
+    reward: str = "dapo-reference",  # how a response is judged (`score_batch` mode, REWARD_MODES)
+    use_math_verify: bool = False,  # the older spelling of reward="math-verify"
+    return_per_prompt: bool = False,  # add "per_prompt": per-problem predictions and counts
+    progress: bool = False,  # pass use_tqdm=True to the engine (a progress bar per call)
+    samples: list | None = None,  # when a list: one row per response appended (samples.jsonl, `track`)
+) -> dict:
     "Sample k responses per prompt and report avg@k, pass@k (any of k correct), maj@k, length and truncation."
-    if not examples: raise ValueError("evaluate needs at least one example, got none")
-    if use_math_verify: reward = "math-verify"
+    if not examples:
+        raise ValueError("evaluate needs at least one example, got none")
+    if use_math_verify:
+        reward = "math-verify"
     if k < 1 or batch_prompts < 1 or max_tokens < 1:
-        raise ValueError(f"evaluate needs k >= 1, max_tokens >= 1 and batch_prompts >= 1; got k={k}, "
-                         f"max_tokens={max_tokens}, batch_prompts={batch_prompts}")
+        raise ValueError(
+            f"evaluate needs k >= 1, max_tokens >= 1 and batch_prompts >= 1; got k={k}, "
+            f"max_tokens={max_tokens}, batch_prompts={batch_prompts}"
+        )
     P = len(examples)
-    correct = torch.zeros(P, k, dtype=torch.bool)                       # (P, k)
-    lengths = torch.zeros(P, k, dtype=torch.float64)                    # (P, k) response tokens, EOS included
-    truncated = torch.zeros(P, k, dtype=torch.bool)                     # (P, k)
+    correct = torch.zeros(P, k, dtype=torch.bool)  # (P, k)
+    lengths = torch.zeros(P, k, dtype=torch.float64)  # (P, k) response tokens, EOS included
+    truncated = torch.zeros(P, k, dtype=torch.bool)  # (P, k)
     preds: list[list[str]] = []
     timeouts = 0
     for b, start in enumerate(range(0, P, batch_prompts)):
-        batch = examples[start:start + batch_prompts]
+        batch = examples[start : start + batch_prompts]
         prompts = [prompt_token_ids(ex, tokenizer) for ex in batch]
         params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + b)
         outs = generate_checked(engine, prompts, params, progress)
@@ -169,335 +208,45 @@ def evaluate(engine: RolloutEngine,        # generates k completions per prompt
         for q, ex in enumerate(batch):
             for j in range(k):
                 out = outs[q * k + j]
-                texts.append(tokenizer.decode(out.token_ids, skip_special_tokens=True)); truths.append(ex.ground_truth)
+                texts.append(tokenizer.decode(out.token_ids, skip_special_tokens=True))
+                truths.append(ex.ground_truth)
                 lengths[start + q, j], truncated[start + q, j] = len(out.token_ids), out.truncated
         _, accs, m, batch_preds = score_batch(texts, truths, mode=reward, return_preds=True)  # (len(batch) * k,)
-        if samples is not None: samples += response_rows([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], texts,
-                                                          truths, batch_preds, accs, lengths[start:start + len(batch)], truncated[start:start + len(batch)], reward)
+        if samples is not None:
+            samples += response_rows(
+                [tokenizer.decode(p, skip_special_tokens=True) for p in prompts],
+                texts,
+                truths,
+                batch_preds,
+                accs,
+                lengths[start : start + len(batch)],
+                truncated[start : start + len(batch)],
+                reward,
+            )
         timeouts += m["reward_timeouts"]
-        correct[start:start + len(batch)] = accs.view(len(batch), k)
-        preds += [batch_preds[q * k:(q + 1) * k] for q in range(len(batch))]
-    res = {"avg@k": avg_at_k(correct),
-           "pass@k": pass_at_k_batch(correct, k).mean().item(),         # n = k: any of the k samples correct
-           "maj@k": maj_at_k(preds, [ex.ground_truth for ex in examples], correct=correct),
-           "mean_length": lengths.mean().item(),
-           "truncated_frac": truncated.double().mean().item(),
-           "n_prompts": P, "k": k, "reward": reward, "reward_timeouts": timeouts}
+        correct[start : start + len(batch)] = accs.view(len(batch), k)
+        preds += [batch_preds[q * k : (q + 1) * k] for q in range(len(batch))]
+    res = {
+        "avg@k": avg_at_k(correct),
+        "pass@k": pass_at_k_batch(correct, k).mean().item(),  # n = k: any of the k samples correct
+        "maj@k": maj_at_k(preds, [ex.ground_truth for ex in examples], correct=correct),
+        "mean_length": lengths.mean().item(),
+        "truncated_frac": truncated.double().mean().item(),
+        "n_prompts": P,
+        "k": k,
+        "reward": reward,
+        "reward_timeouts": timeouts,
+    }
     if return_per_prompt:
         votes = [majority_vote(ps) for ps in preds]
-        res["per_prompt"] = [{"index": p, "ground_truth": ex.ground_truth, "n_correct": int(correct[p].sum()),
-                              "maj_pred": None if votes[p] is None else preds[p][votes[p]], "preds": preds[p]}
-                             for p, ex in enumerate(examples)]
+        res["per_prompt"] = [
+            {
+                "index": p,
+                "ground_truth": ex.ground_truth,
+                "n_correct": int(correct[p].sum()),
+                "maj_pred": None if votes[p] is None else preds[p][votes[p]],
+                "preds": preds[p],
+            }
+            for p, ex in enumerate(examples)
+        ]
     return res
-
-# %% ../nbs/08_eval.ipynb #37f2a250
-def _parser() -> argparse.ArgumentParser:
-    d = DAPOConfig()
-    ap = ArgParser(prog="dapo-eval", description=(
-        "Sample k responses per problem and report avg@k, pass@k and maj@k. "
-        "The defaults are the DAPO paper's evaluation (avg@32, temperature 1.0, top-p 0.7)."))
-    ap.add_argument("--model", required=True, help="local folder (save_pretrained), hub name, or 'tiny' (the embedded tiny model)")
-    ap.add_argument("--data", required=True, help=".parquet or .jsonl file in the DAPO-Math-17k schema")
-    ap.add_argument("--k", type=int, default=d.eval_k, help="samples per problem (default: %(default)s)")
-    ap.add_argument("--temperature", type=float, default=d.eval_temperature, help="(default: %(default)s)")
-    ap.add_argument("--top-p", type=float, default=d.eval_top_p, help="(default: %(default)s)")
-    ap.add_argument("--max-tokens", type=int, default=d.l_max, help="response tokens at most (default: %(default)s, the paper's L_max)")
-    ap.add_argument("--max-prompt-length", type=int, default=d.max_prompt_length,
-                    help="refuse problems whose prompt is longer, in tokens (default: %(default)s, as in training)")
-    ap.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    ap.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
-    ap.add_argument("--dedup", action=argparse.BooleanOptionalAction, default=True,
-                    help="drop repeated problems when loading (default: on)")
-    ap.add_argument("--batch-prompts", type=int, default=64, help="prompts per generation call (default: %(default)s)")
-    ap.add_argument("--max-batch-size", type=int, default=64, help="sequences per forward pass (default: %(default)s)")
-    ap.add_argument("--reward", default="dapo-reference", metavar="MODE",
-                    help="how a response is judged correct (Eq. 7): " + ", ".join(REWARD_MODES) +
-                         ", or a plug-in package.module:function (default: %(default)s)")
-    ap.add_argument("--math-verify", action="store_true", help="same as --reward math-verify")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="(default: %(default)s)")
-    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available; --backend hf)")
-    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf",
-                    help="generate with transformers on one device, or with vLLM (the trainer's engine) (default: %(default)s)")
-    ap.add_argument("--tensor-parallel", type=int, default=1, help="GPUs of the vLLM engine (--backend vllm; default: %(default)s)")
-    ap.add_argument("--out", default="results.json", help="JSON file to write (default: %(default)s)")
-    ap.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier dapo-eval result (default: refuse)")
-    return ap
-
-# %% ../nbs/08_eval.ipynb #9adb82fa
-WRITTEN_BY = "dapo-eval"  # the results file says who wrote it: --overwrite replaces only such a file
-
-def _is_eval_result(p: Path) -> bool:
-    "Whether the file `p` is a results file dapo-eval wrote (its `written_by`), read without trusting its size or bytes."
-    try:
-        with open(p, "rb") as f: head = f.read(1 << 16)
-        return f'"written_by": "{WRITTEN_BY}"'.encode() in head
-    except OSError: return False
-
-def check_output_file(out: str | Path,       # the file the results go to
-                      overwrite: bool = False, # allow replacing an earlier dapo-eval result
-                      flag: str = "--out",     # names the input in errors
-                      inputs: dict | None = None,  # {flag: path} of the command's inputs, never written over
-                     ) -> Path:
-    "Refuse, before any work, an output path that is a folder, one of the inputs, exists (unless `overwrite` and it is an earlier result) or cannot be written."
-    p = Path(out).expanduser()
-    if p.is_dir(): raise InputError(f"{flag} {out} is a folder; give a file name, e.g. {flag} {p / 'results.json'}")
-    for name, src in (inputs or {}).items():
-        s = Path(src).expanduser()
-        if p.exists() and s.exists() and (p.resolve() == s.resolve() or s.resolve() in p.resolve().parents):
-            raise InputError(f"{flag} {out} is the {name} input; the results would replace it: choose another {flag}")
-    if p.exists() and not overwrite:
-        raise InputError(f"{flag} {out} already exists; pass --overwrite to replace it, or choose another {flag}")
-    if p.exists() and not _is_eval_result(p):
-        raise InputError(f"{flag} {out} exists and is not a {WRITTEN_BY} results file; --overwrite replaces only an "
-                         f"earlier result: choose another {flag}")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".probe")  # can a file be created there?
-        os.close(fd); os.unlink(probe)
-    except OSError as e:
-        raise InputError(f"{flag} {out}: cannot write in {p.parent} ({e.strerror}); choose another {flag}") from None
-    return p
-
-# %% ../nbs/08_eval.ipynb #c02b73dd
-def check_device(device: str | None,   # `--device`: cpu, cuda, cuda:N; None = cuda when available
-                 flag: str = "--device") -> None:
-    "`InputError` for a device torch cannot name, or a CUDA device this machine does not have."
-    if device is None: return
-    try: d = torch.device(device)
-    except (RuntimeError, ValueError): raise InputError(f"{flag} {device} is not a device torch knows; give cpu, cuda or cuda:N") from None
-    if d.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0: raise InputError(f"{flag} {device}: this machine has no CUDA GPU; pass --device cpu (or leave it out)")
-        if d.index is not None and d.index >= n:
-            raise InputError(f"{flag} {device}: this machine has {n} CUDA GPU(s), cuda:0 to cuda:{n - 1}")
-    elif d.type != "cpu": raise InputError(f"{flag} {device}: dapo-eval runs on cpu or cuda; give one of them")
-
-def _check_args(args) -> None:
-    "Raise `InputError` naming the flag for a missing file or an out-of-range value."
-    data = Path(args.data).expanduser()
-    if data.suffix.lower() not in (".parquet", ".jsonl"):
-        raise InputError(f"--data {args.data}: expected a .parquet or .jsonl file, got '{data.suffix}'")
-    if data.is_dir(): raise InputError(f"--data {args.data} is a folder; give one .parquet or .jsonl file")
-    if not data.is_file(): raise InputError(f"--data {args.data}: no such file")
-    for flag, ok, allowed in [("--k", args.k >= 1, ">= 1"), ("--max-tokens", args.max_tokens >= 1, ">= 1"),
-                              ("--max-prompt-length", args.max_prompt_length >= 1, ">= 1"),
-                              ("--temperature", 0 <= args.temperature < math.inf, ">= 0 and finite (0 = greedy)"),
-                              ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
-                              ("--batch-prompts", args.batch_prompts >= 1, ">= 1"),
-                              ("--max-batch-size", args.max_batch_size >= 1, ">= 1"),
-                              ("--limit", args.limit is None or args.limit >= 1, ">= 1"),
-                              ("--seed", 0 <= args.seed < 2**31, "0 <= seed < 2**31"),
-                              ("--tensor-parallel", args.tensor_parallel >= 1, ">= 1")]:
-        if not ok: raise InputError(f"{flag} = {getattr(args, flag[2:].replace('-', '_'))} is out of range: allowed {allowed}")
-    if args.reward not in REWARD_MODES and REWARD_PLUGIN.fullmatch(args.reward) is None:
-        raise InputError(f"--reward {args.reward}: use one of {', '.join(REWARD_MODES)}, or a plug-in package.module:function")
-    if REWARD_PLUGIN.fullmatch(args.reward): check_plugin(args.reward)  # imports and signature, before the model loads
-    if args.math_verify and args.reward not in ("dapo-reference", "math-verify"):
-        raise InputError(f"--math-verify and --reward {args.reward} disagree; pass one of them")
-    if args.math_verify: args.reward = "math-verify"
-    if args.backend == "hf" and args.tensor_parallel != 1:
-        raise InputError(f"--tensor-parallel {args.tensor_parallel} needs --backend vllm (transformers generates on one device)")
-    if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise InputError("--backend vllm: vllm is not installed here; pip install -e '.[scale]', or use --backend hf")
-    check_device(args.device)
-    check_output_file(args.out, args.overwrite, inputs={"--data": args.data, "--model": args.model})
-
-# %% ../nbs/08_eval.ipynb #a664d8f9
-def _offline() -> bool:
-    from huggingface_hub import constants
-    return bool(constants.HF_HUB_OFFLINE)
-
-def resolve_model(name: str, flag: str = "--model") -> str:
-    """The folder or hub name to load for the model `name`: `tiny` is the embedded tiny model, `tiny-testbed` and
-    `tiny-guesser` the testbeds (`testbeds`), a folder needs a config.json; dapo-train and dapo-eval resolve alike."""
-    if name == "tiny":
-        from dapo_ref.tiny import ensure_tiny_model
-        return str(ensure_tiny_model())
-    from dapo_ref.testbeds import TESTBEDS, testbed_model
-    if name in TESTBEDS: return str(testbed_model(**TESTBEDS[name]))  # built once and cached, or shipped
-    p = Path(name).expanduser()
-    if p.is_file(): raise InputError(f"{flag} {name} is a file; give the model's folder (written by save_pretrained)")
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise InputError(f"{flag} {name}: no config.json in this folder; give the folder save_pretrained wrote "
-                             "(config.json, the weights and the tokenizer files)")
-        return str(p)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise InputError(f"{flag} {name}: no such folder (a hub name looks like org/name)")
-    return name  # a hub name
-
-def load_model_config(name: str, flag: str = "--model"):
-    "The transformers config of `name` (a folder or hub name), or a one-line `InputError` (offline, unknown name, bad file)."
-    from transformers import AutoConfig
-    try: return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError, KeyError) as e:
-        if not Path(name).expanduser().exists() and _offline():
-            raise InputError(f"{flag} {name}: not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
-                             "forbids downloading it; download it where the hub is reachable, or give a local folder") from None
-        raise InputError(f"{flag} {name}: cannot read its config ({one_line(e)[:300]}); "
-                         "check the name, or give a local folder written by save_pretrained") from None
-
-# %% ../nbs/08_eval.ipynb #e7ccd93c
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-def check_model(name: str,            # `--model` / `model`: a local folder, a hub name, or tiny
-                flag: str = "--model",  # names the input in errors ("model =" in dapo-train)
-               ):
-    """Before any weight loads, what can be known of a model: the folder (config.json, tokenizer files, every
-    safetensors file whole, by its header) or the hub name (in the cache when offline), and its config; returns
-    `(name to load, config)`. dapo-train and dapo-eval run the same checks."""
-    path = resolve_model(name, flag)
-    config = load_model_config(path, flag)
-    folder = Path(path)
-    if folder.is_dir():
-        if not any((folder / f).is_file() for f in _TOKENIZER_FILES):  # transformers would make an empty one
-            raise InputError(f"{flag} {name}: no tokenizer files in this folder ({', '.join(_TOKENIZER_FILES)}); "
-                             "save the tokenizer next to the model with tokenizer.save_pretrained")
-        from safetensors import safe_open
-        for f in sorted(folder.glob("*.safetensors")):
-            try:
-                with safe_open(f, "pt"): pass  # reads the header, checks that the file holds every tensor it declares
-            except (SafetensorError, OSError) as e:
-                raise InputError(f"{flag} {name}: {f.name} is truncated or not a safetensors file ({one_line(e)[:200]}); "
-                                 "copy or export the model again") from None
-    return path, config
-
-from safetensors import SafetensorError
-LOAD_ERRORS = (OSError, ValueError, SafetensorError)  # what from_pretrained raises for a missing, broken or mismatched file
-
-def weights_problem(model: torch.nn.Module) -> str | None:
-    "Which parameter of `model` holds a NaN or an infinity (the first, by name), or None; one pass over the weights."
-    for n, p in model.named_parameters():
-        if p.numel() and not bool(torch.isfinite(p).all()): return f"weight {n} holds NaN or infinite values"
-    return None
-
-# %% ../nbs/08_eval.ipynb #29796180
-def generation_memory(config,             # the model's transformers config (a Qwen2/Llama-style decoder)
-                      rows: int,          # sequences generated together (one chunk of the engine)
-                      prompt_tokens: int, # longest prompt in the chunk, tokens
-                      max_tokens: int,    # response tokens at most
-                      dtype_bytes: int,   # bytes per value: 4 float32, 2 bfloat16 / float16
-                     ) -> dict:
-    "Worst-case bytes of generating `rows` sequences at once: weights, the KV cache at full length, one layer's prefill."
-    a = arch_from_config(config)
-    kv_cache = kv_bytes_per_token(a, dtype_bytes) * rows * (prompt_tokens + max_tokens)  # every row at full length
-    h, I = a.hidden_size, a.intermediate_size
-    prefill = rows * prompt_tokens * (2 * h + a.q_dim + 2 * a.kv_dim + 2 * I) * dtype_bytes  # one layer's activations at once
-    weights = n_params(a) * dtype_bytes
-    return dict(n_params=n_params(a), weights=weights, kv_cache=kv_cache, prefill=prefill, total=weights + kv_cache + prefill)
-
-def available_memory(device: str) -> int | None:
-    "Bytes free now on `device`: the GPU's free memory, or the machine's MemAvailable for the CPU; None when unknown."
-    if device.startswith("cuda"): return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024
-    except OSError: pass
-    return None
-
-def check_generation_memory(need: dict,        # from `generation_memory`
-                            free: int | None,  # bytes free on the device (`available_memory`); None = unknown, no check
-                            device: str,       # named in the message
-                            what: str,         # the flags that set the size, named in the message
-                            fix: str = "lower --max-batch-size or --max-tokens",  # what to do about it
-                           ) -> None:
-    "Raise `InputError` when `need['total']` exceeds `free` bytes, naming the flags and the fix."
-    if free is None or need["total"] <= free: return
-    gib = lambda b: f"{b / 2**30:.1f}"
-    raise InputError(f"{what} may need {gib(need['total'])} GiB ({gib(need['kv_cache'])} KV cache, {gib(need['weights'])} "
-                     f"weights, {gib(need['prefill'])} prefill) but {gib(free)} GiB is free on {device}; "
-                     f"{fix}")
-
-# %% ../nbs/08_eval.ipynb #84aba785
-def _prepare(args):
-    "Every check that can fail on the user's input, cheapest first; returns what `main` needs to evaluate."
-    _check_args(args)
-    examples = load_math_dataset(args.data, dedup=args.dedup)
-    if args.limit: examples = examples[:args.limit]
-    if not examples: raise InputError(f"--data {args.data}: no problems to evaluate")
-    name, config = check_model(args.model)
-    from transformers import AutoTokenizer
-    try: tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"--model {args.model}: cannot load its tokenizer ({one_line(e)[:300]}); the folder needs the "
-                         "files tokenizer.save_pretrained writes") from None
-    ids = [prompt_token_ids(ex, tokenizer) for ex in examples]
-    check_prompt_lengths(examples, ids, args.max_prompt_length, "--max-prompt-length")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.backend == "vllm": return examples, name, tokenizer, device  # vLLM sizes its own KV cache
-    rows = min(args.max_batch_size, args.batch_prompts * args.k, len(examples) * args.k)
-    longest = max(len(i) for i in ids)
-    need = generation_memory(config, rows, longest, args.max_tokens, 4 if args.dtype == "float32" else 2)
-    check_generation_memory(need, available_memory(device), device, f"{rows} rows (--max-batch-size {args.max_batch_size}) "
-                            f"x (longest prompt {longest} + --max-tokens {args.max_tokens}) tokens",
-                            "lower --max-batch-size or --max-tokens" + (", or pass --dtype bfloat16" if args.dtype == "float32" else ""))
-    return examples, name, tokenizer, device
-
-def _write_json(path: Path, obj) -> None:
-    "Write `obj` as JSON to `path` atomically: a crash leaves the old file or the new one, never half of one."
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-# %% ../nbs/08_eval.ipynb #4c091367
-def main(argv: list[str] | None = None) -> None:
-    "The `dapo-eval` command: evaluate a model on a parquet/JSONL file, print one line, write JSON."
-    args = _parser().parse(argv)
-    with interrupts("dapo-eval", "nothing was written; run the command again"):
-        return _main(args)
-
-def _main(args) -> int:
-    t0 = time.time()
-    with cli_errors("dapo-eval"):  # bad input: one line on stderr, exit status 2, nothing loaded or generated yet
-        examples, name, tokenizer, device = _prepare(args)
-        engine = (vllm_engine(args, name, tokenizer, examples) if args.backend == "vllm"
-                  else _hf_engine(args, name, tokenizer, device))
-    res = evaluate(engine, tokenizer, examples, k=args.k, temperature=args.temperature, top_p=args.top_p,
-                   max_tokens=args.max_tokens, seed=args.seed, batch_prompts=args.batch_prompts,
-                   reward=args.reward, return_per_prompt=True, progress=True)
-    seconds = time.time() - t0
-    settings = {"written_by": WRITTEN_BY, "model": args.model, "data": args.data, "temperature": args.temperature, "top_p": args.top_p,
-                "max_tokens": args.max_tokens, "seed": args.seed, "limit": args.limit, "dedup": args.dedup,
-                "math_verify": args.reward == "math-verify", "dtype": args.dtype, "backend": args.backend,
-                "tensor_parallel": args.tensor_parallel, "device": device if args.backend == "hf" else "vllm",
-                "seconds": round(seconds, 3)}
-    out = Path(args.out).expanduser()
-    _write_json(out, {**{k: v for k, v in res.items() if k != "per_prompt"}, **settings, "per_prompt": res["per_prompt"]})
-    k = args.k
-    print(f"dapo-eval {args.model} on {args.data}: avg@{k} {res['avg@k']:.4f}  pass@{k} {res['pass@k']:.4f}  "
-          f"maj@{k} {res['maj@k']:.4f}  ({res['n_prompts']} problems x {k} samples, mean length "
-          f"{res['mean_length']:.1f} tokens, {res['truncated_frac']:.1%} truncated, {seconds:.1f} s) -> {out}")
-    return 0
-
-# %% ../nbs/08_eval.ipynb #68cade6d
-def _hf_engine(args, name, tokenizer, device):
-    "dapo-eval's transformers engine: the model on `device`, checked for damaged weights."
-    from transformers import AutoModelForCausalLM
-    try: model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, args.dtype)).to(device).eval()
-    except LOAD_ERRORS as e: raise InputError(f"--model {args.model}: cannot load its weights ({one_line(e)[:300]})") from None
-    if (why := weights_problem(model)):
-        raise InputError(f"--model {args.model}: {why}; the model is damaged: export it again, or evaluate another one")
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = gen_eos if gen_eos is not None else tokenizer.eos_token_id
-    if eos is None: raise InputError(f"--model {args.model}: neither the generation config nor the tokenizer names an EOS token")
-    from dapo_ref.rollout import HFRolloutEngine
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
-    return HFRolloutEngine(model, eos_token_id=eos, pad_token_id=pad, max_batch_size=args.max_batch_size)
-
-def vllm_engine(args, name: str, tokenizer, examples: Sequence[MathExample]):
-    "dapo-eval's vLLM engine: the trainer's `VLLMRolloutEngine` on the checkpoint, over `--tensor-parallel` GPUs."
-    from transformers import GenerationConfig
-    try: eos = GenerationConfig.from_pretrained(name).eos_token_id
-    except OSError: eos = None  # no generation_config.json: the tokenizer's
-    eos = eos if eos is not None else tokenizer.eos_token_id
-    if eos is None: raise InputError(f"--model {args.model}: neither the generation config nor the tokenizer names an EOS token")
-    from dapo_ref.vllm_rollout import VLLMRolloutEngine
-    cpu = not torch.cuda.is_available()  # vLLM's CPU build: eager, and no chunked prefill with seeded requests
-    return VLLMRolloutEngine(name, eos_token_id=eos, tensor_parallel_size=args.tensor_parallel, dtype=args.dtype,
-                             seed=args.seed, max_model_len=max(len(prompt_token_ids(e, tokenizer)) for e in examples) + args.max_tokens,
-                             enable_chunked_prefill=not cpu, enforce_eager=cpu)
-
-# %% ../nbs/08_eval.ipynb #5090135f
-if __name__ == "__main__" and "get_ipython" not in globals():  # `python -m dapo_ref.eval`; not when run in a notebook
-    sys.exit(main())

@@ -21,141 +21,204 @@ def _key(cfg: DAPOConfig, fingerprint: str, n_eval: int | None) -> dict:
     "What must match for a cached run to be reused."
     return dict(config=asdict(cfg), model=fingerprint, n_eval=n_eval)
 
-def same_key(stored: dict | None,  # a key written by an earlier run (result.json, key.json, study.json)
-             cfg: DAPOConfig, fingerprint: str, n_eval: int | None) -> bool:
+
+def same_key(
+    stored: dict | None,  # a key written by an earlier run (result.json, key.json, study.json)
+    cfg: DAPOConfig,
+    fingerprint: str,
+    n_eval: int | None,
+) -> bool:
     "True when `stored` is this run's key: same model and eval set, same config (fields it lacks at their defaults)."
-    if not isinstance(stored, dict): return False
+    if not isinstance(stored, dict):
+        return False
     now = json.loads(json.dumps(_key(cfg, fingerprint, n_eval)))
-    if {k: v for k, v in stored.items() if k != "config"} != {k: v for k, v in now.items() if k != "config"}: return False
+    if {k: v for k, v in stored.items() if k != "config"} != {k: v for k, v in now.items() if k != "config"}:
+        return False
     old, default = stored.get("config") or {}, json.loads(json.dumps(asdict(DAPOConfig())))
     return set(old) <= set(now["config"]) and all(old.get(k, default[k]) == v for k, v in now["config"].items())
+
 
 def cached_result(cfg: DAPOConfig, fingerprint: str, n_eval: int | None = None) -> dict | None:
     "The stored result of the run `cfg` when it finished with the same config, model and eval set; else None."
     p = Path(cfg.output_dir) / "result.json"
-    if not p.exists(): return None
+    if not p.exists():
+        return None
     r = json.loads(p.read_text())
     return r if same_key(r.get("key"), cfg, fingerprint, n_eval) else None
+
 
 def unique_steps(rows: list[dict]) -> list[dict]:
     "Metrics rows with one row per step (the first), in step order."
     seen = {}
-    for r in rows: seen.setdefault(r.get("step", 0), r)
+    for r in rows:
+        seen.setdefault(r.get("step", 0), r)
     return [seen[k] for k in sorted(seen)]
+
 
 def _lock(out: Path):
     "Claim the run folder for this process (a `lock` file holding its pid); fail when a live process holds it."
     lk = out / "lock"
-    try: fd = os.open(lk, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    try:
+        fd = os.open(lk, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         pid = int(lk.read_text() or 0)
-        try: os.kill(pid, 0); alive = pid != os.getpid()
-        except (ProcessLookupError, PermissionError, OverflowError, ValueError): alive = False
-        if alive: raise RuntimeError(f"{out} is being trained by process {pid}; wait for it or end it before rerunning")
+        try:
+            os.kill(pid, 0)
+            alive = pid != os.getpid()
+        except (ProcessLookupError, PermissionError, OverflowError, ValueError):
+            alive = False
+        if alive:
+            raise RuntimeError(f"{out} is being trained by process {pid}; wait for it or end it before rerunning")
         lk.unlink(missing_ok=True)  # left by a process that died: take it over
         fd = os.open(lk, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    os.write(fd, str(os.getpid()).encode()); os.close(fd)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
 
 # %% ../nbs/12a_jobs.ipynb #7076846d
-def run_one(cfg: DAPOConfig,          # one (row, seed) config from `run_config`
-            fingerprint: str,         # `model_fingerprint(cfg.model)`
-            n_eval: int | None = None,  # evaluate on the first n_eval held-out problems (None: all)
-            threads: int | None = 1,  # torch CPU threads for this run (1 is fastest on a shared 2-core machine)
-            log=print) -> dict:
+def run_one(
+    cfg: DAPOConfig,  # one (row, seed) config from `run_config`
+    fingerprint: str,  # `model_fingerprint(cfg.model)`
+    n_eval: int | None = None,  # evaluate on the first n_eval held-out problems (None: all)
+    threads: int | None = 1,  # torch CPU threads for this run (1 is fastest on a shared 2-core machine)
+    log=print,
+) -> dict:
     "Train one run, or return its cached result; resumes an interrupted run from its newest checkpoint."
     r = cached_result(cfg, fingerprint, n_eval)
-    if r is not None: return {**r, "cached": True}
+    if r is not None:
+        return {**r, "cached": True}
     import torch
     from dapo_ref.trainer import train, load_splits
     from dapo_ref.runs import read_metrics
-    if threads: torch.set_num_threads(threads)
+
+    if threads:
+        torch.set_num_threads(threads)
     out = Path(cfg.output_dir)
     key = _key(cfg, fingerprint, n_eval)
     kp = out / "key.json"
     if out.exists() and (not kp.exists() or not same_key(json.loads(kp.read_text()), cfg, fingerprint, n_eval)):
         shutil.rmtree(out)  # written by another config: start over
-    if read_marker(out) is None: write_marker(out, "run")  # inside the dapo-ablate folder: a run of this study
+    if read_marker(out) is None:
+        write_marker(out, "run")  # inside the dapo-ablate folder: a run of this study
     _lock(out)  # two processes training one run would interleave its metrics.jsonl
     kp.write_text(json.dumps(key))
     kw = {}
-    if n_eval is not None: kw["eval_examples"] = load_splits(cfg)[1][:n_eval]
+    if n_eval is not None:
+        kw["eval_examples"] = load_splits(cfg)[1][:n_eval]
     t0 = time.perf_counter()
     summary = train(cfg, resume=True, progress=False, log=None, **kw)
-    res = dict(key=key, versions=versions(), summary=summary, wall=time.perf_counter() - t0,
-               metrics=unique_steps(read_metrics(out / "metrics.jsonl")))
-    for sub in ("checkpoints", "final", "tb"): shutil.rmtree(out / sub, ignore_errors=True)
+    res = dict(
+        key=key,
+        versions=versions(),
+        summary=summary,
+        wall=time.perf_counter() - t0,
+        metrics=unique_steps(read_metrics(out / "metrics.jsonl")),
+    )
+    for sub in ("checkpoints", "final", "tb"):
+        shutil.rmtree(out / sub, ignore_errors=True)
     (out / "curves.png").unlink(missing_ok=True)
     tmp = out / "result.json.tmp"
-    tmp.write_text(json.dumps(res)); os.replace(tmp, out / "result.json")  # written last: its presence = finished
+    tmp.write_text(json.dumps(res))
+    os.replace(tmp, out / "result.json")  # written last: its presence = finished
     (out / "lock").unlink(missing_ok=True)
     return {**res, "cached": False}
 
 # %% ../nbs/12a_jobs.ipynb #dbd6cc66
 def _worker(args):
     cfg, fp, n_eval, threads = args
-    if not __import__("torch").cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not __import__("torch").cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     r = run_one(cfg, fp, n_eval, threads, log=None)
     return r["cached"], r["wall"], r["metrics"], r["versions"]
 
-def run_many(configs: dict,              # {name: DAPOConfig}, each with its own output_dir
-             fingerprint: str,           # `testbeds.model_fingerprint` of the configs' model
-             n_eval: int | None = None,  # evaluate on the first n_eval held-out problems (None: all)
-             jobs: int = 1,              # runs at a time, one process each
-             threads: int = 1,           # torch CPU threads per run
-             prior: dict | None = None,  # {name: an earlier result with its "key"}: reused while the key matches
-             done: Callable[[object, dict], None] | None = None,  # called with (name, result) as each new run finishes
-            ) -> dict:
+
+def run_many(
+    configs: dict,  # {name: DAPOConfig}, each with its own output_dir
+    fingerprint: str,  # `testbeds.model_fingerprint` of the configs' model
+    n_eval: int | None = None,  # evaluate on the first n_eval held-out problems (None: all)
+    jobs: int = 1,  # runs at a time, one process each
+    threads: int = 1,  # torch CPU threads per run
+    prior: dict | None = None,  # {name: an earlier result with its "key"}: reused while the key matches
+    done: Callable[[object, dict], None] | None = None,  # called with (name, result) as each new run finishes
+) -> dict:
     "Train (or reuse) every config: {name: dict(cached, wall, metrics, versions, key)}, in the order of `configs`."
     res = {}
     for name, cfg in configs.items():
         p = (prior or {}).get(name)
-        if p is not None and same_key(p.get("key"), cfg, fingerprint, n_eval): res[name] = dict(p, cached=True)
+        if p is not None and same_key(p.get("key"), cfg, fingerprint, n_eval):
+            res[name] = dict(p, cached=True)
     new = [n for n in configs if n not in res]
     args = [(configs[n], fingerprint, n_eval, threads) for n in new]
+
     def finish(n, r):
-        res[n] = dict(cached=r[0], wall=r[1], metrics=unique_steps(r[2]), versions=r[3], key=_key(configs[n], fingerprint, n_eval))
-        if done: done(n, res[n])
+        res[n] = dict(
+            cached=r[0], wall=r[1], metrics=unique_steps(r[2]), versions=r[3], key=_key(configs[n], fingerprint, n_eval)
+        )
+        if done:
+            done(n, res[n])
+
     if jobs <= 1:
-        for n, a in zip(new, args): finish(n, _worker(a))
+        for n, a in zip(new, args):
+            finish(n, _worker(a))
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
+
         with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-            for n, r in zip(new, ex.map(_worker, args)): finish(n, r)
+            for n, r in zip(new, ex.map(_worker, args)):
+                finish(n, r)
     return {n: res[n] for n in configs}
 
 # %% ../nbs/12a_jobs.ipynb #5254972c
-def run_summary(rows: list[dict],    # metrics rows of one run
-                target: float = 0.6,  # the stated held-out accuracy for `updates_to_target`
-                tail: int = 5,       # rollout steps averaged for the end-of-run statistics
-               ) -> dict:
+def run_summary(
+    rows: list[dict],  # metrics rows of one run
+    target: float = 0.6,  # the stated held-out accuracy for `updates_to_target`
+    tail: int = 5,  # rollout steps averaged for the end-of-run statistics
+) -> dict:
     "One run's numbers for the table."
     steps = [r for r in rows if r.get("step", 0) > 0]
     evals = [(r["grad_updates"], r["eval_acc"]) for r in rows if "eval_acc" in r]
     last = steps[-tail:]
     m = lambda k, rs: statistics.fmean(r[k] for r in rs) if rs else float("nan")
-    return dict(acc_start=evals[0][1] if evals else float("nan"), acc_end=evals[-1][1] if evals else float("nan"),
-                updates_to_target=next((u for u, a in evals if a >= target), None),
-                entropy=m("entropy", last), resp_len=m("resp_len_mean", last), truncated_frac=m("truncated_frac", last),
-                gen_rounds=m("gen_rounds", steps),
-                zero_adv_frac=statistics.fmean((r["groups_all_correct"] + r["groups_all_wrong"]) / r["groups_seen"]
-                                               for r in steps) if steps else float("nan"),
-                train_acc=m("acc", last), grad_updates=steps[-1]["grad_updates"] if steps else 0)
+    return dict(
+        acc_start=evals[0][1] if evals else float("nan"),
+        acc_end=evals[-1][1] if evals else float("nan"),
+        updates_to_target=next((u for u, a in evals if a >= target), None),
+        entropy=m("entropy", last),
+        resp_len=m("resp_len_mean", last),
+        truncated_frac=m("truncated_frac", last),
+        gen_rounds=m("gen_rounds", steps),
+        zero_adv_frac=statistics.fmean(
+            (r["groups_all_correct"] + r["groups_all_wrong"]) / r["groups_seen"] for r in steps
+        )
+        if steps
+        else float("nan"),
+        train_acc=m("acc", last),
+        grad_updates=steps[-1]["grad_updates"] if steps else 0,
+    )
 
 # %% ../nbs/12a_jobs.ipynb #30d3da92
 def mean_se(xs: list[float]) -> tuple[float, float, int]:
     "(mean, standard error s/sqrt(n), n) of the finite values of xs; se is nan for fewer than two."
     xs = [x for x in xs if x is not None and not math.isnan(x)]
-    if not xs: return float("nan"), float("nan"), 0
+    if not xs:
+        return float("nan"), float("nan"), 0
     se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
     return statistics.fmean(xs), se, len(xs)
 
-def compare_arms(a: list[float],  # one metric, arm a, one value per seed
-                 b: list[float],  # the same metric, arm b, the same seeds in the same order
-                ) -> dict:
+
+def compare_arms(
+    a: list[float],  # one metric, arm a, one value per seed
+    b: list[float],  # the same metric, arm b, the same seeds in the same order
+) -> dict:
     "b - a with its unpaired and paired standard errors; separated when |b - a| > 2 unpaired standard errors."
     (ma, sa, na), (mb, sb, nb) = mean_se(a), mean_se(b)
-    se = math.sqrt(sa ** 2 + sb ** 2)
+    se = math.sqrt(sa**2 + sb**2)
     paired = mean_se([y - x for x, y in zip(a, b)])[1] if len(a) == len(b) else float("nan")
-    return dict(diff=mb - ma, se=se, se_paired=paired, z=(mb - ma) / se if se > 0 else float("nan"),
-                separated=bool(se > 0 and abs(mb - ma) > 2 * se), n=(na, nb))
+    return dict(
+        diff=mb - ma,
+        se=se,
+        se_paired=paired,
+        z=(mb - ma) / se if se > 0 else float("nan"),
+        separated=bool(se > 0 and abs(mb - ma) > 2 * se),
+        n=(na, nb),
+    )

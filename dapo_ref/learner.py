@@ -11,244 +11,119 @@ from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
-from fastcore.basics import patch
 
 from . import dist
 from .core import DAPOConfig
-from .eval import resolve_model
-from .loss import fused_token_logprobs, policy_loss, token_entropy, token_logprobs, overlong_filter
-from .runs import UpdateGuard
+from .eval_cli import resolve_model
+from .loss import policy_loss, overlong_filter
+from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, use_varlen_attention
+from .guards import UpdateGuard
 
 # %% auto #0
-__all__ = ['VARLEN_LOOP_FROM', 'METRIC_KEYS', 'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy',
-           'RolloutBatch', 'pack_micro_batches', 'collate', 'pack', 'varlen_sdpa', 'use_varlen_attention',
-           'head_logprobs', 'forward_logprobs', 'balance_by_tokens', 'balanced_share', 'SeqParallel', 'shard_packed',
-           'SeqGather', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators',
-           'Learner', 'TorchLearner']
+__all__ = ['METRIC_KEYS', 'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy', 'RolloutBatch',
+           'balance_by_tokens', 'balanced_share', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model',
+           'loss_denominators', 'Learner', 'TorchLearner']
 
 # %% ../nbs/08b_learner.ipynb #a17cddde
 _STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model`)
 
+
 def model_path(name: str) -> str:
     "The folder or hub name that transformers (and vLLM) load for `name`; `tiny` builds (once, cached) the tiny model."
-    if name in _STAGED: return _STAGED[name]  # a hub model this node has staged
-    return resolve_model(name, "model =")     # the one resolver dapo-eval uses too
+    if name in _STAGED:
+        return _STAGED[name]  # a hub model this node has staged
+    return resolve_model(name, "model =")  # the one resolver dapo-eval uses too
 
-def stage_model(name: str,  # cfg.model: a hub name, a local folder, or a tiny model
-               ) -> str:
+
+def stage_model(
+    name: str,  # cfg.model: a hub name, a local folder, or a tiny model
+) -> str:
     """A hub model's files on this node's disk, read from the hub once per node: local rank 0 downloads them (config,
     tokenizer, safetensors), the node's other ranks wait at a barrier, then resolve the same snapshot from the cache.
     Afterwards `model_path(name)` is that folder for the learner and the vLLM engine alike. A local folder (pre-staged
     on each node's disk, the fastest start) or a tiny model is returned as it is. Call it on every rank (a barrier)."""
-    if name in _STAGED or name == "tiny" or name.startswith("tiny-") or Path(name).is_dir(): return model_path(name)
+    if name in _STAGED or name == "tiny" or name.startswith("tiny-") or Path(name).is_dir():
+        return model_path(name)
     from huggingface_hub import snapshot_download
+
     files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # what transformers and vLLM read
-    if dist.local_rank() == 0: _STAGED[name] = snapshot_download(name, allow_patterns=files)
+    if dist.local_rank() == 0:
+        _STAGED[name] = snapshot_download(name, allow_patterns=files)
     dist.barrier()
-    if dist.local_rank() != 0: _STAGED[name] = snapshot_download(name, allow_patterns=files, local_files_only=True)
+    if dist.local_rank() != 0:
+        _STAGED[name] = snapshot_download(name, allow_patterns=files, local_files_only=True)
     return _STAGED[name]
+
 
 def load_model(name: str, dtype: str = "float32", attn_implementation: str = "sdpa"):
     "The causal LM `name` (see `model_path`) in `dtype`, its attention `attn_implementation` (transformers' name)."
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=getattr(torch, dtype),
-                                                attn_implementation=attn_implementation)
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_path(name), dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+    )
+
 
 def load_tokenizer(name: str):
     "The tokenizer saved with the model `name`."
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_path(name))
 
-def load_policy(name: str,               # "tiny", a hub name, or a local folder
-                dtype: str = "float32",  # learner dtype: float32 | bfloat16
-               ):
+
+def load_policy(
+    name: str,  # "tiny", a hub name, or a local folder
+    dtype: str = "float32",  # learner dtype: float32 | bfloat16
+):
     "`(model, tokenizer)` of `name`."
     return load_model(name, dtype), load_tokenizer(name)
-
 
 # %% ../nbs/08b_learner.ipynb #15ba6a1b
 @dataclass
 class RolloutBatch:
     "B = P*G responses ready for the learner: token ids, advantages, truncation flags; groups contiguous."
-    prompt_ids: list[list[int]]    # B prompts' token ids
-    response_ids: list[list[int]]  # B responses' token ids
-    advantages: Tensor             # (B,) group-normalised advantage of each response
-    truncated: Tensor              # (B,) bool, response hit l_max
-    rewards: Tensor                # (B,)
-    rollout_logp: list | None = None  # B lists: the sampling engine's log-probs of each response's tokens (vLLM); or None
 
-    def __len__(self): return len(self.response_ids)
+    prompt_ids: list[list[int]]  # B prompts' token ids
+    response_ids: list[list[int]]  # B responses' token ids
+    advantages: Tensor  # (B,) group-normalised advantage of each response
+    truncated: Tensor  # (B,) bool, response hit l_max
+    rewards: Tensor  # (B,)
+    rollout_logp: list | None = (
+        None  # B lists: the sampling engine's log-probs of each response's tokens (vLLM); or None
+    )
+
+    def __len__(self):
+        return len(self.response_ids)
 
     def select(self, idx: list[int]) -> "RolloutBatch":
         "The sub-batch of responses `idx`."
         t = torch.tensor(idx, dtype=torch.long)
-        return RolloutBatch([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
-                            self.advantages[t], self.truncated[t], self.rewards[t],
-                            None if self.rollout_logp is None else [self.rollout_logp[i] for i in idx])
-
-
-# %% ../nbs/08b_learner.ipynb #5be2408e
-def pack_micro_batches(lengths: list[tuple[int, int]],  # (prompt length, response length) per sequence
-                       token_budget: int,                # max tokens per micro-batch: real ones, or padded ones with `padded`
-                       padded: bool = False,             # the padded layout's rule (`collate`): b x (longest prompt + longest response), in order
-                      ) -> list[list[int]]:
-    "Micro-batches of sequence indices: by default first-fit decreasing by real tokens (`pack`), each within `token_budget` unless a sequence alone exceeds it."
-    if padded:
-        out, cur, mp, mr = [], [], 0, 0
-        for i, (p, r) in enumerate(lengths):
-            np_, nr = max(mp, p), max(mr, r)
-            if cur and (len(cur) + 1) * (np_ + nr) > token_budget:
-                out.append(cur); cur, np_, nr = [], p, r
-            cur.append(i); mp, mr = np_, nr
-        return out + [cur] if cur else out
-    bins, loads = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -sum(lengths[i])):  # longest first (ties keep their order)
-        n = sum(lengths[i])
-        j = next((j for j, load in enumerate(loads) if load + n <= token_budget), None)
-        if j is None: bins.append([i]); loads.append(n)
-        else: bins[j].append(i); loads[j] += n
-    return [sorted(b) for b in bins]
-
-# %% ../nbs/08b_learner.ipynb #0b00f626
-def collate(prompts: list[list[int]],    # b prompts' token ids
-            responses: list[list[int]],  # b responses' token ids
-            pad_id: int,                 # padding token id
-           ) -> dict[str, Tensor]:
-    "Padded layout: left-pad prompts and right-pad responses into one (b, Lp + T) batch; `response_mask` is (b, T)."
-    b, Lp, T = len(prompts), max(len(p) for p in prompts), max(1, max(len(r) for r in responses))
-    ids = torch.full((b, Lp + T), pad_id, dtype=torch.long)  # (b, Lp+T)
-    attn = torch.zeros(b, Lp + T, dtype=torch.long)  # (b, Lp+T)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, Lp - len(p):Lp] = torch.tensor(p); attn[i, Lp - len(p):Lp] = 1
-        ids[i, Lp:Lp + len(r)] = torch.tensor(r, dtype=torch.long); attn[i, Lp:Lp + len(r)] = 1
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (b, Lp+T) positions of real tokens start at 0
-    return dict(input_ids=ids, attention_mask=attn, position_ids=pos, response_mask=attn[:, Lp:].bool())
-
-def pack(prompts: list[list[int]],    # b prompts' token ids
-         responses: list[list[int]],  # b responses' token ids
-        ) -> dict[str, Tensor]:
-    "Packed layout: the b (prompt + response) sequences end to end in one row, positions restarting at each; no padding."
-    ids, pos, idx, off = [], [], [], 0
-    for p, r in zip(prompts, responses):
-        n = len(p) + len(r)
-        ids += list(p) + list(r); pos += range(n)
-        idx += range(off + len(p) - 1, off + n - 1)  # the position before each response token predicts it
-        off += n
-    lens = torch.tensor([len(r) for r in responses])
-    mask = torch.arange(max(1, int(lens.max()))) < lens[:, None]  # (b, T) response tokens of each row
-    seq = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
-    cu = torch.cat([seq.new_zeros(1), seq.cumsum(0)]).to(torch.int32)  # int32: what flash-attn's varlen kernels accept
-    return dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),   # (1, N) (1, N)
-                cu_seqlens=cu,                                                       # (b + 1,) where each sequence starts
-                logit_index=torch.tensor(idx, dtype=torch.long),                     # (M,) M = sum of response lengths
-                labels=torch.tensor([t for r in responses for t in r], dtype=torch.long), response_mask=mask)
-
-# %% ../nbs/08b_learner.ipynb #f046eb82
-VARLEN_LOOP_FROM = 512  # tokens: a packed sequence at least this long gets its own attention call; shorter ones share one
-
-def varlen_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
-                scaling: float | None = None, **kwargs):
-    "Attention of a packed row within each sequence (`cu_seq_lens_q`), causal: long ones alone, short ones together by length class; not the row's N^2."
-    if kwargs.get("ulysses") is not None:  # never silently attend within one rank's piece only
-        raise RuntimeError("a sequence-parallel forward reached varlen_sdpa without DeepSpeed's wrapper (scale.ulysses_group)")
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:  # not a packed call: transformers' sdpa
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
-    rep = query.shape[1] // key.shape[1]  # K/V heads repeated for the query heads: the fused kernels (flash on CPU) take no GQA
-    q, k, v = query[0], key[0].repeat_interleave(rep, 0), value[0].repeat_interleave(rep, 0)  # (heads, N, d) each
-    out = q.new_zeros(q.shape)            # (heads, N, d)
-    starts, lens = cu[:-1].tolist(), cu.diff().tolist()
-    for i in (i for i, n in enumerate(lens) if n >= VARLEN_LOOP_FROM):  # a long sequence: its own call
-        s, e = starts[i], starts[i] + lens[i]
-        out[:, s:e] = sdpa(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e])[0]  # 4-D: the CPU flash kernel, not math
-    buckets = {}  # short sequences by length class (lengths within 2x): one call each, padded to the class's longest
-    for i, n in enumerate(lens):
-        if 0 < n < VARLEN_LOOP_FROM: buckets.setdefault(n.bit_length(), []).append(i)
-    for short in buckets.values():  # right-padded: causal attention never reaches a query's padding
-        Ls = max(lens[i] for i in short)
-        j = torch.arange(Ls, device=q.device)
-        idx = torch.tensor([starts[i] for i in short], device=q.device)[:, None] + j  # (n, Ls) row positions
-        ok = j < torch.tensor([lens[i] for i in short], device=q.device)[:, None]   # (n, Ls) real tokens
-        idx = torch.where(ok, idx, idx[:, :1])                                      # padding reads a real row
-        pad = lambda x: x[:, idx].transpose(0, 1)                                   # (n, heads, Ls, d)
-        o = sdpa(pad(q), pad(k), pad(v)).transpose(0, 1)                            # (heads, n, Ls, d)
-        out[:, idx[ok]] = o[:, ok]
-    return out.transpose(0, 1)[None].contiguous(), None  # (1, N, heads, d)
-
-def _varlen_mask(*args, **kwargs):
-    "No mask for a packed row (cu_seq_lens cut it; the 2-D mask is None there); sdpa's mask for a padded batch."
-    from transformers.masking_utils import sdpa_mask
-    return None if kwargs.get("attention_mask") is None else sdpa_mask(*args, **kwargs)
-
-def use_varlen_attention(model) -> str:
-    "Switch a model on sdpa to `varlen_sdpa` (registered as 'dapo_varlen'): the same results, a packed row costs what its sequences cost; returns the implementation in use."
-    if model.config._attn_implementation != "sdpa": return model.config._attn_implementation  # flash_attention_2: varlen itself
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    AttentionInterface.register("dapo_varlen", varlen_sdpa); AttentionMaskInterface.register("dapo_varlen", _varlen_mask)
-    model.set_attn_implementation("dapo_varlen")
-    return "dapo_varlen"
-
-# %% ../nbs/08b_learner.ipynb #a3ca12e6
-def head_logprobs(head: torch.nn.Module, labels: Tensor, temperature: float, entropy: bool, run: Callable):
-    "Run `run()` (a model forward) with the lm head computing `fused_token_logprobs` of its (1, M, H) input instead of logits; return them."
-    head.forward = lambda x: fused_token_logprobs(x[0], head.weight, labels, temperature, entropy=entropy)
-    try: return run()  # a ZeRO-3 engine gathers the head's weight around this forward (and its backward) as for logits
-    finally: del head.forward  # the class's forward again
-
-def forward_logprobs(model,                 # causal LM, or an engine wrapping one (DeepSpeed)
-                     mb: dict[str, Tensor], # from `pack` (or `collate`, the padded reference)
-                     temperature: float,    # the sampling temperature
-                     entropy: bool = False, # also return the token entropy
-                     device: torch.device | None = None,  # where the inputs go; None = the model's first parameter's
-                     fused: bool = True,    # packed: log-probs fused with the lm head (no logits tensor); False: through the logits
-                     sp: SeqParallel | None = None,  # packed: this rank's piece of the row (Ulysses), the group's log-probs gathered
-                    ) -> tuple[Tensor, Tensor | None]:
-    "Log-probs (b, T) of the response tokens under softmax(logits / temperature), and optionally their entropy (b, T)."
-    dev = device if device is not None else next(model.parameters()).device
-    mask = mb["response_mask"].to(dev)  # (b, T)
-    if "logit_index" not in mb:  # padded: the logits of every row's response positions
-        T = mask.shape[1]
-        out = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
-                    position_ids=mb["position_ids"].to(dev), logits_to_keep=T + 1, use_cache=False)
-        logits, labels = out.logits[:, :-1], mb["input_ids"][:, -T:].to(dev)  # (b, T, V): column Lp-1+t predicts token t
-        return token_logprobs(logits, labels, temperature), token_entropy(logits.detach() / temperature) if entropy else None
-    net = getattr(model, "module", model)  # the transformers model inside a DeepSpeed engine
-    if sp is not None: mb = shard_packed(mb, sp.rank, sp.size)  # the model sees this rank's piece; attention the whole row
-    cu, longest = mb["cu_seqlens"].to(dev), int(mb["cu_seqlens"].diff().max())
-    kw = dict(input_ids=mb["input_ids"].to(dev), position_ids=mb["position_ids"].to(dev), use_cache=False,
-              logits_to_keep=mb["logit_index"].to(dev),  # the lm head sees only the positions that predict a response token
-              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # attention per sequence
-    if sp is not None: kw["ulysses"] = sp.attn  # the attention function hands the call to DeepSpeed's wrapper (`scale`)
-    labels = mb["labels"].to(dev)  # (M,)
-    if fused:  # the model's own forward (a DeepSpeed engine's hooks as in any pass), its lm head computing log-probs
-        logp, ent = head_logprobs(net.get_output_embeddings(), labels, temperature, entropy, lambda: model(**kw).logits)
-    else:
-        logits = model(**kw).logits  # (1, M, V)
-        logp = token_logprobs(logits, labels[None], temperature)[0]
-        ent = token_entropy(logits.detach() / temperature)[0] if entropy else None
-    if sp is not None:  # (M_rank,) -> (M,): every rank of the group holds the micro-batch's log-probs
-        logp = SeqGather.apply(logp, mb["counts"], sp.rank, sp.group)
-        ent = SeqGather.apply(ent, mb["counts"], sp.rank, sp.group) if entropy else None
-    unflat = lambda x: x.new_zeros(mask.shape).masked_scatter(mask, x)  # (M,) -> (b, T), row i's tokens first in row i
-    return unflat(logp), (unflat(ent) if entropy else None)
+        return RolloutBatch(
+            [self.prompt_ids[i] for i in idx],
+            [self.response_ids[i] for i in idx],
+            self.advantages[t],
+            self.truncated[t],
+            self.rewards[t],
+            None if self.rollout_logp is None else [self.rollout_logp[i] for i in idx],
+        )
 
 # %% ../nbs/08b_learner.ipynb #95a711dd
-def balance_by_tokens(lengths: list[int],     # (B,) tokens of each response (loss tokens, or prompt + response)
-                      k: int,                 # N ranks
-                      equal_size: bool = False,  # every rank gets B / k responses (B must divide by k)
-                     ) -> list[list[int]]:
+def balance_by_tokens(
+    lengths: list[int],  # (B,) tokens of each response (loss tokens, or prompt + response)
+    k: int,  # N ranks
+    equal_size: bool = False,  # every rank gets B / k responses (B must divide by k)
+) -> list[list[int]]:
     "Partition indices `0..B-1` into `k` lists with near-equal token sums (Karmarkar-Karp); max - min sum <= max(lengths)."
-    if k < 1: raise ValueError(f"k = {k}: need at least one rank")
-    if any(l < 0 for l in lengths): raise ValueError(f"lengths must be >= 0, got {min(lengths)}")
+    if k < 1:
+        raise ValueError(f"k = {k}: need at least one rank")
+    if any(l < 0 for l in lengths):
+        raise ValueError(f"lengths must be >= 0, got {min(lengths)}")
     if equal_size and len(lengths) % k:
         raise ValueError(f"equal_size with {len(lengths)} responses over {k} ranks: the count must divide by k")
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     # a partial solution: k (sum, indices) sets sorted by sum, largest first; heap key = -spread
     if equal_size:
-        starts = [[(lengths[i], [i]) for i in reversed(order[s:s + k])] for s in range(0, len(order), k)]
+        starts = [[(lengths[i], [i]) for i in reversed(order[s : s + k])] for s in range(0, len(order), k)]
     else:
         starts = [[(lengths[i], [i])] + [(0, [])] * (k - 1) for i in order]
     heap = [(-(s[0][0] - s[-1][0]), n, s) for n, s in enumerate(starts)]
@@ -258,288 +133,322 @@ def balance_by_tokens(lengths: list[int],     # (B,) tokens of each response (lo
         _, _, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)
         merged = sorted(((sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))), key=lambda x: -x[0])
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), n, merged)); n += 1
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), n, merged))
+        n += 1
     return [sorted(ix) for _, ix in heap[0][2]] if heap else [[] for _ in range(k)]
 
 # %% ../nbs/08b_learner.ipynb #97d19514
-def balanced_share(lengths: list[int],  # (B,) response tokens of the step's batch, global order
-                   size: int,           # mini_batch_size: responses per optimizer step, all ranks together
-                   rank: int,           # this rank
-                   world: int,          # N ranks
-                  ) -> list[list[int]]:
+def balanced_share(
+    lengths: list[int],  # (B,) response tokens of the step's batch, global order
+    size: int,  # mini_batch_size: responses per optimizer step, all ranks together
+    rank: int,  # this rank
+    world: int,  # N ranks
+) -> list[list[int]]:
     "For each mini-batch (`size` consecutive responses), the indices rank `rank` trains: its part of the token-balanced partition."
-    return [[s + j for j in balance_by_tokens(lengths[s:s + size], world)[rank]] for s in range(0, len(lengths), size)]
-
-# %% ../nbs/08b_learner.ipynb #9744c3f5
-@dataclass
-class SeqParallel:
-    "This rank's place in a Ulysses sequence-parallel group: `size` ranks share every packed row, 1/size of its tokens each."
-    group: object     # the torch process group of the `size` ranks (consecutive ranks: one node)
-    rank: int         # this rank's index in the group: tokens [rank N/size, (rank+1) N/size) of each row are its piece
-    size: int         # ranks in the group
-    attn: Callable    # DeepSpeed's UlyssesSPAttentionHF: all-to-all to heads, the attention of the whole row, back
-
-def shard_packed(mb: dict[str, Tensor],  # from `pack`
-                 rank: int,              # this rank's index in its group
-                 size: int,              # ranks in the group
-                ) -> dict[str, Tensor]:
-    "Rank `rank`'s piece of a packed row padded to a multiple of `size` (one more sequence of token 0); `counts`: response tokens each piece predicts."
-    N = mb["input_ids"].shape[1]
-    pad = -N % size
-    n, L = N + pad, (N + pad) // size
-    ids = torch.nn.functional.pad(mb["input_ids"], (0, pad))                                      # (1, n)
-    pos = torch.cat([mb["position_ids"], torch.arange(pad)[None]], 1)              # (1, n) the padding: a sequence of its own
-    cu = torch.cat([mb["cu_seqlens"], mb["cu_seqlens"].new_tensor([n])]) if pad else mb["cu_seqlens"]  # whole row
-    piece = mb["logit_index"].div(L, rounding_mode="floor")                        # (M,) which rank predicts each token
-    mine = piece == rank
-    return dict(input_ids=ids[:, rank * L:(rank + 1) * L], position_ids=pos[:, rank * L:(rank + 1) * L],  # (1, L) each
-                cu_seqlens=cu, logit_index=mb["logit_index"][mine] - rank * L, labels=mb["labels"][mine],
-                response_mask=mb["response_mask"], counts=torch.bincount(piece, minlength=size).tolist())
-
-class SeqGather(torch.autograd.Function):
-    "The group's pieces (M_r,) concatenated in rank order; backward: this rank's slice of the gradient (every rank computes the same loss)."
-    @staticmethod
-    def forward(ctx, x: Tensor, counts: list[int], rank: int, group) -> Tensor:
-        buf = x.new_zeros(max(1, max(counts)))                    # equal sizes for all_gather
-        buf[:x.shape[0]] = x
-        parts = [torch.empty_like(buf) for _ in counts]
-        torch.distributed.all_gather(parts, buf, group=group)
-        ctx.start, ctx.n = sum(counts[:rank]), counts[rank]
-        return torch.cat([p[:c] for p, c in zip(parts, counts)])  # (M,)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad[ctx.start:ctx.start + ctx.n], None, None, None
-
+    return [
+        [s + j for j in balance_by_tokens(lengths[s : s + size], world)[rank]] for s in range(0, len(lengths), size)
+    ]
 
 # %% ../nbs/08b_learner.ipynb #46a2e433
 def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
     "Linear warm-up over rollout steps: the k-th scheduler step (0-based) scales lr by min(1, (k+1)/warmup_steps)."
     return lambda k: 1.0 if warmup_steps <= 0 else min(1.0, (k + 1) / warmup_steps)
 
+
 def enable_gradient_checkpointing(model) -> int:
     "Recompute each decoder layer's activations in backward while the model stays in eval mode (no dropout); returns the layer count."
     from transformers.modeling_layers import GradientCheckpointingLayer
+
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.eval()
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for m in layers: m.training = True  # the flag transformers checks; children keep training = False
+    for m in layers:
+        m.training = True  # the flag transformers checks; children keep training = False
     return len(layers)
+
 
 def prepare_model(model, gradient_checkpointing: bool = False):
     "Eval mode (no dropout: old and new log-probs of the first mini-batch agree exactly), attention per packed sequence, gradient checkpointing when asked."
     model.eval()
     use_varlen_attention(model)
-    if gradient_checkpointing: enable_gradient_checkpointing(model)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     return model
 
 # %% ../nbs/08b_learner.ipynb #c0daf258
-def loss_denominators(agg: str,        # cfg.loss_agg
-                      num_tokens: int, # loss tokens of the mini-batch on all ranks
-                      num_seqs: int,   # responses with >= 1 loss token in the mini-batch on all ranks
-                      max_len: int,    # L_max (cfg.l_max): Dr. GRPO's constant length
-                     ) -> dict:
+def loss_denominators(
+    agg: str,  # cfg.loss_agg
+    num_tokens: int,  # loss tokens of the mini-batch on all ranks
+    num_seqs: int,  # responses with >= 1 loss token in the mini-batch on all ranks
+    max_len: int,  # L_max (cfg.l_max): Dr. GRPO's constant length
+) -> dict:
     "The keyword arguments of `policy_loss` that make a micro-batch's loss its share of the mini-batch's loss."
-    if agg == "token-mean": return dict(num_tokens=max(1, num_tokens))
-    if agg == "seq-mean-token-sum-norm": return dict(num_seqs=max(1, num_seqs), max_len=max_len)
+    if agg == "token-mean":
+        return dict(num_tokens=max(1, num_tokens))
+    if agg == "seq-mean-token-sum-norm":
+        return dict(num_seqs=max(1, num_seqs), max_len=max_len)
     return dict(num_seqs=max(1, num_seqs))
 
 # %% ../nbs/08b_learner.ipynb #f2c4a7b3
 METRIC_KEYS = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "up_clipped_prob", "prob_mean")
 
+
 class Learner:
     "The policy being trained: log-probs, entropy and optimizer steps on token-budget micro-batches; subclasses own device, optimizer and files."
-    def __init__(self, model,               # the transformers causal LM
-                 cfg: DAPOConfig,            # lr, betas, weight decay, warm-up, grad clip, clip ranges, loss_agg, l_max
-                 pad_token_id: int,
-                 device: torch.device,       # where micro-batches go
-                 optimizer: torch.optim.Optimizer,  # the torch optimizer whose learning rate the warm-up schedules
-                 net=None):                  # what forward passes call (a DeepSpeed engine); None = model
+
+    def __init__(
+        self,
+        model,  # the transformers causal LM
+        cfg: DAPOConfig,  # lr, betas, weight decay, warm-up, grad clip, clip ranges, loss_agg, l_max
+        pad_token_id: int,
+        device: torch.device,  # where micro-batches go
+        optimizer: torch.optim.Optimizer,  # the torch optimizer whose learning rate the warm-up schedules
+        net=None,
+    ):  # what forward passes call (a DeepSpeed engine); None = model
         self.model, self.cfg, self.pad_id, self.device = model, cfg, pad_token_id, device
         self.net = model if net is None else net
-        self.sp: SeqParallel | None = None  # Ulysses group (`scale.DeepSpeedLearner` sets it when sequence_parallel_size > 1)
-        for g in optimizer.param_groups: g.setdefault("initial_lr", g["lr"])
+        self.sp: SeqParallel | None = (
+            None  # Ulysses group (`scale.DeepSpeedLearner` sets it when sequence_parallel_size > 1)
+        )
+        for g in optimizer.param_groups:
+            g.setdefault("initial_lr", g["lr"])
         self.sched = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(cfg.warmup_steps))
         self.guard = UpdateGuard(self.guard_weights)  # runs: skips non-finite steps, flags blow-ups
 
     @classmethod
     def build(cls, cfg: DAPOConfig, pad_token_id: int, model=None) -> "Learner":
         "The learner of `cfg`: loads `cfg.model` (unless `model` is given) onto this rank's GPU, or the CPU."
-        if model is None: model = load_model(cfg.model, cfg.dtype, cfg.attn_implementation)
-        if torch.cuda.is_available(): model = model.to(torch.device("cuda", dist.local_rank()))
+        if model is None:
+            model = load_model(cfg.model, cfg.dtype, cfg.attn_implementation)
+        if torch.cuda.is_available():
+            model = model.to(torch.device("cuda", dist.local_rank()))
         return cls(model, cfg, pad_token_id)
 
     @property
-    def lr(self) -> float: return self.sched.optimizer.param_groups[0]["lr"]
+    def lr(self) -> float:
+        return self.sched.optimizer.param_groups[0]["lr"]
 
     # --- what an implementation supplies ---
-    def zero_grad(self): pass
-    def backward(self, loss: Tensor, last: bool): raise NotImplementedError  # `last`: the mini-batch's last pass
-    def optimizer_step(self, loss: float) -> float: raise NotImplementedError  # clip, guarded step; returns the grad norm
-    def guard_weights(self) -> Iterable[Tensor]: return self.model.parameters()  # this rank's part of the weights (the guard's)
-    def end_step(self): self.sched.step()  # one rollout step of the warm-up schedule
+    def zero_grad(self):
+        pass
+
+    def backward(self, loss: Tensor, last: bool):
+        raise NotImplementedError  # `last`: the mini-batch's last pass
+
+    def optimizer_step(self, loss: float) -> float:
+        raise NotImplementedError  # clip, guarded step; returns the grad norm
+
+    def guard_weights(self) -> Iterable[Tensor]:
+        return self.model.parameters()  # this rank's part of the weights (the guard's)
+
+    def end_step(self):
+        self.sched.step()  # one rollout step of the warm-up schedule
 
     # --- what the algorithm reads besides log-probs and updates (`algorithm.train_on`) ---
     def minibatches(self, batch: RolloutBatch, size: int) -> list[RolloutBatch]:
         "Line 10: `size` consecutive responses per mini-batch; this rank's token-balanced part of each (all of it alone)."
         lens = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]  # what a packed pass costs
         return [batch.select(ix) for ix in balanced_share(lens, size, *self.data_rank())]
-    def all_sum(self, xs: list[float]) -> list[float]: return dist.all_reduce(xs)  # over the ranks (alone: xs)
-    def all_max(self, xs: list[float]) -> list[float]: return dist.all_reduce(xs, "max")
 
-# %% ../nbs/08b_learner.ipynb #77ee1df8
-@patch
-def micro_batches(self: Learner, batch: RolloutBatch) -> list[list[int]]:
-    "This rank's token-budget micro-batches of `batch` (a sequence-parallel group's: `size` ranks' budgets)."
-    return pack_micro_batches([(len(p), len(r)) for p, r in zip(batch.prompt_ids, batch.response_ids)],
-                              self.cfg.micro_token_budget * self.copies)
+    def all_sum(self, xs: list[float]) -> list[float]:
+        return dist.all_reduce(xs)  # over the ranks (alone: xs)
 
-@patch(as_prop=True)
-def copies(self: Learner) -> int:
-    "Ranks that hold the same micro-batches: the sequence-parallel group's size (1 without)."
-    return 1 if self.sp is None else self.sp.size
+    def all_max(self, xs: list[float]) -> list[float]:
+        return dist.all_reduce(xs, "max")
 
-@patch
-def data_rank(self: Learner) -> tuple[int, int]:
-    "(index, count) of this rank's data-parallel group: a sequence-parallel group trains one share of each mini-batch."
-    return dist.rank() // self.copies, dist.world_size() // self.copies
+    def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
+        "This rank's token-budget micro-batches of `batch` (a sequence-parallel group's: `size` ranks' budgets)."
+        return pack_micro_batches(
+            [(len(p), len(r)) for p, r in zip(batch.prompt_ids, batch.response_ids)],
+            self.cfg.micro_token_budget * self.copies,
+        )
 
-@patch
-def passes(self: Learner, batch: RolloutBatch) -> tuple[list[list[int]], int]:
-    "This rank's micro-batches and the ranks' largest count: every rank runs that many forward passes (ZeRO-3 gathers in each)."
-    mbs = self.micro_batches(batch)
-    return mbs, int(dist.all_reduce([len(mbs)], "max")[0])
+    @property
+    def copies(self) -> int:
+        "Ranks that hold the same micro-batches: the sequence-parallel group's size (1 without)."
+        return 1 if self.sp is None else self.sp.size
 
-@patch
-def dummy_loss(self: Learner) -> Tensor:
-    "A forward pass on one pad token whose loss is 0: a rank with fewer micro-batches joins the others' collectives with it."
-    ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
-    return self.net(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
+    def data_rank(self) -> tuple[int, int]:
+        "(index, count) of this rank's data-parallel group: a sequence-parallel group trains one share of each mini-batch."
+        return dist.rank() // self.copies, dist.world_size() // self.copies
 
-@patch
-def loss_mask(self: Learner, batch: RolloutBatch, mask: Tensor) -> Tensor:
-    "Response mask, with truncated responses masked out when overlong filtering is on."
-    return overlong_filter(mask, batch.truncated) if self.cfg.overlong_filter else mask
+    def passes(self, batch: RolloutBatch) -> tuple[list[list[int]], int]:
+        "This rank's micro-batches and the ranks' largest count: every rank runs that many forward passes (ZeRO-3 gathers in each)."
+        mbs = self.micro_batches(batch)
+        return mbs, int(dist.all_reduce([len(mbs)], "max")[0])
 
-@patch
-def denominators(self: Learner, batch: RolloutBatch) -> tuple[int, int]:
-    "Loss tokens, and responses with at least one loss token, of the mini-batch summed over all ranks (one all_reduce)."
-    keep = (~batch.truncated).tolist() if self.cfg.overlong_filter else [True] * len(batch)
-    lens = [len(r) for r, k in zip(batch.response_ids, keep) if k]
-    n_tok, n_seq = dist.all_reduce([sum(lens), sum(1 for n in lens if n > 0)])
-    return int(n_tok) // self.copies, int(n_seq) // self.copies  # a sequence-parallel group counted once
+    def dummy_loss(self) -> Tensor:
+        "A forward pass on one pad token whose loss is 0: a rank with fewer micro-batches joins the others' collectives with it."
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        return self.net(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
 
-@patch
-@torch.no_grad()
-def compute_logprobs(self: Learner, batch: RolloutBatch) -> tuple[list[Tensor], list[Tensor]]:
-    "Per response: log-probs (T_i,) and entropy (T_i,) of its tokens under the current policy (no grad)."
-    mbs, n = self.passes(batch)
-    logps, ents = [None] * len(batch), [None] * len(batch)
-    for idx in mbs:
-        sub = batch.select(idx)
-        logp, ent = forward_logprobs(self.net, pack(sub.prompt_ids, sub.response_ids),
-                                     self.cfg.temperature, entropy=True, device=self.device, sp=self.sp)
-        for j, i in enumerate(idx):
-            k = len(batch.response_ids[i])
-            logps[i], ents[i] = logp[j, :k].float().cpu(), ent[j, :k].float().cpu()
-    for _ in range(n - len(mbs)): self.dummy_loss()
-    return logps, ents
+    def loss_mask(self, batch: RolloutBatch, mask: Tensor) -> Tensor:
+        "Response mask, with truncated responses masked out when overlong filtering is on."
+        return overlong_filter(mask, batch.truncated) if self.cfg.overlong_filter else mask
 
-# %% ../nbs/08b_learner.ipynb #429b7a44
-@patch
-def micro_losses(self: Learner, batch: RolloutBatch, old_logp: list[Tensor], mbs: list[list[int]],
-                 num_tokens: int, num_seqs: int):
-    "Yield (loss, metrics, loss tokens) per micro-batch: each loss divided by the mini-batch's global denominators."
-    cfg = self.cfg
-    denoms = loss_denominators(cfg.loss_agg, num_tokens, num_seqs, cfg.l_max)
-    for idx in mbs:
-        sub = batch.select(idx)
-        mb = pack(sub.prompt_ids, sub.response_ids)
-        mask = mb["response_mask"]  # (b, T)
-        old = torch.zeros(mask.shape)  # (b, T)
-        for j, i in enumerate(idx): old[j, :len(old_logp[i])] = old_logp[i]
-        logp, _ = forward_logprobs(self.net, mb, cfg.temperature, device=self.device, sp=self.sp)  # (b, T)
-        lmask = self.loss_mask(sub, mask).to(logp.device)  # (b, T) overlong filtering applied
-        dt = torch.promote_types(logp.dtype, torch.float32)  # float32 for a bf16 policy; a float64 one stays float64
-        loss, m = policy_loss(logp.to(dt), old.to(logp.device, dt), sub.advantages.to(logp.device, dt), lmask,
-                              eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_c=cfg.clip_c, agg=cfg.loss_agg, **denoms)
-        yield loss, m, int(lmask.sum())
+    def denominators(self, batch: RolloutBatch) -> tuple[int, int]:
+        "Loss tokens, and responses with at least one loss token, of the mini-batch summed over all ranks (one all_reduce)."
+        keep = (~batch.truncated).tolist() if self.cfg.overlong_filter else [True] * len(batch)
+        lens = [len(r) for r, k in zip(batch.response_ids, keep) if k]
+        n_tok, n_seq = dist.all_reduce([sum(lens), sum(1 for n in lens if n > 0)])
+        return int(n_tok) // self.copies, int(n_seq) // self.copies  # a sequence-parallel group counted once
 
-@patch
-def update(self: Learner, batch: RolloutBatch,  # this rank's share of one mini-batch
-           old_logp: list[Tensor],               # per response (T_i,) log-probs before the update
-          ) -> dict[str, float]:
-    "Algorithm 1 line 11: one optimizer step on one mini-batch; gradients accumulated over micro-batches (and ranks)."
-    mbs, n = self.passes(batch)
-    num_tokens, num_seqs = self.denominators(batch)
-    self.zero_grad()
-    micro = self.micro_losses(batch, old_logp, mbs, num_tokens, num_seqs)
-    sums, weight, total, rmin, rmax = dict.fromkeys(METRIC_KEYS, 0.0), 0, 0.0, math.inf, -math.inf
-    for k in range(n):
-        loss, m, w = next(micro, None) or (self.dummy_loss(), {}, 0)  # the forward pass of micro-batch k runs here
-        self.backward(loss, last=k == n - 1)
-        total += float(loss.detach()) / self.copies; weight += w  # a sequence-parallel group's ranks: the same loss
-        if w: rmin, rmax = min(rmin, m["ratio_min"]), max(rmax, m["ratio_max"])
-        for key in METRIC_KEYS: sums[key] += m.get(key, 0.0) * w  # token-weighted means over micro-batches
-    grad_norm = self.optimizer_step(total)  # applied, or skipped by its guard (`guard.reason` says why)
-    tot = dist.all_reduce([sums[k] for k in METRIC_KEYS] + [weight, total])
-    lo, hi = dist.all_reduce([rmin], "min")[0], dist.all_reduce([rmax], "max")[0]
-    W = tot[len(METRIC_KEYS)]
-    out = {k: v / max(W, 1) for k, v in zip(METRIC_KEYS, tot)}
-    skipped = self.guard.reason is not None  # not applied (runs.UpdateGuard)
-    out.update(loss=tot[-1], grad_norm=grad_norm, skipped=float(skipped), lr=self.lr,
-               num_tokens=float(num_tokens), num_seqs=float(num_seqs), ratio_min=lo if W else 1.0, ratio_max=hi if W else 1.0)
-    return out
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch) -> tuple[list[Tensor], list[Tensor]]:
+        "Per response: log-probs (T_i,) and entropy (T_i,) of its tokens under the current policy (no grad)."
+        mbs, n = self.passes(batch)
+        logps, ents = [None] * len(batch), [None] * len(batch)
+        for idx in mbs:
+            sub = batch.select(idx)
+            logp, ent = forward_logprobs(
+                self.net,
+                pack(sub.prompt_ids, sub.response_ids),
+                self.cfg.temperature,
+                entropy=True,
+                device=self.device,
+                sp=self.sp,
+            )
+            for j, i in enumerate(idx):
+                k = len(batch.response_ids[i])
+                logps[i], ents[i] = logp[j, :k].float().cpu(), ent[j, :k].float().cpu()
+        for _ in range(n - len(mbs)):
+            self.dummy_loss()
+        return logps, ents
 
-@patch
-@torch.no_grad()
-def eval_loss(self: Learner, batch: RolloutBatch, old_logp: list[Tensor]) -> float:
-    "The mini-batch's loss at the current weights (summed over ranks), without a gradient."
-    mbs, n = self.passes(batch)
-    local = sum(float(l) for l, _, _ in self.micro_losses(batch, old_logp, mbs, *self.denominators(batch))) / self.copies
-    for _ in range(n - len(mbs)): self.dummy_loss()
-    return dist.all_reduce([local])[0]
+    def micro_losses(
+        self, batch: RolloutBatch, old_logp: list[Tensor], mbs: list[list[int]], num_tokens: int, num_seqs: int
+    ):
+        "Yield (loss, metrics, loss tokens) per micro-batch: each loss divided by the mini-batch's global denominators."
+        cfg = self.cfg
+        denoms = loss_denominators(cfg.loss_agg, num_tokens, num_seqs, cfg.l_max)
+        for idx in mbs:
+            sub = batch.select(idx)
+            mb = pack(sub.prompt_ids, sub.response_ids)
+            mask = mb["response_mask"]  # (b, T)
+            old = torch.zeros(mask.shape)  # (b, T)
+            for j, i in enumerate(idx):
+                old[j, : len(old_logp[i])] = old_logp[i]
+            logp, _ = forward_logprobs(self.net, mb, cfg.temperature, device=self.device, sp=self.sp)  # (b, T)
+            lmask = self.loss_mask(sub, mask).to(logp.device)  # (b, T) overlong filtering applied
+            dt = torch.promote_types(
+                logp.dtype, torch.float32
+            )  # float32 for a bf16 policy; a float64 one stays float64
+            loss, m = policy_loss(
+                logp.to(dt),
+                old.to(logp.device, dt),
+                sub.advantages.to(logp.device, dt),
+                lmask,
+                eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high,
+                clip_c=cfg.clip_c,
+                agg=cfg.loss_agg,
+                **denoms,
+            )
+            yield loss, m, int(lmask.sum())
 
-# %% ../nbs/08b_learner.ipynb #a9745a3c
-@patch
-def named_weights(self: Learner) -> Iterable[tuple[str, Tensor]]:
-    "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes)."
-    return self.model.state_dict().items()
+    def update(
+        self,
+        batch: RolloutBatch,  # this rank's share of one mini-batch
+        old_logp: list[Tensor],  # per response (T_i,) log-probs before the update
+    ) -> dict[str, float]:
+        "Algorithm 1 line 11: one optimizer step on one mini-batch; gradients accumulated over micro-batches (and ranks)."
+        mbs, n = self.passes(batch)
+        num_tokens, num_seqs = self.denominators(batch)
+        self.zero_grad()
+        micro = self.micro_losses(batch, old_logp, mbs, num_tokens, num_seqs)
+        sums, weight, total, rmin, rmax = dict.fromkeys(METRIC_KEYS, 0.0), 0, 0.0, math.inf, -math.inf
+        for k in range(n):
+            loss, m, w = next(micro, None) or (self.dummy_loss(), {}, 0)  # the forward pass of micro-batch k runs here
+            self.backward(loss, last=k == n - 1)
+            total += float(loss.detach()) / self.copies
+            weight += w  # a sequence-parallel group's ranks: the same loss
+            if w:
+                rmin, rmax = min(rmin, m["ratio_min"]), max(rmax, m["ratio_max"])
+            for key in METRIC_KEYS:
+                sums[key] += m.get(key, 0.0) * w  # token-weighted means over micro-batches
+        grad_norm = self.optimizer_step(total)  # applied, or skipped by its guard (`guard.reason` says why)
+        tot = dist.all_reduce([sums[k] for k in METRIC_KEYS] + [weight, total])
+        lo, hi = dist.all_reduce([rmin], "min")[0], dist.all_reduce([rmax], "max")[0]
+        W = tot[len(METRIC_KEYS)]
+        out = {k: v / max(W, 1) for k, v in zip(METRIC_KEYS, tot)}
+        skipped = self.guard.reason is not None  # not applied (runs.UpdateGuard)
+        out.update(
+            loss=tot[-1],
+            grad_norm=grad_norm,
+            skipped=float(skipped),
+            lr=self.lr,
+            num_tokens=float(num_tokens),
+            num_seqs=float(num_seqs),
+            ratio_min=lo if W else 1.0,
+            ratio_max=hi if W else 1.0,
+        )
+        return out
 
-@patch
-def save_model(self: Learner, path: str | Path):
-    "The full model as safetensors (`save_pretrained`), written by rank 0; every rank calls it, and every rank raises if rank 0's write failed."
-    main, sd, failed = dist.is_main(), {}, None
-    for n, t in self.named_weights():  # every rank iterates: a collective for partitioned learners
-        if main: sd[n] = t.detach().cpu()
-    if main:
-        try: self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
-        except (OSError, RuntimeError) as e: failed = e  # a full disk: the other ranks must not wait in a barrier for it
-    if dist.all_reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
-        raise failed or OSError(f"rank 0 could not write the model to {path}")
+    @torch.no_grad()
+    def eval_loss(self, batch: RolloutBatch, old_logp: list[Tensor]) -> float:
+        "The mini-batch's loss at the current weights (summed over ranks), without a gradient."
+        mbs, n = self.passes(batch)
+        local = (
+            sum(float(l) for l, _, _ in self.micro_losses(batch, old_logp, mbs, *self.denominators(batch)))
+            / self.copies
+        )
+        for _ in range(n - len(mbs)):
+            self.dummy_loss()
+        return dist.all_reduce([local])[0]
 
-@patch
-def policy_copy(self: Learner):
-    "A transformers model holding the learner's current weights, on its device: the transformers rollout engine's own copy."
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_config(self.model.config, dtype=getattr(torch, self.cfg.dtype))
-    m.load_state_dict(dict(self.named_weights()))
-    m.generation_config = copy.deepcopy(self.model.generation_config)
-    return m.to(self.device).eval()
+    def named_weights(self) -> Iterable[tuple[str, Tensor]]:
+        "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes)."
+        return self.model.state_dict().items()
+
+    def save_model(self, path: str | Path):
+        "The full model as safetensors (`save_pretrained`), written by rank 0; every rank calls it, and every rank raises if rank 0's write failed."
+        main, sd, failed = dist.is_main(), {}, None
+        for n, t in self.named_weights():  # every rank iterates: a collective for partitioned learners
+            if main:
+                sd[n] = t.detach().cpu()
+        if main:
+            try:
+                self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
+            except (OSError, RuntimeError) as e:
+                failed = e  # a full disk: the other ranks must not wait in a barrier for it
+        if dist.all_reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
+            raise failed or OSError(f"rank 0 could not write the model to {path}")
+
+    def policy_copy(self):
+        "A transformers model holding the learner's current weights, on its device: the transformers rollout engine's own copy."
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_config(self.model.config, dtype=getattr(torch, self.cfg.dtype))
+        m.load_state_dict(dict(self.named_weights()))
+        m.generation_config = copy.deepcopy(self.model.generation_config)
+        return m.to(self.device).eval()
 
 # %% ../nbs/08b_learner.ipynb #7cb53dbb
 class TorchLearner(Learner):
     "The plain PyTorch learner (`zero_stage: 0`): a full replica and its AdamW state per rank, gradients summed over ranks."
-    def __init__(self, model,             # causal LM (trained in place, on its current device)
-                 cfg: DAPOConfig,          # lr, betas, weight decay, warm-up, grad clip, gradient_checkpointing
-                 pad_token_id: int):
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                     weight_decay=cfg.weight_decay)
-        super().__init__(prepare_model(model, cfg.gradient_checkpointing), cfg, pad_token_id,
-                         next(model.parameters()).device, self.opt)
 
-    def zero_grad(self): self.opt.zero_grad(set_to_none=True)
-    def backward(self, loss: Tensor, last: bool): loss.backward()
+    def __init__(
+        self,
+        model,  # causal LM (trained in place, on its current device)
+        cfg: DAPOConfig,  # lr, betas, weight decay, warm-up, grad clip, gradient_checkpointing
+        pad_token_id: int,
+    ):
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+        )
+        super().__init__(
+            prepare_model(model, cfg.gradient_checkpointing),
+            cfg,
+            pad_token_id,
+            next(model.parameters()).device,
+            self.opt,
+        )
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def backward(self, loss: Tensor, last: bool):
+        loss.backward()
 
     def optimizer_step(self, loss: float) -> float:
         "Sum the gradients over ranks, clip the global norm, AdamW step unless `self.guard` finds the loss or norm not finite."
@@ -555,14 +464,19 @@ class TorchLearner(Learner):
     def save(self, path: str | Path):
         "Weights (safetensors) and AdamW + schedule state (`learner_state.pt`); rank 0 writes, every rank calls."
         self.save_model(path)
-        if dist.is_main(): torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()},
-                                      Path(path) / "learner_state.pt")
+        if dist.is_main():
+            torch.save(
+                {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()},
+                Path(path) / "learner_state.pt",
+            )
 
     def load(self, path: str | Path):
         "Restore weights, AdamW and schedule from `save`'s files (tensors only: weights_only)."
         from transformers import AutoModelForCausalLM
-        src = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.cfg.dtype))
-        with torch.no_grad(): self.model.load_state_dict(src.state_dict())
-        st = torch.load(Path(path) / "learner_state.pt", weights_only=True, map_location=self.device)
-        self.opt.load_state_dict(st["optimizer"]); self.sched.load_state_dict(st["scheduler"])
 
+        src = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.cfg.dtype))
+        with torch.no_grad():
+            self.model.load_state_dict(src.state_dict())
+        st = torch.load(Path(path) / "learner_state.pt", weights_only=True, map_location=self.device)
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])

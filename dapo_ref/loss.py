@@ -15,63 +15,80 @@ __all__ = ['clipped_token_loss', 'loss_counts', 'agg_loss', 'policy_loss', 'over
            'FusedTokenLogprobs', 'fused_token_logprobs']
 
 # %% ../nbs/04_loss.ipynb #45d21a25
-def clipped_token_loss(ratio: Tensor,      # (B, T) r = pi_theta / pi_old per token
-                       advantages: Tensor, # (B, T) or broadcastable, e.g. (B, 1)
-                       eps_low: float = 0.2,   # ε_low: lower clip range
-                       eps_high: float = 0.28, # ε_high: upper clip range (Clip-Higher)
-                       clip_c: float | None = None, # dual-clip bound c > 1 for A < 0; None = off
-                      ) -> Tensor:         # (B, T) per-token loss (negated clipped objective)
+def clipped_token_loss(
+    ratio: Tensor,  # (B, T) r = pi_theta / pi_old per token
+    advantages: Tensor,  # (B, T) or broadcastable, e.g. (B, 1)
+    eps_low: float = 0.2,  # ε_low: lower clip range
+    eps_high: float = 0.28,  # ε_high: upper clip range (Clip-Higher)
+    clip_c: float | None = None,  # dual-clip bound c > 1 for A < 0; None = off
+) -> Tensor:  # (B, T) per-token loss (negated clipped objective)
     "Per-token decoupled-clip PPO loss max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), optionally dual-clipped."
-    unclipped = -advantages * ratio                                    # (B, T)
-    clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)     # (B, T)
-    loss = torch.maximum(unclipped, clipped)                           # (B, T) the pessimistic bound
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)  # (B, T)
+    loss = torch.maximum(unclipped, clipped)  # (B, T) the pessimistic bound
     if clip_c is not None:
-        if not clip_c > 1: raise ValueError(f"clip_c = {clip_c} must be > 1 (dual clip), or None to disable it")
+        if not clip_c > 1:
+            raise ValueError(f"clip_c = {clip_c} must be > 1 (dual clip), or None to disable it")
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_c), loss)  # (B, T)
     return loss
 
 # %% ../nbs/04_loss.ipynb #a89f8545
-def loss_counts(mask: Tensor,  # (B, T) loss mask of a micro-batch (after overlong filtering)
-               ) -> tuple[int, int]:  # (num_tokens, num_seqs)
+def loss_counts(
+    mask: Tensor,  # (B, T) loss mask of a micro-batch (after overlong filtering)
+) -> tuple[int, int]:  # (num_tokens, num_seqs)
     "Loss tokens and rows with at least one loss token in `mask`; summed over micro-batches and ranks they are the global denominators."
-    n_tok = mask.bool().sum(-1)                                    # (B,) loss tokens per row
+    n_tok = mask.bool().sum(-1)  # (B,) loss tokens per row
     return int(n_tok.sum()), int((n_tok > 0).sum())
+
 
 def _check_global(name: str, value, local: int, what: str):
     "A global denominator can never be smaller than this batch's own count: that means it was not summed over the mini-batch."
     if value is not None and float(value) < local:
-        raise ValueError(f"{name} = {float(value):g} is smaller than this batch's own {what} ({local}); pass the "
-                         f"count of the whole mini-batch (all micro-batches, all ranks), or None for this batch alone")
+        raise ValueError(
+            f"{name} = {float(value):g} is smaller than this batch's own {what} ({local}); pass the "
+            f"count of the whole mini-batch (all micro-batches, all ranks), or None for this batch alone"
+        )
 
-def agg_loss(loss_mat: Tensor,    # (B, T) per-token loss
-             mask: Tensor,        # (B, T) 1 on loss tokens, 0 on padding and filtered rows (bool, int or float)
-             agg: str = "token-mean",  # one of LOSS_AGGS
-             *,
-             num_tokens: int | float | Tensor | None = None,  # token-mean: loss tokens of the whole mini-batch; None = mask's
-             num_seqs: int | float | Tensor | None = None,    # seq-mean-*: rows with >= 1 loss token in the whole mini-batch; None = mask's
-             max_len: int | float | None = None,              # seq-mean-token-sum-norm: constant length, the config's l_max; None = T
-            ) -> Tensor:          # 0-dim: this batch's additive share of the mini-batch loss
+
+def agg_loss(
+    loss_mat: Tensor,  # (B, T) per-token loss
+    mask: Tensor,  # (B, T) 1 on loss tokens, 0 on padding and filtered rows (bool, int or float)
+    agg: str = "token-mean",  # one of LOSS_AGGS
+    *,
+    num_tokens: int | float | Tensor | None = None,  # token-mean: loss tokens of the whole mini-batch; None = mask's
+    num_seqs: int
+    | float
+    | Tensor
+    | None = None,  # seq-mean-*: rows with >= 1 loss token in the whole mini-batch; None = mask's
+    max_len: int | float | None = None,  # seq-mean-token-sum-norm: constant length, the config's l_max; None = T
+) -> Tensor:  # 0-dim: this batch's additive share of the mini-batch loss
     "Aggregate a (B, T) per-token loss into this batch's share of the mini-batch loss: token-level (DAPO), sample-level (GRPO) or Dr. GRPO."
     if agg not in LOSS_AGGS:
         raise ValueError(f"agg = {agg!r} is not a loss aggregation; allowed values: {', '.join(LOSS_AGGS)}")
-    keep = mask.bool()                                             # (B, T)
+    keep = mask.bool()  # (B, T)
     masked = torch.where(keep, loss_mat, torch.zeros_like(loss_mat))  # (B, T) padding contributes exactly 0
-    n_tok = keep.sum(-1)                                           # (B,) loss tokens per row
+    n_tok = keep.sum(-1)  # (B,) loss tokens per row
     if agg == "token-mean":
-        if num_tokens is not None: _check_global("num_tokens", num_tokens, int(n_tok.sum()), "loss-token count")
+        if num_tokens is not None:
+            _check_global("num_tokens", num_tokens, int(n_tok.sum()), "loss-token count")
         denom = keep.sum() if num_tokens is None else torch.as_tensor(num_tokens)
         return masked.sum() / denom.clamp(min=1).to(loss_mat.dtype)
-    if num_seqs is not None: _check_global("num_seqs", num_seqs, int((n_tok > 0).sum()), "count of rows with a loss token")
-    row = masked.sum(-1)                                           # (B,) token sum per row; exactly 0 for an empty row
-    if agg == "seq-mean-token-mean": row = row / n_tok.clamp(min=1).to(loss_mat.dtype)  # (B,) token mean per row
+    if num_seqs is not None:
+        _check_global("num_seqs", num_seqs, int((n_tok > 0).sum()), "count of rows with a loss token")
+    row = masked.sum(-1)  # (B,) token sum per row; exactly 0 for an empty row
+    if agg == "seq-mean-token-mean":
+        row = row / n_tok.clamp(min=1).to(loss_mat.dtype)  # (B,) token mean per row
     n_seq = (n_tok > 0).sum() if num_seqs is None else torch.as_tensor(num_seqs)
-    denom = n_seq.clamp(min=1).to(loss_mat.dtype)                 # empty rows are not sequences of the mean
+    denom = n_seq.clamp(min=1).to(loss_mat.dtype)  # empty rows are not sequences of the mean
     if agg == "seq-mean-token-sum-norm":
         longest = int(n_tok.max()) if len(n_tok) else 0
-        if max_len is None: max_len = max(1, loss_mat.shape[-1])
+        if max_len is None:
+            max_len = max(1, loss_mat.shape[-1])
         elif not max_len >= max(1, longest):
-            raise ValueError(f"max_len = {max_len} must be >= 1 and >= the longest response in this batch ({longest} "
-                             "loss tokens); pass the config's l_max, the longest a response can be")
+            raise ValueError(
+                f"max_len = {max_len} must be >= 1 and >= the longest response in this batch ({longest} "
+                "loss tokens); pass the config's l_max, the longest a response can be"
+            )
         denom = denom * max_len
     return row.sum() / denom
 
@@ -81,41 +98,51 @@ def _masked_mean(x: Tensor, keep: Tensor, empty: float = 0.0) -> float:
     n = int(keep.sum())
     return float(x[keep].double().sum() / n) if n else empty
 
-def policy_loss(logp: Tensor,        # (B, T) log pi_theta of the sampled tokens (requires grad)
-                old_logp: Tensor,    # (B, T) log pi_old, from the sampling policy (no grad)
-                advantages: Tensor,  # (B,) per response, or (B, T) per token
-                mask: Tensor,        # (B, T) 1 on response tokens, 0 on padding
-                *,
-                eps_low: float = 0.2,    # ε_low (paper 0.2)
-                eps_high: float = 0.28,  # ε_high, Clip-Higher (paper 0.28)
-                clip_c: float | None = None,  # dual-clip bound c > 1 (reference script 10); None = off
-                agg: str = "token-mean",      # Eq. 12; see `agg_loss`
-                num_tokens: int | float | Tensor | None = None,  # token-mean: loss tokens of the whole mini-batch
-                num_seqs: int | float | Tensor | None = None,    # seq-mean-*: rows with a loss token in the whole mini-batch
-                max_len: int | float | None = None,              # seq-mean-token-sum-norm: the config's l_max
-               ) -> tuple[Tensor, dict[str, float]]:
+
+def policy_loss(
+    logp: Tensor,  # (B, T) log pi_theta of the sampled tokens (requires grad)
+    old_logp: Tensor,  # (B, T) log pi_old, from the sampling policy (no grad)
+    advantages: Tensor,  # (B,) per response, or (B, T) per token
+    mask: Tensor,  # (B, T) 1 on response tokens, 0 on padding
+    *,
+    eps_low: float = 0.2,  # ε_low (paper 0.2)
+    eps_high: float = 0.28,  # ε_high, Clip-Higher (paper 0.28)
+    clip_c: float | None = None,  # dual-clip bound c > 1 (reference script 10); None = off
+    agg: str = "token-mean",  # Eq. 12; see `agg_loss`
+    num_tokens: int | float | Tensor | None = None,  # token-mean: loss tokens of the whole mini-batch
+    num_seqs: int | float | Tensor | None = None,  # seq-mean-*: rows with a loss token in the whole mini-batch
+    max_len: int | float | None = None,  # seq-mean-token-sum-norm: the config's l_max
+) -> tuple[Tensor, dict[str, float]]:
     "DAPO policy loss (Eq. 8), decoupled-clip, optionally dual-clipped, aggregated by `agg`; (this batch's share of the loss, metrics)."
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
-        raise ValueError(f"logp, old_logp and mask must all be (B, T); got {tuple(logp.shape)}, "
-                         f"{tuple(old_logp.shape)}, {tuple(mask.shape)}")
-    if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]: adv = advantages[:, None]  # (B, 1)
-    elif advantages.shape == logp.shape: adv = advantages                                          # (B, T)
-    else: raise ValueError(f"advantages must be (B,) or (B, T) with (B, T) = {tuple(logp.shape)}; "
-                           f"got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"logp, old_logp and mask must all be (B, T); got {tuple(logp.shape)}, "
+            f"{tuple(old_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]:
+        adv = advantages[:, None]  # (B, 1)
+    elif advantages.shape == logp.shape:
+        adv = advantages  # (B, T)
+    else:
+        raise ValueError(
+            f"advantages must be (B,) or (B, T) with (B, T) = {tuple(logp.shape)}; got {tuple(advantages.shape)}"
+        )
     adv = adv.to(logp.dtype)
-    keep = mask.bool()                                                          # (B, T)
-    log_ratio = torch.where(keep, logp - old_logp, torch.zeros_like(logp))      # (B, T) 0 on padding
-    ratio = log_ratio.clamp(-20.0, 20.0).exp()                                  # (B, T) Eq. 6
-    tok_loss = clipped_token_loss(ratio, adv, eps_low, eps_high, clip_c)        # (B, T)
+    keep = mask.bool()  # (B, T)
+    log_ratio = torch.where(keep, logp - old_logp, torch.zeros_like(logp))  # (B, T) 0 on padding
+    ratio = log_ratio.clamp(-20.0, 20.0).exp()  # (B, T) Eq. 6
+    tok_loss = clipped_token_loss(ratio, adv, eps_low, eps_high, clip_c)  # (B, T)
     loss = agg_loss(tok_loss, keep, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)  # 0-dim
 
     with torch.no_grad():
-        a = adv.expand_as(logp)                                                 # (B, T)
+        a = adv.expand_as(logp)  # (B, T)
         r = ratio.detach()
-        up = keep & (a > 0) & (r > 1 + eps_high)                                # (B, T) clipped at the top
-        low = keep & (a < 0) & (r < 1 - eps_low)                                # (B, T) clipped at the bottom
-        if clip_c is None: dual = torch.zeros_like(keep)
-        else: dual = keep & (a < 0) & (-a * torch.maximum(r, r.clamp(1 - eps_low, 1 + eps_high)) > -a * clip_c)
+        up = keep & (a > 0) & (r > 1 + eps_high)  # (B, T) clipped at the top
+        low = keep & (a < 0) & (r < 1 - eps_low)  # (B, T) clipped at the bottom
+        if clip_c is None:
+            dual = torch.zeros_like(keep)
+        else:
+            dual = keep & (a < 0) & (-a * torch.maximum(r, r.clamp(1 - eps_low, 1 + eps_high)) > -a * clip_c)
         n = int(keep.sum())
         rk = r[keep]
         metrics = dict(
@@ -132,9 +159,10 @@ def policy_loss(logp: Tensor,        # (B, T) log pi_theta of the sampled tokens
     return loss, metrics
 
 # %% ../nbs/04_loss.ipynb #5b5c5d4f
-def overlong_filter(mask: Tensor,      # (B, T) response mask
-                    truncated: Tensor, # (B,) bool, True where the response hit the length limit
-                   ) -> Tensor:        # (B, T) mask with the truncated rows zeroed, same dtype
+def overlong_filter(
+    mask: Tensor,  # (B, T) response mask
+    truncated: Tensor,  # (B,) bool, True where the response hit the length limit
+) -> Tensor:  # (B, T) mask with the truncated rows zeroed, same dtype
     "Mask out the loss of truncated responses (overlong filtering)."
     if truncated.shape != mask.shape[:1]:
         raise ValueError(f"truncated must be (B,) = ({mask.shape[0]},), got {tuple(truncated.shape)}")
@@ -146,49 +174,58 @@ def _t_chunk(B: int, V: int, chunk_rows: int | None) -> int:
     rows = chunk_rows or max(1, 2**24 // max(V, 1))
     return max(1, rows // max(B, 1))
 
-def token_logprobs(logits: Tensor,   # (B, T, V) logits at the response positions (may be a non-contiguous slice)
-                   labels: Tensor,   # (B, T) sampled token ids (any valid id at padding; mask later)
-                   temperature: float = 1.0,  # τ used when sampling (the paper trains at 1.0)
-                   chunk_rows: int | None = None,  # (B*T) rows per chunk; default keeps chunks ~2**24 elements
-                  ) -> Tensor:       # (B, T) log pi(label), float32 (float64 for float64 logits)
+
+def token_logprobs(
+    logits: Tensor,  # (B, T, V) logits at the response positions (may be a non-contiguous slice)
+    labels: Tensor,  # (B, T) sampled token ids (any valid id at padding; mask later)
+    temperature: float = 1.0,  # τ used when sampling (the paper trains at 1.0)
+    chunk_rows: int | None = None,  # (B*T) rows per chunk; default keeps chunks ~2**24 elements
+) -> Tensor:  # (B, T) log pi(label), float32 (float64 for float64 logits)
     "log_softmax(logits / temperature) gathered at `labels`, via chunked logsumexp (no full log_softmax copy)."
     B, T, V = logits.shape
     dtype = torch.promote_types(logits.dtype, torch.float32)
     out = []
     for zc, lc in zip(logits.split(_t_chunk(B, V, chunk_rows), dim=1), labels.split(_t_chunk(B, V, chunk_rows), dim=1)):
-        zc = zc.to(dtype)                                  # (B, c, V) a view when already float32
-        if temperature != 1.0: zc = zc / temperature       # (B, c, V) chunk-sized copy
-        picked = zc.gather(-1, lc.long().unsqueeze(-1)).squeeze(-1)   # (B, c)
+        zc = zc.to(dtype)  # (B, c, V) a view when already float32
+        if temperature != 1.0:
+            zc = zc / temperature  # (B, c, V) chunk-sized copy
+        picked = zc.gather(-1, lc.long().unsqueeze(-1)).squeeze(-1)  # (B, c)
         out.append(picked - torch.logsumexp(zc, dim=-1))  # (B, c)
     return torch.cat(out, dim=1) if out else logits.new_zeros(B, T, dtype=dtype)
 
-def token_entropy(logits: Tensor,   # (B, T, V)
-                  chunk_rows: int | None = None,  # (B*T) rows per chunk; default keeps chunks ~2**24 elements
-                 ) -> Tensor:       # (B, T) entropy in nats, float32 (float64 for float64 logits)
+
+def token_entropy(
+    logits: Tensor,  # (B, T, V)
+    chunk_rows: int | None = None,  # (B*T) rows per chunk; default keeps chunks ~2**24 elements
+) -> Tensor:  # (B, T) entropy in nats, float32 (float64 for float64 logits)
     "Entropy of softmax(logits) per position, logsumexp minus expected logit, computed in chunks along T."
     B, T, V = logits.shape
     dtype = torch.promote_types(logits.dtype, torch.float32)
     out = []
     for zc in logits.split(_t_chunk(B, V, chunk_rows), dim=1):
-        zc = zc.to(dtype)                                  # (B, c, V)
-        zc = zc - zc.amax(-1, keepdim=True)                # (B, c, V) shift: H is unchanged, float32 cancellation is not
-        p = torch.softmax(zc, dim=-1)                      # (B, c, V)
-        expected = torch.einsum("bcv,bcv->bc", p, zc)      # (B, c) E_p[z] without a p*z temporary
+        zc = zc.to(dtype)  # (B, c, V)
+        zc = zc - zc.amax(-1, keepdim=True)  # (B, c, V) shift: H is unchanged, float32 cancellation is not
+        p = torch.softmax(zc, dim=-1)  # (B, c, V)
+        expected = torch.einsum("bcv,bcv->bc", p, zc)  # (B, c) E_p[z] without a p*z temporary
         out.append(torch.logsumexp(zc, dim=-1) - expected)  # (B, c)
     return torch.cat(out, dim=1) if out else logits.new_zeros(B, T, dtype=dtype)
 
 # %% ../nbs/04_loss.ipynb #bd19e519
 class FusedTokenLogprobs(torch.autograd.Function):
     "log pi(label) of softmax(hidden @ weight.T / temperature), one chunk of rows of logits at a time in forward and backward."
+
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk_rows: int, entropy: bool):
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk_rows: int, entropy: bool
+    ):
         M, dt = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
         logp, lse = hidden.new_empty(M, dtype=dt), hidden.new_empty(M, dtype=dt)  # (M,) (M,)
-        ent = hidden.new_empty(M if entropy else 0, dtype=dt)                      # (M,) or empty
+        ent = hidden.new_empty(M if entropy else 0, dtype=dt)  # (M,) or empty
         for s in range(0, M, chunk_rows):
             e = min(M, s + chunk_rows)
-            z = (hidden[s:e] @ weight.T).to(dt)                       # (c, V) in the model's dtype, then fp32
-            if temperature != 1.0: z = z / temperature
+            z = (hidden[s:e] @ weight.T).to(dt)  # (c, V) in the model's dtype, then fp32
+            if temperature != 1.0:
+                z = z / temperature
             lse[s:e] = torch.logsumexp(z, dim=-1)
             logp[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse[s:e]
             if entropy:  # shifted by the row max, as in token_entropy
@@ -211,22 +248,27 @@ class FusedTokenLogprobs(torch.autograd.Function):
         gw = weight.new_zeros(weight.shape, dtype=lse.dtype) if ctx.needs_input_grad[1] else None  # (V, H) fp32
         for s in range(0, hidden.shape[0], c):
             e = min(hidden.shape[0], s + c)
-            z = (hidden[s:e] @ weight.T).to(lse.dtype)                # (c, V) recomputed
-            if tau != 1.0: z = z / tau
-            gz = -torch.exp(z - lse[s:e, None])                       # (c, V) -p
+            z = (hidden[s:e] @ weight.T).to(lse.dtype)  # (c, V) recomputed
+            if tau != 1.0:
+                z = z / tau
+            gz = -torch.exp(z - lse[s:e, None])  # (c, V) -p
             gz.scatter_add_(-1, labels[s:e, None], torch.ones_like(gz[:, :1]))  # 1[v = o_t] - p
-            gz = gz * (g_logp[s:e, None] / tau)                       # (c, V) dL/dz, fp32
-            if gh is not None: gh[s:e] = gz.to(hidden.dtype) @ weight
-            if gw is not None: gw.addmm_(gz.T, hidden[s:e].to(gw.dtype))
+            gz = gz * (g_logp[s:e, None] / tau)  # (c, V) dL/dz, fp32
+            if gh is not None:
+                gh[s:e] = gz.to(hidden.dtype) @ weight
+            if gw is not None:
+                gw.addmm_(gz.T, hidden[s:e].to(gw.dtype))
         return gh, (None if gw is None else gw.to(weight.dtype)), None, None, None, None
 
-def fused_token_logprobs(hidden: Tensor,  # (M, H) last hidden states at the positions that predict the labels
-                         weight: Tensor,  # (V, H) output embedding (the lm head's weight)
-                         labels: Tensor,  # (M,) the sampled token ids
-                         temperature: float = 1.0,  # τ used when sampling
-                         chunk_rows: int | None = None,  # rows of logits per chunk; default ~2**24 elements
-                         entropy: bool = False,  # also return the entropy per position (no gradient)
-                        ) -> tuple[Tensor, Tensor | None]:  # (M,) log-probs, float32 (float64 for float64 inputs); (M,) entropy or None
+
+def fused_token_logprobs(
+    hidden: Tensor,  # (M, H) last hidden states at the positions that predict the labels
+    weight: Tensor,  # (V, H) output embedding (the lm head's weight)
+    labels: Tensor,  # (M,) the sampled token ids
+    temperature: float = 1.0,  # τ used when sampling
+    chunk_rows: int | None = None,  # rows of logits per chunk; default ~2**24 elements
+    entropy: bool = False,  # also return the entropy per position (no gradient)
+) -> tuple[Tensor, Tensor | None]:  # (M,) log-probs, float32 (float64 for float64 inputs); (M,) entropy or None
     "`token_logprobs` of the logits `hidden @ weight.T`, without ever holding more than one chunk of them."
     rows = chunk_rows or max(1, 2**24 // weight.shape[0])
     logp, ent = FusedTokenLogprobs.apply(hidden, weight, labels.long(), float(temperature), rows, entropy)

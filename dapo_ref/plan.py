@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses, json, math, sys
 
 from .arch import ModelArch, kv_bytes_per_token, largest_layer_params, layer_params, n_params, resolve_arch
-from .core import ArgParser, DAPOConfig, InputError, cli_errors, load_config, parse_overrides
+from .core import DAPOConfig, InputError
+from .cli import ArgParser, cli_errors, load_config, parse_overrides
 
 # %% auto #0
 __all__ = ['BYTES', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
@@ -15,73 +16,83 @@ __all__ = ['BYTES', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'val
            'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'format_plan', 'main']
 
 # %% ../nbs/12_plan.ipynb #5531a48d
-def valid_tensor_parallel(arch: ModelArch,  # the model
-                          upto: int = 64,   # largest size to list
-                         ) -> list[int]:
+def valid_tensor_parallel(
+    arch: ModelArch,  # the model
+    upto: int = 64,  # largest size to list
+) -> list[int]:
     "Tensor-parallel sizes vLLM accepts for `arch`: they divide the query heads and divide (or are a multiple of) the K/V heads."
     q, kv = arch.num_attention_heads, arch.num_key_value_heads
     return [t for t in range(1, upto + 1) if q % t == 0 and (kv % t == 0 if t <= kv else t % kv == 0)]
 
-def check_tensor_parallel(arch: ModelArch,  # the model
-                          tp: int,          # vllm_tensor_parallel
-                          world: int,       # nnodes * gpus_per_node
-                         ) -> None:
+
+def check_tensor_parallel(
+    arch: ModelArch,  # the model
+    tp: int,  # vllm_tensor_parallel
+    world: int,  # nnodes * gpus_per_node
+) -> None:
     "Raise a one-line `InputError` unless vLLM can shard `arch`'s heads over `tp` GPUs (`DAPOConfig` checks that `tp` divides the GPUs)."
     name = arch.name or "the model"
     ok = [t for t in valid_tensor_parallel(arch, world) if world % t == 0]
     if tp not in valid_tensor_parallel(arch, max(tp, 1)):
-        raise InputError(f"vllm_tensor_parallel = {tp}: vLLM cannot split {name}'s {arch.num_attention_heads} attention "
-                         f"heads and {arch.num_key_value_heads} K/V heads over {tp} GPUs; use one of {', '.join(map(str, ok))}")
+        raise InputError(
+            f"vllm_tensor_parallel = {tp}: vLLM cannot split {name}'s {arch.num_attention_heads} attention "
+            f"heads and {arch.num_key_value_heads} K/V heads over {tp} GPUs; use one of {', '.join(map(str, ok))}"
+        )
 
 # %% ../nbs/12_plan.ipynb #8e298225
 BYTES = dict(param=2, grad_fp32=4, grad_bf16=2, optim=12)  # per parameter, bf16 mixed precision + AdamW
 
-def model_state_bytes(n: int,                    # N: total parameters
-                      largest: int,              # parameters of the largest module (ZeRO-3 working set)
-                      dp: int,                   # D: learner ranks = nnodes * gpus_per_node
-                      gpus_per_node: int = 8,    # ranks sharing one node's CPU memory
-                      zero_stage: int = 3,       # 0 (plain PyTorch AdamW) | 2 | 3
-                      offload_params: bool = False,     # ZeRO-3 parameter partition in CPU memory
-                      offload_optimizer: bool = False,  # optimizer states + fp32 gradients in CPU memory
-                      dtype_bytes: int = 2,      # 2: bf16 mixed precision; 4: float32 throughout
-                     ) -> dict:
+
+def model_state_bytes(
+    n: int,  # N: total parameters
+    largest: int,  # parameters of the largest module (ZeRO-3 working set)
+    dp: int,  # D: learner ranks = nnodes * gpus_per_node
+    gpus_per_node: int = 8,  # ranks sharing one node's CPU memory
+    zero_stage: int = 3,  # 0 (plain PyTorch AdamW) | 2 | 3
+    offload_params: bool = False,  # ZeRO-3 parameter partition in CPU memory
+    offload_optimizer: bool = False,  # optimizer states + fp32 gradients in CPU memory
+    dtype_bytes: int = 2,  # 2: bf16 mixed precision; 4: float32 throughout
+) -> dict:
     "Bytes per GPU (params, grads, optimizer, gathered) and CPU bytes per node of the learner's model states."
-    if zero_stage not in (0, 2, 3): raise ValueError(f"zero_stage = {zero_stage}: the planner knows 0 (plain PyTorch), 2 and 3")
+    if zero_stage not in (0, 2, 3):
+        raise ValueError(f"zero_stage = {zero_stage}: the planner knows 0 (plain PyTorch), 2 and 3")
     p = dtype_bytes
-    if zero_stage == 0:   # torch AdamW: parameter, gradient, m and v, all in the parameter dtype, nothing partitioned
+    if zero_stage == 0:  # torch AdamW: parameter, gradient, m and v, all in the parameter dtype, nothing partitioned
         return dict(params=p * n, grads=p * n, optimizer=2 * p * n, gathered=0, cpu_per_node=0)
-    optim_b = BYTES["optim"] if p == 2 else 8                 # fp32 master + m + v; float32 needs no master copy
+    optim_b = BYTES["optim"] if p == 2 else 8  # fp32 master + m + v; float32 needs no master copy
     on_gpu = not offload_optimizer
     if zero_stage == 3:
         params = 0 if offload_params else p * n / dp
         grads = BYTES["grad_fp32"] * n / dp if on_gpu else 0
-        gathered = 2 * p * largest                            # one module's parameters + gradients, gathered
+        gathered = 2 * p * largest  # one module's parameters + gradients, gathered
         cpu_rank = p * n / dp if offload_params else 0
-    else:                                                     # ZeRO-2: parameters replicated, no param offload
+    else:  # ZeRO-2: parameters replicated, no param offload
         params = p * n
         grads = (BYTES["grad_bf16"] * (p == 2) + BYTES["grad_fp32"]) * n / dp if on_gpu else 0
         gathered, cpu_rank = 0, 0
     optim = optim_b * n / dp if on_gpu else 0
-    if offload_optimizer: cpu_rank += (BYTES["grad_fp32"] + optim_b) * n / dp
+    if offload_optimizer:
+        cpu_rank += (BYTES["grad_fp32"] + optim_b) * n / dp
     return dict(params=params, grads=grads, optimizer=optim, gathered=gathered, cpu_per_node=cpu_rank * gpus_per_node)
 
 # %% ../nbs/12_plan.ipynb #02c37e5e
-def load_bytes(n: int,               # N: total parameters
-               largest: int,         # parameters of the largest module
-               dp: int,              # learner ranks
-               gpus_per_node: int,   # ranks per node
-               states: dict,         # `model_state_bytes` of the same learner
-               zero_init: bool,      # ZeRO-3 partitioned construction (HfDeepSpeedConfig + from_pretrained)
-               dtype_bytes: int = 2, # bytes per parameter as loaded (the learner dtype)
-               offload_params: bool = False,  # ZeRO-3 partitions live in CPU memory
-              ) -> dict:
+def load_bytes(
+    n: int,  # N: total parameters
+    largest: int,  # parameters of the largest module
+    dp: int,  # learner ranks
+    gpus_per_node: int,  # ranks per node
+    states: dict,  # `model_state_bytes` of the same learner
+    zero_init: bool,  # ZeRO-3 partitioned construction (HfDeepSpeedConfig + from_pretrained)
+    dtype_bytes: int = 2,  # bytes per parameter as loaded (the learner dtype)
+    offload_params: bool = False,  # ZeRO-3 partitions live in CPU memory
+) -> dict:
     "Peak GPU bytes per rank and CPU bytes per node while the learner is built and handed to DeepSpeed."
     p, g = dtype_bytes, gpus_per_node
     resident = states["params"] + states["grads"] + states["optimizer"]
-    if zero_init:   # each parameter is partitioned as it is created; loading materialises one module at a time
+    if zero_init:  # each parameter is partitioned as it is created; loading materialises one module at a time
         gpu = resident + p * largest
         cpu = max(g * (p * n / dp * offload_params + p * largest), states["cpu_per_node"])
-    else:           # every rank builds the whole model on CPU, then moves it to its GPU before DeepSpeed partitions it
+    else:  # every rank builds the whole model on CPU, then moves it to its GPU before DeepSpeed partitions it
         gpu = max(p * n, resident)
         cpu = max(g * p * n, states["cpu_per_node"])
     return dict(gpu=gpu, cpu_per_node=cpu)
@@ -89,51 +100,68 @@ def load_bytes(n: int,               # N: total parameters
 # %% ../nbs/12_plan.ipynb #67bc2495
 FUSED_CHUNK = 2**24  # logits per chunk of `loss.fused_token_logprobs` (its default chunk_rows = 2**24 // V)
 
-def activation_bytes(arch: ModelArch,       # the model
-                     tokens: int,           # T: tokens in one micro-batch on one GPU
-                     checkpointing: bool,   # gradient checkpointing at every decoder layer
-                     fused: bool = True,    # the learner's fused log-probs (one chunk of logits); False: the whole logits
-                    ) -> dict:
+
+def activation_bytes(
+    arch: ModelArch,  # the model
+    tokens: int,  # T: tokens in one micro-batch on one GPU
+    checkpointing: bool,  # gradient checkpointing at every decoder layer
+    fused: bool = True,  # the learner's fused log-probs (one chunk of logits); False: the whole logits
+) -> dict:
     "Activation bytes kept for backward on one GPU: hidden states (per layer), one layer's full set, the log-probs' logits."
     h, L = arch.hidden_size, arch.num_hidden_layers
-    layer = 22 * h + 4 * arch.kv_dim + 8 * arch.intermediate_size   # bytes per token per layer, bf16
-    if checkpointing: hidden, full = tokens * L * 2 * h, tokens * layer
-    else: hidden, full = 0, tokens * L * layer
+    layer = 22 * h + 4 * arch.kv_dim + 8 * arch.intermediate_size  # bytes per token per layer, bf16
+    if checkpointing:
+        hidden, full = tokens * L * 2 * h, tokens * layer
+    else:
+        hidden, full = 0, tokens * L * layer
     logits = 16 * FUSED_CHUNK + tokens * (10 * h + 12) if fused else tokens * arch.vocab_size * (2 + 4)
     return dict(hidden=hidden, layers=full, logits=logits)
 
 # %% ../nbs/12_plan.ipynb #d5cfae25
-SLEEP_KEEPS = 0.10   # fraction of the engine's share still held while asleep (vLLM docs: sleep frees "90%+")
+SLEEP_KEEPS = 0.10  # fraction of the engine's share still held while asleep (vLLM docs: sleep frees "90%+")
 
-def engine_bytes(arch: ModelArch,          # the model
-                 n: int,                   # its parameter count
-                 gpu_bytes: float,         # M: memory of one GPU, bytes
-                 utilization: float,       # u: vllm_gpu_memory_utilization
-                 tensor_parallel: int = 1, # vllm_tensor_parallel: GPUs of one engine
-                ) -> dict:
+
+def engine_bytes(
+    arch: ModelArch,  # the model
+    n: int,  # its parameter count
+    gpu_bytes: float,  # M: memory of one GPU, bytes
+    utilization: float,  # u: vllm_gpu_memory_utilization
+    tensor_parallel: int = 1,  # vllm_tensor_parallel: GPUs of one engine
+) -> dict:
     "vLLM's share of one GPU: total, weights shard, KV bytes per token and KV tokens that fit per engine."
     share = utilization * gpu_bytes
     weights = 2 * n / tensor_parallel
     kv_per_token = kv_bytes_per_token(arch, 2) / min(tensor_parallel, arch.num_key_value_heads)  # bf16
-    return dict(share=share, weights=weights, kv_per_token=kv_per_token,
-                kv_tokens=max(0, int((share - weights) // kv_per_token)), asleep=SLEEP_KEEPS * share)
+    return dict(
+        share=share,
+        weights=weights,
+        kv_per_token=kv_per_token,
+        kv_tokens=max(0, int((share - weights) // kv_per_token)),
+        asleep=SLEEP_KEEPS * share,
+    )
 
 # %% ../nbs/12_plan.ipynb #a3c2fc05
-BUCKET_BYTES = 1 << 30   # the vLLM backend's weight_bucket_bytes: bytes per reload call
+BUCKET_BYTES = 1 << 30  # the vLLM backend's weight_bucket_bytes: bytes per reload call
 
-def sync_bytes(arch: ModelArch,          # the model
-               zero_stage: int,          # 3: weights are gathered module by module
-               bucket_bytes: int = BUCKET_BYTES,  # bucket size the backend cuts at
-               dtype_bytes: int = 2,     # learner dtype
-              ) -> dict:
+
+def sync_bytes(
+    arch: ModelArch,  # the model
+    zero_stage: int,  # 3: weights are gathered module by module
+    bucket_bytes: int = BUCKET_BYTES,  # bucket size the backend cuts at
+    dtype_bytes: int = 2,  # learner dtype
+) -> dict:
     "Learner-side transient bytes of the weight sync on one GPU: the gathered module and one bucket of copies."
-    gathered = dtype_bytes * largest_layer_params(arch) if zero_stage == 3 else 0   # GatheredParameters, no gradients
-    unit = dtype_bytes * max(largest_layer_params(arch), layer_params(arch))      # a bucket never splits a layer
+    gathered = dtype_bytes * largest_layer_params(arch) if zero_stage == 3 else 0  # GatheredParameters, no gradients
+    unit = dtype_bytes * max(largest_layer_params(arch), layer_params(arch))  # a bucket never splits a layer
     return dict(gathered=gathered, bucket=bucket_bytes + unit)
 
 # %% ../nbs/12_plan.ipynb #ef3eb983
-def _gib(x: float) -> float: return round(x / 2**30, 2)
+def _gib(x: float) -> float:
+    return round(x / 2**30, 2)
+
+
 PHASES = ("load", "update", "sync", "rollout")
+
 
 def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool) -> dict:
     "Bytes of every item of the plan, per GPU and per node, in each phase of a step."
@@ -150,116 +178,166 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
     load = load_bytes(n, ll, world, g, s, zero_init=z == 3, dtype_bytes=p, offload_params=off)
     load_no_init = load_bytes(n, ll, world, g, s, zero_init=False, dtype_bytes=p, offload_params=off)
     resident = s["params"] + s["grads"] + s["optimizer"]
-    W = e["weights"]                                          # vLLM weights on this GPU: 2N / TP
-    idle = e["asleep"] if sleep else e["share"] - W           # vLLM without weights and KV cache: its context
+    W = e["weights"]  # vLLM weights on this GPU: 2N / TP
+    idle = e["asleep"] if sleep else e["share"] - W  # vLLM without weights and KV cache: its context
     items = {  # item: bytes per GPU in (load, update, sync, rollout)
-        "params": (s["params"],) * 4, "grads": (s["grads"],) * 4, "optimizer": (s["optimizer"],) * 4,
+        "params": (s["params"],) * 4,
+        "grads": (s["grads"],) * 4,
+        "optimizer": (s["optimizer"],) * 4,
         "gathered": (load["gpu"] - resident, s["gathered"], y["gathered"], 0),
-        "act_hidden": (0, a["hidden"], 0, 0), "act_layers": (0, a["layers"], 0, 0), "logits": (0, a["logits"], 0, 0),
+        "act_hidden": (0, a["hidden"], 0, 0),
+        "act_layers": (0, a["layers"], 0, 0),
+        "logits": (0, a["logits"], 0, 0),
         "bucket": (0, 0, y["bucket"], 0),
         "vllm_weights": (0, 0 if sleep else W, W, W),
         "vllm_rest": (0, idle, idle, e["share"] - W),
     }
     totals = dict(zip(PHASES, (sum(v[i] for v in items.values()) for i in range(4))))
     cpu = dict(load=load["cpu_per_node"], steady=s["cpu_per_node"])
-    return dict(n=n, world=world, tokens=tokens, states=s, act=a, engine=e, items=items, totals=totals,
-                peak=max(totals.values()), binding=max(totals, key=totals.get), gpu=gpu, cpu=cpu,
-                cpu_per_node=max(cpu.values()), load_no_init=load_no_init, dtype_bytes=p)
+    return dict(
+        n=n,
+        world=world,
+        tokens=tokens,
+        states=s,
+        act=a,
+        engine=e,
+        items=items,
+        totals=totals,
+        peak=max(totals.values()),
+        binding=max(totals, key=totals.get),
+        gpu=gpu,
+        cpu=cpu,
+        cpu_per_node=max(cpu.values()),
+        load_no_init=load_no_init,
+        dtype_bytes=p,
+    )
+
 
 def _fits(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb, **changes) -> bool:
     "Does `cfg` with `changes` fit: every phase's GPU peak + reserve, one full sequence in the KV cache, CPU memory when given."
     try:
         cfg = dataclasses.replace(cfg, **changes)  # a combination no config may hold raises here
         p = _phases(cfg, arch, gpu_memory_gb, sleep)
-    except ValueError: return False                          # e.g. a tensor-parallel size this layout cannot use
+    except ValueError:
+        return False  # e.g. a tensor-parallel size this layout cannot use
     cpu_ok = cpu_memory_gb is None or p["cpu_per_node"] <= cpu_memory_gb * 2**30
-    return p["peak"] + reserve_gb * 2**30 <= p["gpu"] and p["engine"]["kv_tokens"] >= cfg.max_prompt_length + cfg.l_max and cpu_ok
+    return (
+        p["peak"] + reserve_gb * 2**30 <= p["gpu"]
+        and p["engine"]["kv_tokens"] >= cfg.max_prompt_length + cfg.l_max
+        and cpu_ok
+    )
 
 # %% ../nbs/12_plan.ipynb #00628e7d
 def _knobs(cfg: DAPOConfig, arch: ModelArch, *hw) -> list[dict]:
     "Single-knob changes, cheapest first, each as a dict of overrides (values computed for this recipe)."
     out, world = [], cfg.nnodes * cfg.gpus_per_node
-    if cfg.zero_stage == 0: out.append(dict(zero_stage=2))
-    if cfg.zero_stage != 3: out.append(dict(zero_stage=3))
-    if not cfg.offload_optimizer: out.append(dict(offload_optimizer=True, **({} if cfg.zero_stage else dict(zero_stage=3))))
-    if not cfg.offload_params: out.append(dict(offload_params=True, zero_stage=3))
-    if not cfg.gradient_checkpointing: out.append(dict(gradient_checkpointing=True))
+    if cfg.zero_stage == 0:
+        out.append(dict(zero_stage=2))
+    if cfg.zero_stage != 3:
+        out.append(dict(zero_stage=3))
+    if not cfg.offload_optimizer:
+        out.append(dict(offload_optimizer=True, **({} if cfg.zero_stage else dict(zero_stage=3))))
+    if not cfg.offload_params:
+        out.append(dict(offload_params=True, zero_stage=3))
+    if not cfg.gradient_checkpointing:
+        out.append(dict(gradient_checkpointing=True))
     seq = cfg.max_prompt_length + cfg.l_max
-    lo, hi = seq, cfg.micro_token_budget                 # largest budget in [one sequence, current] that fits
+    lo, hi = seq, cfg.micro_token_budget  # largest budget in [one sequence, current] that fits
     if hi > lo and _fits(cfg, arch, *hw, micro_token_budget=lo):
         while hi - lo > 256:
             mid = (lo + hi) // 2
-            if _fits(cfg, arch, *hw, micro_token_budget=mid): lo = mid
-            else: hi = mid
+            if _fits(cfg, arch, *hw, micro_token_budget=mid):
+                lo = mid
+            else:
+                hi = mid
         out.append(dict(micro_token_budget=lo // 256 * 256 if lo // 256 * 256 >= seq else lo))
-    u0 = cfg.vllm_gpu_memory_utilization                 # nearest fraction that fits: lower first, then higher
+    u0 = cfg.vllm_gpu_memory_utilization  # nearest fraction that fits: lower first, then higher
     for u in [round(u0 - 0.05 * i, 2) for i in range(1, 19)] + [round(u0 + 0.05 * i, 2) for i in range(1, 19)]:
         if 0.05 < u < 0.96 and _fits(cfg, arch, *hw, vllm_gpu_memory_utilization=u):
-            out.append(dict(vllm_gpu_memory_utilization=u)); break
-    for t in valid_tensor_parallel(arch, world):         # a larger engine: fewer weights and more KV cache per GPU
+            out.append(dict(vllm_gpu_memory_utilization=u))
+            break
+    for t in valid_tensor_parallel(arch, world):  # a larger engine: fewer weights and more KV cache per GPU
         if t > cfg.vllm_tensor_parallel and world % t == 0 and _fits(cfg, arch, *hw, vllm_tensor_parallel=t):
-            out.append(dict(vllm_tensor_parallel=t)); break
-    if cfg.nnodes == 1:                                  # more GPUs: first fill the node (up to 8), then add nodes
+            out.append(dict(vllm_tensor_parallel=t))
+            break
+    if cfg.nnodes == 1:  # more GPUs: first fill the node (up to 8), then add nodes
         for g in range(cfg.gpus_per_node + 1, 9):
             if _fits(cfg, arch, *hw, gpus_per_node=g):
-                out.append(dict(gpus_per_node=g)); return out
+                out.append(dict(gpus_per_node=g))
+                return out
     for nn in range(cfg.nnodes + 1, max(64, 4 * cfg.nnodes) + 1):
         if _fits(cfg, arch, *hw, nnodes=nn):
-            out.append(dict(nnodes=nn)); break
+            out.append(dict(nnodes=nn))
+            break
     return out
 
-def advise(cfg: DAPOConfig,           # the recipe
-           arch: ModelArch,           # its model
-           gpu_memory_gb: float = 80, # memory of one GPU, GiB
-           sleep: bool = True,        # the engine sleeps during the update
-           reserve_gb: float = 2.0,   # GiB kept free (CUDA contexts, NCCL buffers, fragmentation)
-           cpu_memory_gb: float | None = None,  # CPU memory of one node, GiB; None = not checked
-          ) -> list[str]:
+
+def advise(
+    cfg: DAPOConfig,  # the recipe
+    arch: ModelArch,  # its model
+    gpu_memory_gb: float = 80,  # memory of one GPU, GiB
+    sleep: bool = True,  # the engine sleeps during the update
+    reserve_gb: float = 2.0,  # GiB kept free (CUDA contexts, NCCL buffers, fragmentation)
+    cpu_memory_gb: float | None = None,  # CPU memory of one node, GiB; None = not checked
+) -> list[str]:
     "Knob settings (as `key=value` overrides) that make `cfg` fit, cheapest first; [] if it already fits."
     hw = (gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb)
-    if _fits(cfg, arch, *hw): return []
+    if _fits(cfg, arch, *hw):
+        return []
     fmt = lambda d: " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in d.items())
-    singles = [d for d in _knobs(cfg, arch, *hw)
-               if _fits(cfg, arch, *hw, **d)]
-    if singles: return [fmt(d) for d in singles]
+    singles = [d for d in _knobs(cfg, arch, *hw) if _fits(cfg, arch, *hw, **d)]
+    if singles:
+        return [fmt(d) for d in singles]
     c, applied = cfg, {}
-    for d in _knobs(cfg, arch, *hw):   # cumulative: add knobs until it fits
-        try: c = dataclasses.replace(c, **d)
-        except InputError: continue  # a combination no config may hold
+    for d in _knobs(cfg, arch, *hw):  # cumulative: add knobs until it fits
+        try:
+            c = dataclasses.replace(c, **d)
+        except InputError:
+            continue  # a combination no config may hold
         applied.update(d)
-        if _fits(c, arch, *hw): return [fmt(applied)]
-        rest = _knobs(c, arch, *hw)      # re-size the numeric knobs for the new config
+        if _fits(c, arch, *hw):
+            return [fmt(applied)]
+        rest = _knobs(c, arch, *hw)  # re-size the numeric knobs for the new config
         for r in rest:
-            if _fits(c, arch, *hw, **r): return [fmt({**applied, **r})]
+            if _fits(c, arch, *hw, **r):
+                return [fmt({**applied, **r})]
     return []
 
 # %% ../nbs/12_plan.ipynb #87018236
-def check_hardware(gpu_memory_gb: float,        # memory of one GPU, GiB
-                   reserve_gb: float,           # GiB kept free per GPU
-                   cpu_memory_gb: float | None, # CPU memory of one node, GiB, or None
-                   names=("gpu_memory_gb", "reserve_gb", "cpu_memory_gb"),  # how the message names them (flags on the command line)
-                  ) -> None:
+def check_hardware(
+    gpu_memory_gb: float,  # memory of one GPU, GiB
+    reserve_gb: float,  # GiB kept free per GPU
+    cpu_memory_gb: float | None,  # CPU memory of one node, GiB, or None
+    names=("gpu_memory_gb", "reserve_gb", "cpu_memory_gb"),  # how the message names them (flags on the command line)
+) -> None:
     "Raise a one-line `InputError` naming the input unless the memory sizes are finite, positive and leave room under the reserve."
     g, r, c = names
     if not (math.isfinite(gpu_memory_gb) and gpu_memory_gb > 0):
         raise InputError(f"{g} = {gpu_memory_gb}: the memory of one GPU must be a finite number of GiB > 0, e.g. 80")
     if cpu_memory_gb is not None and not (math.isfinite(cpu_memory_gb) and cpu_memory_gb > 0):
-        raise InputError(f"{c} = {cpu_memory_gb}: the CPU memory of one node must be a finite number of GiB > 0, e.g. 2048 (or leave it out)")
+        raise InputError(
+            f"{c} = {cpu_memory_gb}: the CPU memory of one node must be a finite number of GiB > 0, e.g. 2048 (or leave it out)"
+        )
     if not (math.isfinite(reserve_gb) and 0 <= reserve_gb < gpu_memory_gb):
-        raise InputError(f"{r} = {reserve_gb}: the GiB kept free per GPU must be >= 0 and below the GPU memory ({gpu_memory_gb:g}), e.g. 2")
+        raise InputError(
+            f"{r} = {reserve_gb}: the GiB kept free per GPU must be >= 0 and below the GPU memory ({gpu_memory_gb:g}), e.g. 2"
+        )
 
 # %% ../nbs/12_plan.ipynb #b3b82058
-def engine_layout(world: int,          # ranks in the job (nnodes * gpus_per_node)
-                  tp: int,             # vllm_tensor_parallel
-                  gpus_per_node: int,  # ranks per node
-                 ) -> list[tuple[int, int, int, int]]:
+def engine_layout(
+    world: int,  # ranks in the job (nnodes * gpus_per_node)
+    tp: int,  # vllm_tensor_parallel
+    gpus_per_node: int,  # ranks per node
+) -> list[tuple[int, int, int, int]]:
     "One `(engine, first rank, last rank, node)` per vLLM engine: `tp` consecutive ranks each, independent of the others."
     return [(e, e * tp, e * tp + tp - 1, e * tp // gpus_per_node) for e in range(world // tp)]
 
-def save_sizes(n: int,           # parameters
-               dtype: str,       # the learner's dtype (bfloat16 | float32)
-               zero_stage: int,  # 0: the plain learner (torch AdamW), 2/3: DeepSpeed
-              ) -> dict:
+
+def save_sizes(
+    n: int,  # parameters
+    dtype: str,  # the learner's dtype (bfloat16 | float32)
+    zero_stage: int,  # 0: the plain learner (torch AdamW), 2/3: DeepSpeed
+) -> dict:
     """GiB on disk of one HF export (the weights in `dtype`, written by rank 0: `final/`, `exports/step-N`) and of one
     checkpoint (`save_every`: what resume needs). DeepSpeed's ZeRO files hold the weights in `dtype` and, per parameter,
     Adam's m and v in fp32 plus an fp32 master copy when `dtype` is bf16: 2 + 12 = 14 bytes (fp32: 4 + 8 = 12), and no
@@ -268,109 +346,181 @@ def save_sizes(n: int,           # parameters
     ckpt = (w + (12 if w == 2 else 8)) if zero_stage else 3 * w
     return dict(export_gb=_gib(n * w), checkpoint_gb=_gib(n * ckpt))
 
-def plan_memory(cfg: DAPOConfig,                    # the recipe (load_config(...))
-                model_arch: ModelArch | str | dict | None = None,  # default: resolved from cfg.model
-                gpu_memory_gb: float = 80,          # memory of one GPU, GiB (80: the paper's H100/A100 80GB)
-                sleep: bool = True,                 # vLLM sleeps (weights and KV cache discarded) during the update
-                reserve_gb: float = 2.0,            # GiB kept free: CUDA contexts, NCCL buffers, fragmentation
-                cpu_memory_gb: float | None = None, # CPU memory of one node, GiB; None = reported, not checked
-               ) -> dict:
+
+def plan_memory(
+    cfg: DAPOConfig,  # the recipe (load_config(...))
+    model_arch: ModelArch | str | dict | None = None,  # default: resolved from cfg.model
+    gpu_memory_gb: float = 80,  # memory of one GPU, GiB (80: the paper's H100/A100 80GB)
+    sleep: bool = True,  # vLLM sleeps (weights and KV cache discarded) during the update
+    reserve_gb: float = 2.0,  # GiB kept free: CUDA contexts, NCCL buffers, fragmentation
+    cpu_memory_gb: float | None = None,  # CPU memory of one node, GiB; None = reported, not checked
+) -> dict:
     "Per-GPU memory (GiB) of a DAPO recipe in each phase, CPU memory per node, whether it fits, and what to change."
     check_hardware(gpu_memory_gb, reserve_gb, cpu_memory_gb)
     arch = resolve_arch(cfg.model if model_arch is None else model_arch)
     p = _phases(cfg, arch, gpu_memory_gb, sleep)
     s, e, seq, tp = p["states"], p["engine"], cfg.max_prompt_length + cfg.l_max, cfg.vllm_tensor_parallel
     notes = []
-    if cfg.zero_stage == 0 and p["world"] > 1: notes.append(f"zero_stage=0 is the one-device learner: each of the {p['world']} GPUs holds it whole")
+    if cfg.zero_stage == 0 and p["world"] > 1:
+        notes.append(f"zero_stage=0 is the one-device learner: each of the {p['world']} GPUs holds it whole")
     if cfg.micro_token_budget < seq:
-        notes.append(f"micro_token_budget = {cfg.micro_token_budget} < max_prompt_length + l_max = {seq}: a full-length "
-                     f"sequence goes alone in its micro-batch, so activations are sized for {seq} tokens")
+        notes.append(
+            f"micro_token_budget = {cfg.micro_token_budget} < max_prompt_length + l_max = {seq}: a full-length "
+            f"sequence goes alone in its micro-batch, so activations are sized for {seq} tokens"
+        )
     if e["kv_tokens"] < seq:
-        notes.append(f"the engine's KV cache holds {e['kv_tokens']} tokens < one full sequence ({seq}): raise "
-                     "vllm_tensor_parallel or vllm_gpu_memory_utilization")
-    if tp > cfg.gpus_per_node: notes.append(f"vllm_tensor_parallel = {tp} > gpus_per_node: each engine spans nodes (slow all-reduce)")
-    if cfg.rollout_backend != "vllm": notes.append("rollout_backend is not vllm: the engine rows describe vLLM anyway")
+        notes.append(
+            f"the engine's KV cache holds {e['kv_tokens']} tokens < one full sequence ({seq}): raise "
+            "vllm_tensor_parallel or vllm_gpu_memory_utilization"
+        )
+    if tp > cfg.gpus_per_node:
+        notes.append(f"vllm_tensor_parallel = {tp} > gpus_per_node: each engine spans nodes (slow all-reduce)")
+    if cfg.rollout_backend != "vllm":
+        notes.append("rollout_backend is not vllm: the engine rows describe vLLM anyway")
     fits = _fits(cfg, arch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb)
     kv_short = e["kv_tokens"] < seq
     cpu_short = cpu_memory_gb is not None and p["cpu_per_node"] > cpu_memory_gb * 2**30
     items = {k: dict(zip(PHASES, map(_gib, v))) for k, v in p["items"].items()}
     return dict(
-        model=cfg.model if model_arch is None else (arch.name or str(model_arch)), n_params=p["n"], world_size=p["world"],
-        gpu_memory_gb=gpu_memory_gb, zero_stage=cfg.zero_stage, partitioned_init=cfg.zero_stage == 3, tokens=p["tokens"], seq_len=seq,
-        tensor_parallel=tp, engines=p["world"] // tp, items=items, phases_gb={k: _gib(v) for k, v in p["totals"].items()},
-        load_no_init_gb=_gib(p["load_no_init"]["gpu"]), cpu_load_no_init_gb=_gib(p["load_no_init"]["cpu_per_node"]),
-        reserve_gb=reserve_gb, cpu_memory_gb=cpu_memory_gb, peak_gb=_gib(p["peak"]),
+        model=cfg.model if model_arch is None else (arch.name or str(model_arch)),
+        n_params=p["n"],
+        world_size=p["world"],
+        gpu_memory_gb=gpu_memory_gb,
+        zero_stage=cfg.zero_stage,
+        partitioned_init=cfg.zero_stage == 3,
+        tokens=p["tokens"],
+        seq_len=seq,
+        tensor_parallel=tp,
+        engines=p["world"] // tp,
+        items=items,
+        phases_gb={k: _gib(v) for k, v in p["totals"].items()},
+        load_no_init_gb=_gib(p["load_no_init"]["gpu"]),
+        cpu_load_no_init_gb=_gib(p["load_no_init"]["cpu_per_node"]),
+        reserve_gb=reserve_gb,
+        cpu_memory_gb=cpu_memory_gb,
+        peak_gb=_gib(p["peak"]),
         binding="KV cache" if kv_short else "CPU memory" if cpu_short else p["binding"],
-        cpu_per_node_gb=_gib(p["cpu_per_node"]), cpu_load_gb=_gib(p["cpu"]["load"]), cpu_zero_gb=_gib(s["cpu_per_node"]),
-        kv_cache_tokens=e["kv_tokens"], engine_weights_gb=_gib(e["weights"]), fits=fits,
-        engine_layout=engine_layout(p["world"], tp, cfg.gpus_per_node), **save_sizes(p["n"], cfg.dtype, cfg.zero_stage),
-        advice=[] if fits else advise(cfg, arch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb), notes=notes)
+        cpu_per_node_gb=_gib(p["cpu_per_node"]),
+        cpu_load_gb=_gib(p["cpu"]["load"]),
+        cpu_zero_gb=_gib(s["cpu_per_node"]),
+        kv_cache_tokens=e["kv_tokens"],
+        engine_weights_gb=_gib(e["weights"]),
+        fits=fits,
+        engine_layout=engine_layout(p["world"], tp, cfg.gpus_per_node),
+        **save_sizes(p["n"], cfg.dtype, cfg.zero_stage),
+        advice=[] if fits else advise(cfg, arch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb),
+        notes=notes,
+    )
 
 # %% ../nbs/12_plan.ipynb #a2751b93
-_ROWS = [("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
-         ("gathered", "gathered module (ZeRO-3)"), ("act_hidden", "activations: layer inputs"),
-         ("act_layers", "activations: recomputed layer(s)"), ("logits", "log-probs (one chunk of logits)"),
-         ("bucket", "weight-sync bucket"), ("vllm_weights", "vLLM weights (2N / TP)"),
-         ("vllm_rest", "vLLM KV cache / context")]
+_ROWS = [
+    ("params", "parameters"),
+    ("grads", "gradients"),
+    ("optimizer", "optimizer states"),
+    ("gathered", "gathered module (ZeRO-3)"),
+    ("act_hidden", "activations: layer inputs"),
+    ("act_layers", "activations: recomputed layer(s)"),
+    ("logits", "log-probs (one chunk of logits)"),
+    ("bucket", "weight-sync bucket"),
+    ("vllm_weights", "vLLM weights (2N / TP)"),
+    ("vllm_rest", "vLLM KV cache / context"),
+]
+
 
 def format_plan(plan: dict) -> str:
     "The plan as a small text table: one row per item, one column per phase, the binding phase, the verdict, the advice."
     it, ph, tp = plan["items"], plan["phases_gb"], plan["tensor_parallel"]
     learner = f"ZeRO-{plan['zero_stage']}" if plan["zero_stage"] else "plain PyTorch AdamW (zero_stage 0)"
-    lines = [f"{plan['model']}: {plan['n_params'] / 1e9:.2f}B params, {learner} over {plan['world_size']} GPUs"
-             + (" (partitioned init)" if plan["partitioned_init"] else "") + f", {plan['tokens']} tokens per micro-batch, "
-             f"GPU {plan['gpu_memory_gb']:g} GiB",
-             f"rollout: {plan['engines']} vLLM engine(s) of tensor parallel {tp} (dp {plan['engines']} x tp {tp}), KV cache "
-             f"{plan['kv_cache_tokens']:,} tokens per engine = {plan['kv_cache_tokens'] // plan['seq_len']} full-length sequences",
-             f"{'per GPU (GiB)':<36}" + "".join(f"{k:>9}" for k in PHASES)]
+    lines = [
+        f"{plan['model']}: {plan['n_params'] / 1e9:.2f}B params, {learner} over {plan['world_size']} GPUs"
+        + (" (partitioned init)" if plan["partitioned_init"] else "")
+        + f", {plan['tokens']} tokens per micro-batch, "
+        f"GPU {plan['gpu_memory_gb']:g} GiB",
+        f"rollout: {plan['engines']} vLLM engine(s) of tensor parallel {tp} (dp {plan['engines']} x tp {tp}), KV cache "
+        f"{plan['kv_cache_tokens']:,} tokens per engine = {plan['kv_cache_tokens'] // plan['seq_len']} full-length sequences",
+        f"{'per GPU (GiB)':<36}" + "".join(f"{k:>9}" for k in PHASES),
+    ]
     for k, label in _ROWS:
-        if any(it[k].values()): lines.append(f"  {label:<34}" + "".join(f"{it[k][q]:>9.2f}" for q in PHASES))
-    lines += [f"  {'total':<34}" + "".join(f"{ph[q]:>9.2f}" for q in PHASES),
-              f"peak per GPU: {plan['peak_gb']:.2f} GiB (+ {plan['reserve_gb']:g} reserve) of {plan['gpu_memory_gb']:g}, "
-              f"binding: {plan['binding']}  ->  " + ("fits" if plan["fits"] else "does NOT fit"),
-              f"CPU per node: {plan['cpu_per_node_gb']:.2f} GiB" + (f" of {plan['cpu_memory_gb']:g}" if plan["cpu_memory_gb"] is not None else "")
-              + f" (load {plan['cpu_load_gb']:.2f}, ZeRO offload {plan['cpu_zero_gb']:.2f})"]
+        if any(it[k].values()):
+            lines.append(f"  {label:<34}" + "".join(f"{it[k][q]:>9.2f}" for q in PHASES))
+    lines += [
+        f"  {'total':<34}" + "".join(f"{ph[q]:>9.2f}" for q in PHASES),
+        f"peak per GPU: {plan['peak_gb']:.2f} GiB (+ {plan['reserve_gb']:g} reserve) of {plan['gpu_memory_gb']:g}, "
+        f"binding: {plan['binding']}  ->  " + ("fits" if plan["fits"] else "does NOT fit"),
+        f"CPU per node: {plan['cpu_per_node_gb']:.2f} GiB"
+        + (f" of {plan['cpu_memory_gb']:g}" if plan["cpu_memory_gb"] is not None else "")
+        + f" (load {plan['cpu_load_gb']:.2f}, ZeRO offload {plan['cpu_zero_gb']:.2f})",
+    ]
     lay = plan["engine_layout"]
-    show = lambda x: f"e{x[0]} = ranks {x[1]}-{x[2]} (node {x[3]})" if x[1] != x[2] else f"e{x[0]} = rank {x[1]} (node {x[3]})"
+    show = lambda x: (
+        f"e{x[0]} = ranks {x[1]}-{x[2]} (node {x[3]})" if x[1] != x[2] else f"e{x[0]} = rank {x[1]} (node {x[3]})"
+    )
     shown = [show(x) for x in lay] if len(lay) <= 3 else [show(lay[0]), show(lay[1]), "...", show(lay[-1])]
-    lines.append(f"engines: {len(lay)} independent (no vLLM data-parallel group), {sum(x[3] == 0 for x in lay)} per "
-                 f"node: {', '.join(shown)}; ranks whose engine finishes early wait for the slowest in the round's all_gather (dist_timeout)")
-    lines.append(f"one export (final/, exports/step-N every export_every; rank 0 writes): {plan['export_gb']:.1f} GiB; one "
-                 f"checkpoint (save_every: what --resume needs, each rank its part, in output_dir on a filesystem all "
-                 f"nodes share): {plan['checkpoint_gb']:.1f} GiB")
+    lines.append(
+        f"engines: {len(lay)} independent (no vLLM data-parallel group), {sum(x[3] == 0 for x in lay)} per "
+        f"node: {', '.join(shown)}; ranks whose engine finishes early wait for the slowest in the round's all_gather (dist_timeout)"
+    )
+    lines.append(
+        f"one export (final/, exports/step-N every export_every; rank 0 writes): {plan['export_gb']:.1f} GiB; one "
+        f"checkpoint (save_every: what --resume needs, each rank its part, in output_dir on a filesystem all "
+        f"nodes share): {plan['checkpoint_gb']:.1f} GiB"
+    )
     if plan["partitioned_init"]:
-        lines.append(f"without partitioned init the load would need {plan['load_no_init_gb']:.2f} GiB per GPU and "
-                     f"up to {plan['cpu_load_no_init_gb']:.2f} GiB CPU per node (the whole model on every rank)")
+        lines.append(
+            f"without partitioned init the load would need {plan['load_no_init_gb']:.2f} GiB per GPU and "
+            f"up to {plan['cpu_load_no_init_gb']:.2f} GiB CPU per node (the whole model on every rank)"
+        )
     lines += [f"note: {n}" for n in plan["notes"]]
     if not plan["fits"]:
         lines += [f"to fit, set: {a}" for a in plan["advice"]] or [
             f"no setting of these knobs is enough: a micro-batch of {plan['tokens']} tokens (never fewer than one "
             f"full-length sequence, max_prompt_length + l_max) needs {sum(it[k]['update'] for k in ('act_hidden', 'act_layers', 'logits')):.2f} "
-            "GiB of activations and logits; use larger GPUs or a shorter l_max"]
+            "GiB of activations and logits; use larger GPUs or a shorter l_max"
+        ]
     return "\n".join(lines)
 
 # %% ../nbs/12_plan.ipynb #96636e3b
-def main(argv: list[str] | None = None  # command-line arguments; None = sys.argv[1:]
-        ) -> int:
+def main(
+    argv: list[str] | None = None,  # command-line arguments; None = sys.argv[1:]
+) -> int:
     "`dapo-plan`: print the per-GPU memory plan of a recipe; exit 0 if it fits, 1 if not, 2 on bad input."
     ap = ArgParser(prog="dapo-plan", description="Per-GPU memory plan of a DAPO recipe.")
     ap.add_argument("recipe", help="YAML recipe, e.g. recipes/dapo-qwen2.5-32b.yaml")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides of recipe fields, e.g. nnodes=4 offload_params=false")
+    ap.add_argument(
+        "overrides", nargs="*", help="key=value overrides of recipe fields, e.g. nnodes=4 offload_params=false"
+    )
     ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
-    ap.add_argument("--reserve-gb", type=float, default=2.0, help="GiB per GPU kept free for CUDA contexts, NCCL, fragmentation")
-    ap.add_argument("--cpu-memory-gb", type=float, default=None, help="CPU memory of one node in GiB (default: not checked)")
+    ap.add_argument(
+        "--reserve-gb", type=float, default=2.0, help="GiB per GPU kept free for CUDA contexts, NCCL, fragmentation"
+    )
+    ap.add_argument(
+        "--cpu-memory-gb", type=float, default=None, help="CPU memory of one node in GiB (default: not checked)"
+    )
     ap.add_argument("--no-sleep", action="store_true", help="vLLM keeps its share during the update (no sleep mode)")
-    ap.add_argument("--model-arch", default=None, help="folder with config.json or Qwen2.5 name, if not the recipe's model")
+    ap.add_argument(
+        "--model-arch", default=None, help="folder with config.json or Qwen2.5 name, if not the recipe's model"
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     args = ap.parse(argv)  # key=value overrides before and after flags, as in dapo-train
     try:
-        with cli_errors("dapo-plan"):   # bad input: one line on stderr, exit status 2, before any planning
-            check_hardware(args.gpu_memory_gb, args.reserve_gb, args.cpu_memory_gb,
-                           names=("--gpu-memory-gb", "--reserve-gb", "--cpu-memory-gb"))
+        with cli_errors("dapo-plan"):  # bad input: one line on stderr, exit status 2, before any planning
+            check_hardware(
+                args.gpu_memory_gb,
+                args.reserve_gb,
+                args.cpu_memory_gb,
+                names=("--gpu-memory-gb", "--reserve-gb", "--cpu-memory-gb"),
+            )
             cfg = load_config(args.recipe, parse_overrides(args.overrides))
-            plan = plan_memory(cfg, args.model_arch, gpu_memory_gb=args.gpu_memory_gb, sleep=not args.no_sleep,
-                               reserve_gb=args.reserve_gb, cpu_memory_gb=args.cpu_memory_gb)
-    except SystemExit as e: return e.code
+            plan = plan_memory(
+                cfg,
+                args.model_arch,
+                gpu_memory_gb=args.gpu_memory_gb,
+                sleep=not args.no_sleep,
+                reserve_gb=args.reserve_gb,
+                cpu_memory_gb=args.cpu_memory_gb,
+            )
+    except SystemExit as e:
+        return e.code
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0 if plan["fits"] else 1
 

@@ -21,106 +21,184 @@ __all__ = ['REFERENCE_WINDOW', 'MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'extract_ans
 # %% ../nbs/02_reward.ipynb #68537a9e
 _ANSWER_RE = re.compile(r"answer[ \t]*:", re.IGNORECASE)
 
-def extract_answer(response: str,  # the decoded response text
-                  ) -> str | None:  # text after the last `Answer:` on its line, or None
+
+def extract_answer(
+    response: str,  # the decoded response text
+) -> str | None:  # text after the last `Answer:` on its line, or None
     "The text after the last `Answer:` (case-insensitive, spaces allowed around the colon) to the end of its line."
     last = None
-    for last in _ANSWER_RE.finditer(response): pass
-    if last is None: return None
+    for last in _ANSWER_RE.finditer(response):
+        pass
+    if last is None:
+        return None
     end = response.find("\n", last.end())
-    ans = response[last.end():end if end >= 0 else len(response)].strip()
+    ans = response[last.end() : end if end >= 0 else len(response)].strip()
     return ans or None
 
 # %% ../nbs/02_reward.ipynb #a1e0c001
 REFERENCE_WINDOW = 300  # characters: the reference scores only the tail of a response
 _REF_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # the reference's `answer_pattern`, verbatim
 
-def extract_answer_reference(response: str,  # the decoded response text (already cut to the window)
-                            ) -> str | None:  # the last match of the reference's pattern, unstripped, or None
-    "The reference's reading: `re.findall(r\"(?i)Answer\\s*:\\s*([^\\n]+)\", response)[-1]`; `\\s*` crosses line ends."
+
+def extract_answer_reference(
+    response: str,  # the decoded response text (already cut to the window)
+) -> str | None:  # the last match of the reference's pattern, unstripped, or None
+    'The reference\'s reading: `re.findall(r"(?i)Answer\\s*:\\s*([^\\n]+)", response)[-1]`; `\\s*` crosses line ends.'
     found = _REF_ANSWER_RE.findall(response)
     return found[-1] if found else None
 
 # %% ../nbs/02_reward.ipynb #351d2163
 _SUBSTITUTIONS = [  # (before, after), applied in order, as in the reference normaliser
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
 ]
 _REMOVED = [  # removed in order: unit words, filler, degree signs, thousands separators
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
-    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
-    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
-    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
-    ",\\!", "{,}", '"', "\\dots",
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
 ]
-_EXTRA = [("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\,", ""), ("\\!", ""), ("\u2212", "-")]  # ours, after the reference
+_EXTRA = [
+    ("\\dfrac", "\\frac"),
+    ("\\tfrac", "\\frac"),
+    ("\\,", ""),
+    ("\\!", ""),
+    ("\u2212", "-"),
+]  # ours, after the reference
 _FRAC_RE = re.compile(r"frac([^{])(.)")  # \frac12 -> \frac{1}{2}
-_SQRT_RE = re.compile(r"sqrt([^{])")      # \sqrt2  -> \sqrt{2}
+_SQRT_RE = re.compile(r"sqrt([^{])")  # \sqrt2  -> \sqrt{2}
 
+# %% ../nbs/02_reward.ipynb #5d0ac951
 def _first_math(line: str) -> str:
     "`$a$` out of `x $a$ y $b$`: what lies between the first two `$` of a line, re-wrapped in `$`."
     i = line.find("$")
     j = line.find("$", i + 1) if i >= 0 else -1
-    return line if j < 0 else "$" + line[i + 1:j] + "$"
+    return line if j < 0 else "$" + line[i + 1 : j] + "$"
+
 
 def _unwrap_to_first(line: str, cmd: str) -> str:
     "Replace each `cmd{X}` of a line by X, X ending at the first `}` (the lazy match of the reference)."
     out, pos = [], 0
     while (i := line.find(cmd, pos)) >= 0:
         j = line.find("}", i + len(cmd))
-        if j < 0: break  # no `}` after this one, hence none after any later one either
-        out += [line[pos:i], line[i + len(cmd):j]]
+        if j < 0:
+            break  # no `}` after this one, hence none after any later one either
+        out += [line[pos:i], line[i + len(cmd) : j]]
         pos = j + 1
     return "".join(out) + line[pos:]
+
 
 def _unwrap_boxed(line: str) -> str:
     "`\\boxed{X}` -> X, X running to the last `}` of the line (the greedy match of the reference)."
     i, j = line.find("\\boxed{"), line.rfind("}")
-    return line if i < 0 or j < i + 7 else line[:i] + line[i + 7:j] + line[j + 1:]
+    return line if i < 0 or j < i + 7 else line[:i] + line[i + 7 : j] + line[j + 1 :]
 
-def _per_line(s: str, f, *args) -> str: return "\n".join(f(l, *args) for l in s.split("\n"))
 
-def _digits_only(s: str) -> str: return s.replace(",", "") if s.replace(",", "").isdigit() else s
+def _per_line(s: str, f, *args) -> str:
+    return "\n".join(f(l, *args) for l in s.split("\n"))
 
-def normalize_reference(s: str,  # a final answer or a ground truth
-                       ) -> str:  # the reference recipe's `normalize_final_answer(s)`
+
+def _digits_only(s: str) -> str:
+    return s.replace(",", "") if s.replace(",", "").isdigit() else s
+
+
+def normalize_reference(
+    s: str,  # a final answer or a ground truth
+) -> str:  # the reference recipe's `normalize_final_answer(s)`
     "The reference recipe's math normaliser, step for step (linear scans in place of its backtracking regexes)."
     s = str(s).split("=")[-1]
-    for before, after in _SUBSTITUTIONS: s = s.replace(before, after)
-    for expr in _REMOVED: s = s.replace(expr, "")
+    for before, after in _SUBSTITUTIONS:
+        s = s.replace(before, after)
+    for expr in _REMOVED:
+        s = s.replace(expr, "")
     s = _per_line(s, _first_math)
-    for cmd in ("\\text{", "\\textbf{", "\\overline{"): s = _per_line(s, _unwrap_to_first, cmd)
+    for cmd in ("\\text{", "\\textbf{", "\\overline{"):
+        s = _per_line(s, _unwrap_to_first, cmd)
     s = _per_line(s, _unwrap_boxed)
     s = _SQRT_RE.sub(r"sqrt{\1}", _FRAC_RE.sub(r"frac{\1}{\2}", s))
     return _digits_only(s.replace("$", "")).strip()
 
-def normalize_answer(s: str,  # a final answer, e.g. the output of `extract_answer` or a ground truth
-                    ) -> str:  # the canonical string compared in the dapo-strict and math-verify modes
+
+def normalize_answer(
+    s: str,  # a final answer, e.g. the output of `extract_answer` or a ground truth
+) -> str:  # the canonical string compared in the dapo-strict and math-verify modes
     "`normalize_reference`, then `\\dfrac`/`\\tfrac`, thin spaces and U+2212: merges only, never splits."
     s = normalize_reference(s)
-    for before, after in _EXTRA: s = s.replace(before, after)
+    for before, after in _EXTRA:
+        s = s.replace(before, after)
     return _digits_only(s).strip()
 
 # %% ../nbs/02_reward.ipynb #cbce2a3e
 MATH_VERIFY_TIMEOUT = 5.0  # seconds one math-verify comparison may take before it scores -1 (DAPOConfig.reward_timeout)
 
+
 def is_plugin(mode: str) -> bool:
     "Whether a reward mode names a plug-in, `package.module:function`, rather than a built-in mode."
     return REWARD_PLUGIN.fullmatch(mode) is not None
 
+
 def _check_mode(mode: str):
     if mode not in REWARD_MODES and not is_plugin(mode):
-        raise ValueError(f"reward mode = {mode!r}: use one of {', '.join(REWARD_MODES)}, or a plug-in "
-                         "package.module:function (the `reward:` field of a recipe)")
+        raise ValueError(
+            f"reward mode = {mode!r}: use one of {', '.join(REWARD_MODES)}, or a plug-in "
+            "package.module:function (the `reward:` field of a recipe)"
+        )
 
-def score_response(response: str,  # the decoded response (EOS text stripped)
-                   ground_truth,  # the reference answer (str, or a number)
-                   *,
-                   use_math_verify: bool = False,  # the older spelling of mode="math-verify"; True overrides `mode`
-                   mode: str = "dapo-reference",  # "dapo-reference" | "dapo-strict" | "math-verify" (REWARD_MODES)
-                   window: int | None = REFERENCE_WINDOW,  # only the last `window` characters are searched; None = all
-                   timeout_s: float = MATH_VERIFY_TIMEOUT,  # per-call bound on the math-verify comparison
-                  ) -> dict:  # {"score": ±1.0, "acc": bool, "pred": str}
+
+def score_response(
+    response: str,  # the decoded response (EOS text stripped)
+    ground_truth,  # the reference answer (str, or a number)
+    *,
+    use_math_verify: bool = False,  # the older spelling of mode="math-verify"; True overrides `mode`
+    mode: str = "dapo-reference",  # "dapo-reference" | "dapo-strict" | "math-verify" (REWARD_MODES)
+    window: int | None = REFERENCE_WINDOW,  # only the last `window` characters are searched; None = all
+    timeout_s: float = MATH_VERIFY_TIMEOUT,  # per-call bound on the math-verify comparison
+) -> dict:  # {"score": ±1.0, "acc": bool, "pred": str}
     "Eq. 7: +1.0 if the response's final answer is equivalent to the ground truth under `mode`, else -1.0."
     mode = "math-verify" if use_math_verify else mode
     _check_mode(mode)
@@ -135,34 +213,49 @@ def score_response(response: str,  # the decoded response (EOS text stripped)
         pred, gt = normalize_reference("[INVALID]" if raw is None else raw), normalize_reference(str(ground_truth))
         return {"score": 1.0 if pred == gt else -1.0, "acc": pred == gt, "pred": pred}
     raw = extract_answer(tail)
-    if raw is None: return {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    if raw is None:
+        return {"score": -1.0, "acc": False, "pred": "[INVALID]"}
     pred, gt = normalize_answer(raw), normalize_answer(ground_truth)
     acc = pred == gt
-    if not acc and mode == "math-verify" and pred and gt: acc = math_verify_equal(gt, pred, timeout_s)
+    if not acc and mode == "math-verify" and pred and gt:
+        acc = math_verify_equal(gt, pred, timeout_s)
     return {"score": 1.0 if acc else -1.0, "acc": bool(acc), "pred": pred}
 
 # %% ../nbs/02_reward.ipynb #a1e0c003
 SLOW_AFTER = 0.05  # seconds a math-verify call may hold a worker's slot while others wait (typical: milliseconds)
 
+
 class _VerifyPool:
     "Client of one math-verify server process: it imports math-verify once and forks its workers from itself."
-    def __init__(self, start_timeout: float = 60.0,  # seconds the server may take to import math-verify
-                 plugin: str | None = None):          # a reward plug-in `package.module:function` instead of math-verify
+
+    def __init__(
+        self,
+        start_timeout: float = 60.0,  # seconds the server may take to import math-verify
+        plugin: str | None = None,
+    ):  # a reward plug-in `package.module:function` instead of math-verify
         server = Path(importlib.util.find_spec("dapo_ref.verify_server").origin).read_text()  # torch-free program
-        self.proc = subprocess.Popen([sys.executable, "-c", server, *([plugin] if plugin else [])], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", server, *([plugin] if plugin else [])],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.proc.stdout, selectors.EVENT_READ)
         self.buf, self.eof = b"", False
         line = self._readline(start_timeout)
         if line != b"ready":
             slow = line is None and not self.eof  # still importing: an overloaded machine
-            self.proc.kill(); self.close()
+            self.proc.kill()
+            self.close()
             if slow:
                 raise TimeoutError(f"math-verify server did not start within {start_timeout} s")
-            if plugin: raise RuntimeError(f"reward plug-in {plugin} did not start in its server ({line!r})")
-            raise RuntimeError(f"math-verify server did not start ({line!r}); the math-verify reward "
-                               f"needs `pip install math-verify` for {sys.executable}")
+            if plugin:
+                raise RuntimeError(f"reward plug-in {plugin} did not start in its server ({line!r})")
+            raise RuntimeError(
+                f"math-verify server did not start ({line!r}); the math-verify reward "
+                f"needs `pip install math-verify` for {sys.executable}"
+            )
 
     def _readline(self, timeout: float | None) -> bytes | None:
         "One line from the server, or None on timeout or when the server died."
@@ -170,7 +263,8 @@ class _VerifyPool:
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buf:
             left = None if deadline is None else deadline - time.monotonic()
-            if (left is not None and left <= 0) or not self.sel.select(left): return None
+            if (left is not None and left <= 0) or not self.sel.select(left):
+                return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 self.eof = True
@@ -181,20 +275,32 @@ class _VerifyPool:
 
     def run(self, pairs: list, timeout: float, workers: int) -> list:
         "Verdicts 1 / 0 / 'timeout' / 'error', one per (gold, pred) pair."
-        req = dict(pairs=pairs, timeout=timeout, workers=workers, max_aside=4 * workers + 60,
-                   slow_after=min(SLOW_AFTER, timeout / 2))
-        self.proc.stdin.write((json.dumps(req) + "\n").encode()); self.proc.stdin.flush()
+        req = dict(
+            pairs=pairs,
+            timeout=timeout,
+            workers=workers,
+            max_aside=4 * workers + 60,
+            slow_after=min(SLOW_AFTER, timeout / 2),
+        )
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
         line = self._readline(None)
-        if line is None: raise RuntimeError(f"the math-verify server died (exit status {self.proc.poll()})")
+        if line is None:
+            raise RuntimeError(f"the math-verify server died (exit status {self.proc.poll()})")
         return json.loads(line)
 
     def close(self):
         "Close the server's input (it kills its workers and exits); kill it if it has not after 5 s."
         self.sel.close()
-        try: self.proc.stdin.close()
-        except OSError: pass
-        try: self.proc.wait(5)
-        except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.proc.stdout.close()
 
 # %% ../nbs/02_reward.ipynb #a1e0c004
@@ -203,66 +309,89 @@ def default_workers() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
-_POOL = {"pid": None, "pools": {}}  # this process's servers: "math-verify" and one per reward plug-in; a fork starts its own
+
+_POOL = {
+    "pid": None,
+    "pools": {},
+}  # this process's servers: "math-verify" and one per reward plug-in; a fork starts its own
 _POOL_LOCK = threading.Lock()
+
 
 def _shutdown_pool():
     "Stop this process's math-verify server and its workers (registered with atexit)."
     with _POOL_LOCK:
         if _POOL["pid"] == os.getpid():
-            for pool in _POOL["pools"].values(): pool.close()
+            for pool in _POOL["pools"].values():
+                pool.close()
         _POOL["pools"] = {}
+
 
 atexit.register(_shutdown_pool)
 
-def verify_pairs(pairs: list,  # (gold, pred) LaTeX strings, `$`-wrapped as math-verify parses them
-                 timeout: float = MATH_VERIFY_TIMEOUT,  # per-call limit in seconds, from the call's start in a worker
-                 workers: int | None = None,  # parallel calls; None = default_workers()
-                 plugin: str | None = None,   # a reward plug-in: pairs are (ground truth, response), verdicts its scores
-                ) -> list:  # 1 (equivalent), 0 (not), "timeout" or "error" (worker died), one per pair
+
+def verify_pairs(
+    pairs: list,  # (gold, pred) LaTeX strings, `$`-wrapped as math-verify parses them
+    timeout: float = MATH_VERIFY_TIMEOUT,  # per-call limit in seconds, from the call's start in a worker
+    workers: int | None = None,  # parallel calls; None = default_workers()
+    plugin: str | None = None,  # a reward plug-in: pairs are (ground truth, response), verdicts its scores
+) -> list:  # 1 (equivalent), 0 (not), "timeout" or "error" (worker died), one per pair
     "math-verify (or a reward plug-in) on many pairs at once, in a pool of worker processes started once and reused."
-    if not pairs: return []
+    if not pairs:
+        return []
     key = plugin or "math-verify"
     with _POOL_LOCK:
-        if _POOL["pid"] != os.getpid(): _POOL.update(pid=os.getpid(), pools={})  # never reuse a parent's pipes
+        if _POOL["pid"] != os.getpid():
+            _POOL.update(pid=os.getpid(), pools={})  # never reuse a parent's pipes
         pools = _POOL["pools"]
         for attempt in (0, 1):  # a dead server is replaced once
-            if key not in pools: pools[key] = _VerifyPool(plugin=plugin)
-            try: return pools[key].run([list(p) for p in pairs], timeout, workers or default_workers())
+            if key not in pools:
+                pools[key] = _VerifyPool(plugin=plugin)
+            try:
+                return pools[key].run([list(p) for p in pairs], timeout, workers or default_workers())
             except BaseException as e:  # died, or interrupted mid-call (its reply would come out of turn): discard
                 pools.pop(key).close()
-                if attempt or not isinstance(e, (RuntimeError, OSError)): raise
+                if attempt or not isinstance(e, (RuntimeError, OSError)):
+                    raise
 
-def math_verify_equal(gold: str,  # normalised ground truth
-                      pred: str,  # normalised prediction
-                      timeout_s: float = MATH_VERIFY_TIMEOUT,  # bound on this comparison, in seconds
-                     ) -> bool:  # False when math-verify says different, fails, or runs out of time
+
+def math_verify_equal(
+    gold: str,  # normalised ground truth
+    pred: str,  # normalised prediction
+    timeout_s: float = MATH_VERIFY_TIMEOUT,  # bound on this comparison, in seconds
+) -> bool:  # False when math-verify says different, fails, or runs out of time
     "math-verify's symbolic equivalence of two answers, bounded in time; safe in threads and worker processes."
-    try: return verify_pairs([(f"${gold}$", f"${pred}$")], timeout_s, workers=1)[0] == 1
+    try:
+        return verify_pairs([(f"${gold}$", f"${pred}$")], timeout_s, workers=1)[0] == 1
     except TimeoutError as e:  # the server did not start: count it as "not equivalent", like a call out of time
         warnings.warn(f"{e}; scoring as not equivalent")
         return False
 
 # %% ../nbs/02_reward.ipynb #a1e0c007
-def score_batch(responses: Sequence[str],  # B decoded responses of one generation round
-                ground_truths: Sequence,   # B reference answers (str or numbers), e.g. each repeated G times
-                mode: str = "dapo-reference",  # REWARD_MODES: "dapo-reference" | "dapo-strict" | "math-verify"
-                timeout: float = MATH_VERIFY_TIMEOUT,  # math-verify: seconds per call before it scores -1
-                *,
-                window: int | None = REFERENCE_WINDOW,  # trailing characters searched, as in `score_response`
-                workers: int | None = None,  # math-verify worker processes; None = default_workers()
-                return_preds: bool = False,  # also return the B normalised predictions
-               ):  # (scores (B,) float32, accs (B,) bool, metrics) [+ preds]
+def score_batch(
+    responses: Sequence[str],  # B decoded responses of one generation round
+    ground_truths: Sequence,  # B reference answers (str or numbers), e.g. each repeated G times
+    mode: str = "dapo-reference",  # REWARD_MODES: "dapo-reference" | "dapo-strict" | "math-verify"
+    timeout: float = MATH_VERIFY_TIMEOUT,  # math-verify: seconds per call before it scores -1
+    *,
+    window: int | None = REFERENCE_WINDOW,  # trailing characters searched, as in `score_response`
+    workers: int | None = None,  # math-verify worker processes; None = default_workers()
+    return_preds: bool = False,  # also return the B normalised predictions
+):  # (scores (B,) float32, accs (B,) bool, metrics) [+ preds]
     "Eq. 7 for a whole round: `score_response`'s verdicts, with math-verify calls run in parallel and bounded in time."
     _check_mode(mode)
     if len(responses) != len(ground_truths):
-        raise ValueError(f"score_batch got {len(responses)} responses and {len(ground_truths)} ground truths; "
-                         "pass one ground truth per response (repeat each G times)")
-    if is_plugin(mode): return plugin_batch(responses, ground_truths, mode, timeout, window, workers, return_preds)
+        raise ValueError(
+            f"score_batch got {len(responses)} responses and {len(ground_truths)} ground truths; "
+            "pass one ground truth per response (repeat each G times)"
+        )
+    if is_plugin(mode):
+        return plugin_batch(responses, ground_truths, mode, timeout, window, workers, return_preds)
     string_mode = "dapo-strict" if mode == "math-verify" else mode
     memo = {}  # (response tail, ground truth) -> verdict: a group often repeats both
-    res = [memo.get(k) or memo.setdefault(k, score_response(*k, mode=string_mode, window=None))
-           for k in ((r if window is None else r[-window:], str(g)) for r, g in zip(responses, ground_truths))]
+    res = [
+        memo.get(k) or memo.setdefault(k, score_response(*k, mode=string_mode, window=None))
+        for k in ((r if window is None else r[-window:], str(g)) for r, g in zip(responses, ground_truths))
+    ]
     t = time.perf_counter()
     todo, gts = {}, {}  # (gold, pred) -> indices still to ask math-verify about; normalised ground truths
     if mode == "math-verify":
@@ -276,54 +405,84 @@ def score_batch(responses: Sequence[str],  # B decoded responses of one generati
     for v, idx in zip(verdicts, todo.values()):
         for i in idx:
             res[i].update(score=1.0 if v == 1 else -1.0, acc=v == 1)
-            if v in count: count[v] += 1
+            if v in count:
+                count[v] += 1
     scores = torch.tensor([d["score"] for d in res], dtype=torch.float32)  # (B,)
-    accs = torch.tensor([d["acc"] for d in res], dtype=torch.bool)         # (B,)
-    metrics = {"reward_timeouts": count["timeout"], "reward_errors": count["error"],
-               "reward_math_verify_calls": len(todo), "reward_math_verify_s": time.perf_counter() - t}
+    accs = torch.tensor([d["acc"] for d in res], dtype=torch.bool)  # (B,)
+    metrics = {
+        "reward_timeouts": count["timeout"],
+        "reward_errors": count["error"],
+        "reward_math_verify_calls": len(todo),
+        "reward_math_verify_s": time.perf_counter() - t,
+    }
     return (scores, accs, metrics, [d["pred"] for d in res]) if return_preds else (scores, accs, metrics)
 
 # %% ../nbs/02_reward.ipynb #5bcc3a55
-def overlong_penalty(lengths,  # (B,) response lengths in tokens, EOS included (Tensor or list)
-                     l_max: int,  # L_max: maximum response length
-                     l_cache: int,  # L_cache: the punishment interval before L_max (0 = a plain -1 beyond L_max)
-                    ) -> Tensor:  # (B,) float32 penalties in [-1, 0]
+def overlong_penalty(
+    lengths,  # (B,) response lengths in tokens, EOS included (Tensor or list)
+    l_max: int,  # L_max: maximum response length
+    l_cache: int,  # L_cache: the punishment interval before L_max (0 = a plain -1 beyond L_max)
+) -> Tensor:  # (B,) float32 penalties in [-1, 0]
     "Eq. 13: 0 up to `l_max - l_cache`, then linear down to -1 at `l_max`, -1 beyond."
-    if not l_max >= 1: raise ValueError(f"l_max = {l_max}: the maximum response length must be >= 1 token")
+    if not l_max >= 1:
+        raise ValueError(f"l_max = {l_max}: the maximum response length must be >= 1 token")
     if not 0 <= l_cache < l_max:
         raise ValueError(f"l_cache = {l_cache} is out of range: allowed 0 <= l_cache < l_max (l_max = {l_max})")
     L = torch.as_tensor(lengths, dtype=torch.float64)  # (B,)
-    if (L < 0).any(): raise ValueError(f"lengths must be >= 0 tokens, got min {L.min().item()}")
-    if l_cache == 0: pen = torch.where(L > l_max, -1.0, 0.0).double()  # (B,)
-    else: pen = ((l_max - l_cache - L) / l_cache).clamp(-1.0, 0.0)  # (B,)
+    if (L < 0).any():
+        raise ValueError(f"lengths must be >= 0 tokens, got min {L.min().item()}")
+    if l_cache == 0:
+        pen = torch.where(L > l_max, -1.0, 0.0).double()  # (B,)
+    else:
+        pen = ((l_max - l_cache - L) / l_cache).clamp(-1.0, 0.0)  # (B,)
     return pen.float()
 
 # %% ../nbs/02_reward.ipynb #790eedff
 def check_plugin(spec: str):
     "Refuse, naming it and the fix, a reward plug-in that does not import, is not a function, or cannot take (response, ground_truth)."
     module, _, name = spec.partition(":")
-    try: fn = getattr(importlib.import_module(module), name)
+    try:
+        fn = getattr(importlib.import_module(module), name)
     except Exception as e:
-        raise InputError(f"reward = {spec}: cannot load it ({type(e).__name__}: {e}); give package.module:function of a "
-                         "module importable here (on PYTHONPATH), or one of " + ", ".join(REWARD_MODES)) from None
-    if not callable(fn): raise InputError(f"reward = {spec}: {name} is a {type(fn).__name__}, not a function")
-    try: inspect.signature(fn).bind("response", "ground truth")
+        raise InputError(
+            f"reward = {spec}: cannot load it ({type(e).__name__}: {e}); give package.module:function of a "
+            "module importable here (on PYTHONPATH), or one of " + ", ".join(REWARD_MODES)
+        ) from None
+    if not callable(fn):
+        raise InputError(f"reward = {spec}: {name} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("response", "ground truth")
     except TypeError:
-        raise InputError(f"reward = {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(response, ground_truth); "
-                         "define it as def " + name + "(response, ground_truth, **kw)") from None
-    except ValueError: pass  # a builtin without a signature: called as it is
+        raise InputError(
+            f"reward = {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(response, ground_truth); "
+            "define it as def " + name + "(response, ground_truth, **kw)"
+        ) from None
+    except ValueError:
+        pass  # a builtin without a signature: called as it is
 
-def plugin_batch(responses: Sequence[str], ground_truths: Sequence, spec: str, timeout: float,
-                 window: int | None = REFERENCE_WINDOW, workers: int | None = None, return_preds: bool = False):
+
+def plugin_batch(
+    responses: Sequence[str],
+    ground_truths: Sequence,
+    spec: str,
+    timeout: float,
+    window: int | None = REFERENCE_WINDOW,
+    workers: int | None = None,
+    return_preds: bool = False,
+):
     "`score_batch` for a plug-in: its scores from the bounded worker pool; -1 for a call out of time or failing (counted)."
     t = time.perf_counter()
     verdicts = verify_pairs([(str(g), r) for r, g in zip(responses, ground_truths)], timeout, workers, plugin=spec)
     num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     scores = torch.tensor([float(v) if num(v) else -1.0 for v in verdicts], dtype=torch.float32)  # (B,)
-    metrics = {"reward_timeouts": sum(v == "timeout" for v in verdicts), "reward_errors": sum(v == "error" for v in verdicts),
-               "reward_math_verify_calls": 0, "reward_math_verify_s": time.perf_counter() - t}
+    metrics = {
+        "reward_timeouts": sum(v == "timeout" for v in verdicts),
+        "reward_errors": sum(v == "error" for v in verdicts),
+        "reward_math_verify_calls": 0,
+        "reward_math_verify_s": time.perf_counter() - t,
+    }
     out = (scores, scores > 0, metrics)
-    if not return_preds: return out
+    if not return_preds:
+        return out
     preds = [extract_answer(r if window is None else r[-window:]) or "[INVALID]" for r in responses]
     return (*out, preds)
-

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypeVar
 
 import torch
-from fastcore.basics import patch
 from torch import Tensor
 
 # %% auto #0
@@ -20,27 +19,34 @@ __all__ = ['SamplingParams', 'Completion', 'sampling_params_from_config', 'Rollo
 @dataclass
 class SamplingParams:
     "How to sample: `n` responses per prompt, at `temperature`, filtered by `top_k` then `top_p`, at most `max_tokens`."
-    n: int = 1                  # G: responses per prompt
-    temperature: float = 1.0    # logits are divided by this; 0 = greedy
-    top_p: float = 1.0          # nucleus: keep the smallest set of tokens with probability >= top_p; 1 = off
-    top_k: int = -1             # keep the top_k most likely tokens; -1 = off
-    max_tokens: int = 256       # L_max: response tokens at most (EOS included)
-    seed: int | None = None     # seed of this call's sampler; None = continue the engine's own stream
+
+    n: int = 1  # G: responses per prompt
+    temperature: float = 1.0  # logits are divided by this; 0 = greedy
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with probability >= top_p; 1 = off
+    top_k: int = -1  # keep the top_k most likely tokens; -1 = off
+    max_tokens: int = 256  # L_max: response tokens at most (EOS included)
+    seed: int | None = None  # seed of this call's sampler; None = continue the engine's own stream
 
     def __post_init__(self):
-        checks = [("n", self.n >= 1, "n >= 1"), ("temperature", self.temperature >= 0, "temperature >= 0 (0 = greedy)"),
-                  ("top_p", 0 < self.top_p <= 1, "0 < top_p <= 1"),
-                  ("top_k", self.top_k == -1 or self.top_k >= 1, "top_k >= 1, or -1 for off"),
-                  ("max_tokens", self.max_tokens >= 1, "max_tokens >= 1")]
+        checks = [
+            ("n", self.n >= 1, "n >= 1"),
+            ("temperature", self.temperature >= 0, "temperature >= 0 (0 = greedy)"),
+            ("top_p", 0 < self.top_p <= 1, "0 < top_p <= 1"),
+            ("top_k", self.top_k == -1 or self.top_k >= 1, "top_k >= 1, or -1 for off"),
+            ("max_tokens", self.max_tokens >= 1, "max_tokens >= 1"),
+        ]
         for name, ok, allowed in checks:
-            if not ok: raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r} is out of range: allowed {allowed}")
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r} is out of range: allowed {allowed}")
+
 
 @dataclass
 class Completion:
     "One sampled response: its prompt's index, its token ids (EOS included when it stopped) and why it ended."
-    prompt_index: int           # index into the `prompts` list given to `generate`
-    token_ids: list[int]        # response tokens only (no prompt); ends with EOS when finish_reason == "stop"
-    finish_reason: str          # "stop": emitted EOS; "length": reached max_tokens without EOS
+
+    prompt_index: int  # index into the `prompts` list given to `generate`
+    token_ids: list[int]  # response tokens only (no prompt); ends with EOS when finish_reason == "stop"
+    finish_reason: str  # "stop": emitted EOS; "length": reached max_tokens without EOS
     # (len(token_ids),) the sampling engine's log-prob of each sampled token; None where the engine does not report them
     logprobs: list[float] | None = field(default=None, repr=False)
 
@@ -50,28 +56,39 @@ class Completion:
         return self.finish_reason == "length"
 
 # %% ../nbs/07_rollout.ipynb #a3af651a
-def sampling_params_from_config(cfg,                    # a `DAPOConfig`
-                                eval: bool = False,     # True: eval_temperature / eval_top_p / eval_k
-                                seed: int | None = None # seed of the call; None = the engine's stream
-                               ) -> SamplingParams:
+def sampling_params_from_config(
+    cfg,  # a `DAPOConfig`
+    eval: bool = False,  # True: eval_temperature / eval_top_p / eval_k
+    seed: int | None = None,  # seed of the call; None = the engine's stream
+) -> SamplingParams:
     "`SamplingParams` for training rollouts (`n = group_size`) or evaluation (`n = eval_k`); `max_tokens = l_max` for both."
-    if eval: return SamplingParams(n=cfg.eval_k, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                                   top_k=-1, max_tokens=cfg.l_max, seed=seed)
-    return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          max_tokens=cfg.l_max, seed=seed)
+    if eval:
+        return SamplingParams(
+            n=cfg.eval_k,
+            temperature=cfg.eval_temperature,
+            top_p=cfg.eval_top_p,
+            top_k=-1,
+            max_tokens=cfg.l_max,
+            seed=seed,
+        )
+    return SamplingParams(
+        n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.l_max, seed=seed
+    )
 
 # %% ../nbs/07_rollout.ipynb #f6ce1847
 _T = TypeVar("_T")
+
 
 class RolloutEngine(abc.ABC):
     "A sampler the trainer can swap: token ids in, completions out, new weights in after every update."
 
     @abc.abstractmethod
-    def generate(self,
-                 prompts: list[list[int]],  # P prompts, each a list of token ids
-                 params: SamplingParams,     # n, temperature, top_p, top_k, max_tokens, seed
-                 use_tqdm: bool = False,     # show a progress bar
-                ) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],  # P prompts, each a list of token ids
+        params: SamplingParams,  # n, temperature, top_p, top_k, max_tokens, seed
+        use_tqdm: bool = False,  # show a progress bar
+    ) -> list[Completion]:
         "Sample `params.n` completions per prompt: `len(prompts) * n` of them, the `n` of one prompt contiguous, in prompt order."
 
     @abc.abstractmethod
@@ -87,41 +104,52 @@ class RolloutEngine(abc.ABC):
     def close(self) -> None:
         "Give back what the engine holds (a vLLM engine: its device memory), so that another can start; a no-op unless a backend overrides it."
 
-    def around_update(self,
-                      update: Callable[[], _T],  # the learner's update (lines 10-11); its result is returned
-                      weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it (a stream)
-                     ) -> _T:
+    def around_update(
+        self,
+        update: Callable[[], _T],  # the learner's update (lines 10-11); its result is returned
+        weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it (a stream)
+    ) -> _T:
         "Run `update()` with the engine's memory freed, then load `weights()`: `sleep`, update, `wake`, `load_weights`."
         self.sleep()
-        try: out = update()
-        finally: self.wake()
+        try:
+            out = update()
+        finally:
+            self.wake()
         self.load_weights(weights())
         return out
 
 # %% ../nbs/07_rollout.ipynb #c4d16e99
-def rollout_groups(rank: int,   # this rank of the job
-                   world: int,  # N ranks
-                   tp: int,     # ranks per engine (vllm_tensor_parallel)
-                  ) -> tuple[int, int, int]:
+def rollout_groups(
+    rank: int,  # this rank of the job
+    world: int,  # N ranks
+    tp: int,  # ranks per engine (vllm_tensor_parallel)
+) -> tuple[int, int, int]:
     "(dp rank, number of dp ranks, tp rank) of `rank` when every `tp` consecutive ranks share one rollout engine."
     if tp < 1 or world % tp:
-        raise ValueError(f"vllm_tensor_parallel = {tp} does not divide the job's {world} ranks; choose a divisor of {world}")
+        raise ValueError(
+            f"vllm_tensor_parallel = {tp} does not divide the job's {world} ranks; choose a divisor of {world}"
+        )
     return rank // tp, world // tp, rank % tp
 
 # %% ../nbs/07_rollout.ipynb #81b47f1b
-def top_k_filter(logits: Tensor,  # (B, V) logits
-                 k: int,          # tokens kept per row; -1 = all
-                ) -> Tensor:
+def top_k_filter(
+    logits: Tensor,  # (B, V) logits
+    k: int,  # tokens kept per row; -1 = all
+) -> Tensor:
     "Set every logit below the row's k-th largest to -inf (ties with the k-th are kept)."
-    if k == -1 or k >= logits.shape[-1]: return logits
+    if k == -1 or k >= logits.shape[-1]:
+        return logits
     kth = logits.topk(k, dim=-1).values[:, -1:]  # (B, 1)
     return logits.masked_fill(logits < kth, float("-inf"))
 
-def top_p_filter(logits: Tensor,  # (B, V) logits
-                 p: float,        # nucleus mass; 1 = all
-                ) -> Tensor:
+
+def top_p_filter(
+    logits: Tensor,  # (B, V) logits
+    p: float,  # nucleus mass; 1 = all
+) -> Tensor:
     "Keep the smallest set of most likely tokens whose probability sums to >= p; set the others to -inf."
-    if p >= 1.0: return logits
+    if p >= 1.0:
+        return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
     probs = sorted_logits.softmax(-1)  # (B, V)
     mass_before = probs.cumsum(-1) - probs  # (B, V) probability of the more likely tokens
@@ -130,53 +158,62 @@ def top_p_filter(logits: Tensor,  # (B, V) logits
     return logits.masked_fill(drop, float("-inf"))
 
 # %% ../nbs/07_rollout.ipynb #cb7a5734
-def sample_next(logits: Tensor,                    # (B, V) next-token logits
-                params: SamplingParams,             # temperature, top_k, top_p
-                generator: torch.Generator | None,  # source of randomness (same device as logits)
-               ) -> Tensor:
+def sample_next(
+    logits: Tensor,  # (B, V) next-token logits
+    params: SamplingParams,  # temperature, top_k, top_p
+    generator: torch.Generator | None,  # source of randomness (same device as logits)
+) -> Tensor:
     "Draw one token per row: greedy at temperature 0, else softmax(top_p(top_k(logits / T))). Returns (B,) ids."
     logits = logits.float()  # (B, V) sample in float32 whatever the model's dtype
-    if params.temperature == 0: return logits.argmax(-1)  # (B,)
+    if params.temperature == 0:
+        return logits.argmax(-1)  # (B,)
     logits = top_p_filter(top_k_filter(logits / params.temperature, params.top_k), params.top_p)  # (B, V)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)  # (B,)
 
 # %% ../nbs/07_rollout.ipynb #44144124
 class HFRolloutEngine(RolloutEngine):
     "Rollout engine on a transformers causal LM: batched, left-padded, KV-cached, seeded sampling loop."
-    def __init__(self,
-                 model,                         # a transformers causal LM the engine owns (give it a copy of the policy)
-                 eos_token_id: int | list[int], # token id(s) that end a response
-                 pad_token_id: int,             # fills left padding and the steps after a row's EOS
-                 max_batch_size: int = 64,      # sequences per forward pass (prompts * n are chunked)
-                 seed: int = 0,                 # seeds the engine's stream for calls with params.seed = None
-                ):
+
+    def __init__(
+        self,
+        model,  # a transformers causal LM the engine owns (give it a copy of the policy)
+        eos_token_id: int | list[int],  # token id(s) that end a response
+        pad_token_id: int,  # fills left padding and the steps after a row's EOS
+        max_batch_size: int = 64,  # sequences per forward pass (prompts * n are chunked)
+        seed: int = 0,  # seeds the engine's stream for calls with params.seed = None
+    ):
         self.model = model.eval()
         self.eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        if not self.eos_ids: raise ValueError("eos_token_id: got an empty list; give at least one token id that ends a response")
+        if not self.eos_ids:
+            raise ValueError("eos_token_id: got an empty list; give at least one token id that ends a response")
         self.pad_token_id, self.max_batch_size = pad_token_id, max_batch_size
         self._seeds = torch.Generator().manual_seed(seed)  # CPU stream of per-call seeds
 
     @property
-    def device(self): return next(self.model.parameters()).device
+    def device(self):
+        return next(self.model.parameters()).device
 
     @torch.inference_mode()
-    def generate(self,
-                 prompts: list[list[int]],  # P prompts, each a non-empty list of token ids
-                 params: SamplingParams,     # n, temperature, top_p, top_k, max_tokens, seed
-                 use_tqdm: bool = False,     # progress bar over chunks
-                ) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],  # P prompts, each a non-empty list of token ids
+        params: SamplingParams,  # n, temperature, top_p, top_k, max_tokens, seed
+        use_tqdm: bool = False,  # progress bar over chunks
+    ) -> list[Completion]:
         "Sample `params.n` completions per prompt: `len(prompts) * n` of them, the `n` of one prompt contiguous, in prompt order."
         for i, p in enumerate(prompts):
-            if len(p) == 0: raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         rows = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]  # P*n, groups contiguous
         gen = self._generator(params.seed)
         chunks = range(0, len(rows), self.max_batch_size)
         if use_tqdm:
             from tqdm.auto import tqdm
+
             chunks = tqdm(chunks, desc="generate", unit="chunk")
         out = []
         for s in chunks:
-            chunk = rows[s:s + self.max_batch_size]
+            chunk = rows[s : s + self.max_batch_size]
             ids = self._generate_chunk([p for _, p in chunk], params, gen)
             out += [Completion(i, t, "stop" if t[-1] in self.eos_ids else "length") for (i, _), t in zip(chunk, ids)]
         return out
@@ -191,47 +228,57 @@ class HFRolloutEngine(RolloutEngine):
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 raise KeyError(f"load_weights: unknown parameter name '{name}' (not in the engine's model){hint}")
             if tuple(params[name].shape) != tuple(t.shape):
-                raise ValueError(f"load_weights: shape mismatch for '{name}': got {tuple(t.shape)}, "
-                                 f"the engine's model has {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"load_weights: shape mismatch for '{name}': got {tuple(t.shape)}, "
+                    f"the engine's model has {tuple(params[name].shape)}"
+                )
             params[name].copy_(t)
 
-# %% ../nbs/07_rollout.ipynb #465da0d5
-@patch
-def _generator(self: HFRolloutEngine, seed: int | None) -> torch.Generator:
-    "A generator on the model's device: seeded by `seed`, or by the next draw of the engine's stream."
-    if seed is None: seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-    return torch.Generator(device=self.device).manual_seed(seed)
+    def _generator(self, seed: int | None) -> torch.Generator:
+        "A generator on the model's device: seeded by `seed`, or by the next draw of the engine's stream."
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        return torch.Generator(device=self.device).manual_seed(seed)
 
-@patch
-def _generate_chunk(self: HFRolloutEngine, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator) -> list[list[int]]:
-    "Prefill then decode one chunk of B left-padded prompts; returns each row's response ids (EOS included)."
-    from transformers import DynamicCache  # the only transformers-specific piece
-    dev, B = self.device, len(prompts)
-    L = max(len(p) for p in prompts)
-    ids = torch.full((B, L), self.pad_token_id, dtype=torch.long, device=dev)  # (B, L) left-padded
-    mask = torch.zeros(B, L, dtype=torch.long, device=dev)  # (B, L) 1 on real prompt tokens
-    for b, p in enumerate(prompts):
-        ids[b, L - len(p):] = torch.tensor(p, device=dev)
-        mask[b, L - len(p):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions of real tokens start at 0
-    cache = DynamicCache(config=self.model.config)
-    eos = torch.tensor(self.eos_ids, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) emitted EOS
-    out = []  # one (B,) tensor per step
-    for step in range(params.max_tokens):
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
-        nxt = sample_next(logits, params, gen)  # (B,)
-        nxt = nxt.masked_fill(done, self.pad_token_id)  # finished rows emit pad
-        out.append(nxt)
-        done = done | torch.isin(nxt, eos)
-        if bool(done.all()): break
-        ids = nxt[:, None]  # (B, 1) decode: only the new token
-        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=-1)  # (B, L + step + 1)
-        pos = pos[:, -1:] + 1  # (B, 1) next position of each row
-    toks = torch.stack(out, dim=-1).tolist()  # (B, steps)
-    res = []
-    for row in toks:
-        end = next((t + 1 for t, v in enumerate(row) if v in self.eos_ids), len(row))  # keep EOS, drop what follows
-        res.append(row[:end])
-    return res
+    def _generate_chunk(
+        self, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator
+    ) -> list[list[int]]:
+        "Prefill then decode one chunk of B left-padded prompts; returns each row's response ids (EOS included)."
+        from transformers import DynamicCache  # the only transformers-specific piece
+
+        dev, B = self.device, len(prompts)
+        L = max(len(p) for p in prompts)
+        ids = torch.full((B, L), self.pad_token_id, dtype=torch.long, device=dev)  # (B, L) left-padded
+        mask = torch.zeros(B, L, dtype=torch.long, device=dev)  # (B, L) 1 on real prompt tokens
+        for b, p in enumerate(prompts):
+            ids[b, L - len(p) :] = torch.tensor(p, device=dev)
+            mask[b, L - len(p) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions of real tokens start at 0
+        cache = DynamicCache(config=self.model.config)
+        eos = torch.tensor(self.eos_ids, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) emitted EOS
+        out = []  # one (B,) tensor per step
+        for step in range(params.max_tokens):
+            logits = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]  # (B, V)
+            nxt = sample_next(logits, params, gen)  # (B,)
+            nxt = nxt.masked_fill(done, self.pad_token_id)  # finished rows emit pad
+            out.append(nxt)
+            done = done | torch.isin(nxt, eos)
+            if bool(done.all()):
+                break
+            ids = nxt[:, None]  # (B, 1) decode: only the new token
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=-1)  # (B, L + step + 1)
+            pos = pos[:, -1:] + 1  # (B, 1) next position of each row
+        toks = torch.stack(out, dim=-1).tolist()  # (B, steps)
+        res = []
+        for row in toks:
+            end = next((t + 1 for t, v in enumerate(row) if v in self.eos_ids), len(row))  # keep EOS, drop what follows
+            res.append(row[:end])
+        return res

@@ -4,46 +4,69 @@
 
 # %% ../nbs/08a_runs.ipynb #da1b314b
 from __future__ import annotations
-import errno, json, math, os, random, shutil, sys, tempfile, time, uuid, zipfile
+import json, os, random, shutil, sys, tempfile, time, uuid, zipfile
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
-from torch import Tensor
 
 from . import dist
-from .core import PATH_FIELDS, DAPOConfig, InputError, config_from_dict, read_yaml, short
-from .sampling import DynamicSamplingError
+from .core import PATH_FIELDS, DAPOConfig, InputError, short
+from .cli import config_from_dict, read_yaml
 
 # %% auto #0
-__all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'STATE_KEYS', 'WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT',
-           'read_marker', 'write_marker', 'run_contents', 'check_owned', 'check_writable', 'prepare_output_dir',
-           'clear_run', 'step_folders', 'checkpoint_experiment', 'resume_changes', 'read_metrics', 'rng_state',
-           'set_rng_state', 'latest_checkpoint', 'plot_curves', 'read_safetensors_header', 'safetensors_problem',
-           'checkpoint_problem', 'newest_loadable_checkpoint', 'export_checkpoint', 'export_main', 'CheckpointError',
-           'checkpoint_error', 'export_error', 'max_abs', 'UpdateGuard', 'DivergenceError', 'divergence_error',
-           'blown_error', 'SamplingWatch']
+__all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'STATE_KEYS', 'read_marker', 'write_marker', 'run_contents', 'check_owned',
+           'check_writable', 'prepare_output_dir', 'clear_run', 'step_folders', 'checkpoint_experiment',
+           'resume_changes', 'read_metrics', 'rng_state', 'set_rng_state', 'latest_checkpoint', 'plot_curves',
+           'read_safetensors_header', 'safetensors_problem', 'checkpoint_problem', 'newest_loadable_checkpoint',
+           'export_checkpoint', 'export_main']
 
 # %% ../nbs/08a_runs.ipynb #6b6f1360
 MARKER = ".dapo_ref.json"  # written first into every folder a dapo_ref command creates: its kind, command, time, id
-RUN_ENTRIES = (MARKER, "config.yaml", "metrics.jsonl", "metrics.dropped.jsonl", "summary.json", "curves.png", "tb",
-               "wandb", "wandb_run_id", "samples.jsonl", "samples.1.jsonl", "checkpoints", "final", "exports")  # all that dapo-train writes in output_dir: --overwrite removes these only
+RUN_ENTRIES = (
+    MARKER,
+    "config.yaml",
+    "metrics.jsonl",
+    "metrics.dropped.jsonl",
+    "summary.json",
+    "curves.png",
+    "tb",
+    "wandb",
+    "wandb_run_id",
+    "samples.jsonl",
+    "samples.1.jsonl",
+    "checkpoints",
+    "final",
+    "exports",
+)  # all that dapo-train writes in output_dir: --overwrite removes these only
+
 
 def read_marker(folder: str | Path) -> dict | None:
     "The marker of `folder` (a dict with its `kind`: 'run', 'model', 'ablation'), or None when it has none."
-    try: m = json.loads((Path(folder) / MARKER).read_text())
-    except (OSError, ValueError): return None
+    try:
+        m = json.loads((Path(folder) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
     return m if isinstance(m, dict) and isinstance(m.get("kind"), str) else None
 
-def write_marker(folder: str | Path,  # created with its parents if absent
-                 kind: str,           # what the folder is: 'run', 'model', 'ablation'
-                ) -> dict:
+
+def write_marker(
+    folder: str | Path,  # created with its parents if absent
+    kind: str,  # what the folder is: 'run', 'model', 'ablation'
+) -> dict:
     "Claim `folder` for dapo_ref: `MARKER` with its kind, the command that wrote it, the time and a fresh id."
     from dapo_ref import __version__
-    folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
-    m = dict(kind=kind, id=uuid.uuid4().hex[:12], created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-             command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:500], dapo_ref=__version__)
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    m = dict(
+        kind=kind,
+        id=uuid.uuid4().hex[:12],
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:500],
+        dapo_ref=__version__,
+    )
     (folder / MARKER).write_text(json.dumps(m) + "\n")
     return m
 
@@ -51,164 +74,271 @@ def write_marker(folder: str | Path,  # created with its parents if absent
 def run_contents(out: str | Path) -> list[str]:
     "What `out` holds of an earlier run (its `metrics.jsonl`, checkpoints, exports), in words; empty when there is nothing to lose."
     out, have = Path(out), []
-    if (out / "metrics.jsonl").is_file(): have.append("metrics.jsonl")
+    if (out / "metrics.jsonl").is_file():
+        have.append("metrics.jsonl")
     ck = out / "checkpoints"
     steps = sorted(p.name for p in ck.glob("step-*")) if ck.is_dir() else []
-    if steps: have.append(f"{len(steps)} checkpoint folder(s): {', '.join(steps[-3:])}")
+    if steps:
+        have.append(f"{len(steps)} checkpoint folder(s): {', '.join(steps[-3:])}")
     have += [f"{d}/" for d in ("final", "exports") if (out / d).is_dir()]
     return have
 
+
 def _unmarked_run(p: Path) -> bool:
     "Whether `p` holds what only dapo-train writes: a checkpoint with its state.json, or metrics rows with `grad_updates`."
-    if any((s / "state.json").is_file() for s in (p / "checkpoints").glob("step-*")): return True
+    if any((s / "state.json").is_file() for s in (p / "checkpoints").glob("step-*")):
+        return True
     try:
-        with open(p / "metrics.jsonl") as f: row = json.loads(f.readline())
+        with open(p / "metrics.jsonl") as f:
+            row = json.loads(f.readline())
         return isinstance(row, dict) and "grad_updates" in row
-    except (OSError, ValueError, UnicodeDecodeError): return False
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
 
-def check_owned(folder: str | Path,  # where a command will write
-                kind: str,           # the kind of folder it writes ('run', 'model', 'ablation')
-                name: str,           # the setting or flag that names it, for the message
-               ) -> dict | None:
+
+def check_owned(
+    folder: str | Path,  # where a command will write
+    kind: str,  # the kind of folder it writes ('run', 'model', 'ablation')
+    name: str,  # the setting or flag that names it, for the message
+) -> dict | None:
     """`InputError` unless `folder` is absent, empty, or marked as `kind` (or, for a run, holds nothing but an
     earlier run's files); returns its marker. Nothing is created."""
     p = Path(folder)
-    if not p.exists(): return None
-    if not p.is_dir(): raise InputError(f"{name} = {folder} is a file; give a folder (a new or empty one)")
+    if not p.exists():
+        return None
+    if not p.is_dir():
+        raise InputError(f"{name} = {folder} is a file; give a folder (a new or empty one)")
     m = read_marker(p)
     if m is not None:
-        if m["kind"] == kind: return m
-        raise InputError(f"{name} = {folder} is a dapo_ref {m['kind']} folder (written by `{m.get('command', '?')[:80]}`), "
-                         f"not a {kind} folder; choose a new or empty folder")
+        if m["kind"] == kind:
+            return m
+        raise InputError(
+            f"{name} = {folder} is a dapo_ref {m['kind']} folder (written by `{m.get('command', '?')[:80]}`), "
+            f"not a {kind} folder; choose a new or empty folder"
+        )
     entries = sorted(e.name for e in p.iterdir())
-    if not entries: return None
-    if kind == "run" and set(entries) <= set(RUN_ENTRIES) and _unmarked_run(p): return None  # a run from before markers
-    shown = ", ".join(short(e, 40)[1:-1] for e in entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
-    raise InputError(f"{name} = {folder} holds files no dapo_ref command wrote ({shown}; no {MARKER}); nothing there "
-                     "is touched, --overwrite or not: choose a new or empty folder")
+    if not entries:
+        return None
+    if kind == "run" and set(entries) <= set(RUN_ENTRIES) and _unmarked_run(p):
+        return None  # a run from before markers
+    shown = ", ".join(short(e, 40)[1:-1] for e in entries[:3]) + (
+        f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+    )
+    raise InputError(
+        f"{name} = {folder} holds files no dapo_ref command wrote ({shown}; no {MARKER}); nothing there "
+        "is touched, --overwrite or not: choose a new or empty folder"
+    )
 
-def check_writable(out: str | Path,          # the folder a run will write
-                   name: str = "output_dir",  # the setting that names it, for the message
-                  ) -> Path:
+
+def check_writable(
+    out: str | Path,  # the folder a run will write
+    name: str = "output_dir",  # the setting that names it, for the message
+) -> Path:
     "Raise `InputError` unless a file can be created in `out` (or, if it does not exist yet, in its nearest existing parent); creates nothing."
     p = Path(out)
     base = p
-    while not base.exists() and base != base.parent: base = base.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
     if not base.is_dir():
         raise InputError(f"{name} = {out}: {base} is a file, so no run folder can be made there; choose another {name}")
     try:
         fd, probe = tempfile.mkstemp(dir=base, prefix=".dapo-write-test-")
-        os.close(fd); os.unlink(probe)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
-        raise InputError(f"{name} = {out}: cannot write in {base} ({e.strerror or e}); choose another {name} "
-                         "or make that folder writable") from None
+        raise InputError(
+            f"{name} = {out}: cannot write in {base} ({e.strerror or e}); choose another {name} "
+            "or make that folder writable"
+        ) from None
     return p
 
 # %% ../nbs/08a_runs.ipynb #ce6ea992
-def prepare_output_dir(cfg: DAPOConfig,        # the validated config; cfg.output_dir is checked
-                       resume: bool = False,   # continue the run in output_dir
-                       overwrite: bool = False,  # replace the run in output_dir
-                      ) -> list[tuple[str, Any, Any]]:
+def prepare_output_dir(
+    cfg: DAPOConfig,  # the validated config; cfg.output_dir is checked
+    resume: bool = False,  # continue the run in output_dir
+    overwrite: bool = False,  # replace the run in output_dir
+) -> list[tuple[str, Any, Any]]:
     "Before any model loads: output_dir must be writable, an earlier run in it is continued only with `resume` and replaced only with `overwrite`; returns `resume_changes`."
     out = Path(cfg.output_dir)
     if resume and overwrite:
-        raise InputError("--resume and --overwrite ask for opposite things (continue the run in output_dir, or "
-                         "replace it); pass one of them")
+        raise InputError(
+            "--resume and --overwrite ask for opposite things (continue the run in output_dir, or "
+            "replace it); pass one of them"
+        )
     check_writable(out)
     check_owned(out, "run", "output_dir")  # the user's folder: refused, whatever the flags
     have = run_contents(out)
     if have and not resume and not overwrite:
-        raise InputError(f"output_dir = {out} already holds a run ({'; '.join(have)}); pass --resume to continue it, "
-                         "choose a new output_dir, or pass --overwrite to replace it")
+        raise InputError(
+            f"output_dir = {out} already holds a run ({'; '.join(have)}); pass --resume to continue it, "
+            "choose a new output_dir, or pass --overwrite to replace it"
+        )
     for k in PATH_FIELDS[:3]:  # model, train_data, eval_data: an input inside what the run removes or rewrites
         v = getattr(cfg, k)
-        if not v or not Path(v).exists(): continue
+        if not v or not Path(v).exists():
+            continue
         src = Path(v).resolve()
         for e in RUN_ENTRIES:
             if src == (out / e).resolve() or (out / e).resolve() in src.parents:
-                raise InputError(f"{k} = {v} is inside {out / e}, which this run "
-                                 f"{'removes (--overwrite) and ' if overwrite else ''}writes; copy it out of {out} "
-                                 "first, or choose another output_dir")
+                raise InputError(
+                    f"{k} = {v} is inside {out / e}, which this run "
+                    f"{'removes (--overwrite) and ' if overwrite else ''}writes; copy it out of {out} "
+                    "first, or choose another output_dir"
+                )
     return resume_changes(out, cfg) if resume else []
+
 
 def clear_run(out: str | Path) -> list[str]:
     "`--overwrite`: remove what a run wrote in `out` (`RUN_ENTRIES`), nothing else; returns the names removed."
     gone = []
     for e in RUN_ENTRIES:
         p = Path(out) / e
-        if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)
-        elif p.exists() or p.is_symlink(): p.unlink()
-        else: continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+        else:
+            continue
         gone.append(e)
     return gone
 
 # %% ../nbs/08a_runs.ipynb #c1697f2d
 FROZEN = (  # change the experiment: a resumed run must keep them
-    "eps_low", "eps_high", "clip_c", "loss_agg",                                           # the objective
-    "group_size", "prompts_per_step", "gen_batch_size", "mini_batch_size",                 # batch sizes
-    "dynamic_sampling", "max_num_gen_batches",
-    "reward", "reward_timeout", "l_max", "l_cache", "overlong_penalty_factor",             # reward and lengths
-    "soft_overlong_punishment", "overlong_filter", "max_prompt_length",
-    "lr", "warmup_steps", "adam_beta1", "adam_beta2", "weight_decay", "grad_clip",         # optimiser
-    "temperature", "top_p", "top_k", "eval_temperature", "eval_top_p",                     # sampling
-    "model", "train_data", "eval_data", "seed", "dtype",                                   # model, data, seed
-    "rollout_backend", "nnodes", "gpus_per_node", "zero_stage",                            # world size, learner
-    "offload_params", "offload_optimizer", "vllm_tensor_parallel")
+    "eps_low",
+    "eps_high",
+    "clip_c",
+    "loss_agg",  # the objective
+    "group_size",
+    "prompts_per_step",
+    "gen_batch_size",
+    "mini_batch_size",  # batch sizes
+    "dynamic_sampling",
+    "max_num_gen_batches",
+    "reward",
+    "reward_timeout",
+    "l_max",
+    "l_cache",
+    "overlong_penalty_factor",  # reward and lengths
+    "soft_overlong_punishment",
+    "overlong_filter",
+    "max_prompt_length",
+    "lr",
+    "warmup_steps",
+    "adam_beta1",
+    "adam_beta2",
+    "weight_decay",
+    "grad_clip",  # optimiser
+    "temperature",
+    "top_p",
+    "top_k",
+    "eval_temperature",
+    "eval_top_p",  # sampling
+    "model",
+    "train_data",
+    "eval_data",
+    "seed",
+    "dtype",  # model, data, seed
+    "rollout_backend",
+    "nnodes",
+    "gpus_per_node",
+    "zero_stage",  # world size, learner
+    "offload_params",
+    "offload_optimizer",
+    "vllm_tensor_parallel",
+)
 FREE = (  # may change on resume: applied from the next step on, written to config.yaml, one log line
-    "total_steps", "eval_every", "save_every", "export_every", "eval_k", "output_dir",     # length, cadence, output
-    "micro_token_budget", "gradient_checkpointing", "sequence_parallel_size",              # memory, not the maths
-    "attn_implementation",                                                                 # the same maths, another kernel
-    "report_to", "samples_per_step", "samples_max_mb",                                     # what is recorded
-    "vllm_gpu_memory_utilization", "vllm_enable_chunked_prefill", "vllm_enforce_eager",
-    "dist_timeout")                                                                        # how long ranks wait
+    "total_steps",
+    "eval_every",
+    "save_every",
+    "export_every",
+    "eval_k",
+    "output_dir",  # length, cadence, output
+    "micro_token_budget",
+    "gradient_checkpointing",
+    "sequence_parallel_size",  # memory, not the maths
+    "attn_implementation",  # the same maths, another kernel
+    "report_to",
+    "samples_per_step",
+    "samples_max_mb",  # what is recorded
+    "vllm_gpu_memory_utilization",
+    "vllm_enable_chunked_prefill",
+    "vllm_enforce_eager",
+    "dist_timeout",
+)  # how long ranks wait
 
 # %% ../nbs/08a_runs.ipynb #50e160a6
-def _show(v): return "null" if v is None else repr(v) if isinstance(v, str) else str(v)
+def _show(v):
+    return "null" if v is None else repr(v) if isinstance(v, str) else str(v)
+
 
 def step_folders(out: str | Path) -> list[Path]:
     "The run's `checkpoints/step-N` folders, newest first (`step-N.tmp`, `step-N.broken-K` are not among them)."
     d = Path(out) / "checkpoints"
-    return [p for _, p in sorted(((int(p.name[5:]), p) for p in d.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
-                                 reverse=True)] if d.is_dir() else []
+    return (
+        [
+            p
+            for _, p in sorted(
+                ((int(p.name[5:]), p) for p in d.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), reverse=True
+            )
+        ]
+        if d.is_dir()
+        else []
+    )
 
-def checkpoint_experiment(out: str | Path,  # a run folder
-                         ) -> tuple[Path, dict] | None:
+
+def checkpoint_experiment(
+    out: str | Path,  # a run folder
+) -> tuple[Path, dict] | None:
     "`(state.json, {field: value})`: the `FROZEN` fields stored in the newest checkpoint that has them, or None."
     for p in step_folders(out):
-        try: s = json.loads((p / "state.json").read_text())
-        except (OSError, ValueError): continue  # a broken checkpoint: the resume skips it too
-        if isinstance(s, dict) and isinstance(s.get("experiment"), dict): return p / "state.json", s["experiment"]
+        try:
+            s = json.loads((p / "state.json").read_text())
+        except (OSError, ValueError):
+            continue  # a broken checkpoint: the resume skips it too
+        if isinstance(s, dict) and isinstance(s.get("experiment"), dict):
+            return p / "state.json", s["experiment"]
     return None
+
 
 def _experiment_error(out, bad: list, where: Path) -> InputError:
     shown = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in bad[:6])
     more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
-    return InputError(f"--resume: {out} was trained with a different experiment ({shown}{more}): these fields "
-                      f"change the experiment, so a resumed run must keep them; drop those overrides (the run's "
-                      f"values are in {where}), or train in a new output_dir")
+    return InputError(
+        f"--resume: {out} was trained with a different experiment ({shown}{more}): these fields "
+        f"change the experiment, so a resumed run must keep them; drop those overrides (the run's "
+        f"values are in {where}), or train in a new output_dir"
+    )
 
-def resume_changes(out: str | Path,   # the run folder being resumed
-                   cfg: DAPOConfig,   # the config the resumed run is asked to use
-                  ) -> list[tuple[str, Any, Any]]:
+
+def resume_changes(
+    out: str | Path,  # the run folder being resumed
+    cfg: DAPOConfig,  # the config the resumed run is asked to use
+) -> list[tuple[str, Any, Any]]:
     """`(field, saved, new)` for the `FREE` fields that differ from the run's `config.yaml`; `InputError` with a diff when
     a `FROZEN` one differs from the newest checkpoint's record of the experiment (its state.json) or from config.yaml."""
     ck = checkpoint_experiment(out)  # what the weights were trained with: checked whether or not config.yaml exists
     if ck is not None:
         bad = [(k, ck[1][k], getattr(cfg, k)) for k in FROZEN if k in ck[1] and ck[1][k] != getattr(cfg, k)]
-        if bad: raise _experiment_error(out, bad, ck[0])
+        if bad:
+            raise _experiment_error(out, bad, ck[0])
     p = Path(out) / "config.yaml"
-    if not p.is_file(): return []  # nothing saved to compare with
+    if not p.is_file():
+        return []  # nothing saved to compare with
     saved = read_yaml(p, what="run config")
     if not isinstance(saved, dict):
-        raise InputError(f"{p}: expected a mapping of config keys, got {type(saved).__name__}; restore the run's "
-                         "config.yaml or choose a new output_dir")
+        raise InputError(
+            f"{p}: expected a mapping of config keys, got {type(saved).__name__}; restore the run's "
+            "config.yaml or choose a new output_dir"
+        )
     names = [f.name for f in fields(DAPOConfig)]
-    try: old = config_from_dict({k: v for k, v in saved.items() if k in names})
+    try:
+        old = config_from_dict({k: v for k, v in saved.items() if k in names})
     except InputError as e:
         raise InputError(f"{p}: {e}; restore the run's config.yaml or choose a new output_dir") from None
     diff = [(k, getattr(old, k), getattr(cfg, k)) for k in names if getattr(old, k) != getattr(cfg, k)]
     bad = [d for d in diff if d[0] not in FREE]
-    if bad: raise _experiment_error(out, bad, p)
+    if bad:
+        raise _experiment_error(out, bad, p)
     return diff
 
 # %% ../nbs/08a_runs.ipynb #de8c32a7
@@ -216,39 +346,56 @@ def read_metrics(path: str | Path) -> list[dict]:
     "Rows of a `metrics.jsonl` file."
     return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
 
+
 def rng_state() -> dict:
     "Python's and torch's global RNG states (plain values and tensors: loadable with weights_only)."
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
 
+
 def set_rng_state(s: dict):
-    random.setstate(s["python"]); torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    torch.set_rng_state(s["torch"])
+
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     "The `checkpoints/step-N` folder with the largest N (half-written `.tmp` and kept `.broken-K` folders are not among them)."
     return next(iter(step_folders(output_dir)), None)
 
-def plot_curves(rows: list[dict],   # metrics.jsonl rows
-                path: str | Path,   # where to write the png
-               ) -> Path:
+
+def plot_curves(
+    rows: list[dict],  # metrics.jsonl rows
+    path: str | Path,  # where to write the png
+) -> Path:
     "Reward, accuracy, entropy, response length and held-out accuracy against gradient updates."
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [("reward_mean", "reward (mean, incl. overlong penalty)"), ("acc", "training accuracy"),
-              ("entropy", "entropy (nats/token)"), ("resp_len_mean", "response length (tokens)"),
-              ("eval_acc", "held-out accuracy (avg@k)")]
+
+    panels = [
+        ("reward_mean", "reward (mean, incl. overlong penalty)"),
+        ("acc", "training accuracy"),
+        ("entropy", "entropy (nats/token)"),
+        ("resp_len_mean", "response length (tokens)"),
+        ("eval_acc", "held-out accuracy (avg@k)"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (k, title) in zip(axes, panels):
         pts = [(r["grad_updates"], r[k]) for r in rows if k in r and r[k] is not None]
-        if pts: ax.plot(*zip(*pts), marker="o" if k == "eval_acc" else None, ms=3)
-        ax.set_title(title, fontsize=10); ax.set_xlabel("gradient updates"); ax.grid(alpha=0.3)
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if k == "eval_acc" else None, ms=3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("gradient updates")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path); fig.savefig(path, dpi=100); plt.close(fig)
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
     return path
-
 
 # %% ../nbs/08a_runs.ipynb #46146b88
 STATE_KEYS = ("step", "grad_updates", "data_pos", "metrics")
+
 
 def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
     "`({name: {dtype, shape, data_offsets}}, data_start)` of a safetensors file, read without touching its data; `ValueError` for a short or broken header."
@@ -257,66 +404,89 @@ def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
     with open(path, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or n > size - 8: raise ValueError(f"{path.name} is truncated ({size} bytes, shorter than its header)")
-        try: header = json.loads(f.read(n))
-        except ValueError: raise ValueError(f"{path.name} has a broken header") from None
+        if n < 0 or n > size - 8:
+            raise ValueError(f"{path.name} is truncated ({size} bytes, shorter than its header)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise ValueError(f"{path.name} has a broken header") from None
     header.pop("__metadata__", None)
     return header, 8 + n
 
+
 def safetensors_problem(f: Path) -> str | None:
     "Why the safetensors file `f` cannot be loaded (short header, broken header, fewer bytes than it declares), or None; reads the header only."
-    try: header, start = read_safetensors_header(f)
-    except ValueError as e: return str(e)
+    try:
+        header, start = read_safetensors_header(f)
+    except ValueError as e:
+        return str(e)
     need, size = start + max((v["data_offsets"][1] for v in header.values()), default=0), Path(f).stat().st_size
     return None if need == size else f"{Path(f).name} is truncated ({size} of its {need} bytes)"
+
 
 def checkpoint_problem(path: str | Path) -> str | None:
     "Why the checkpoint folder `path` cannot be resumed from (a missing, unparsable or truncated file), or None; reads headers, not tensors."
     path = Path(path)
-    try: s = json.loads((path / "state.json").read_text())
-    except FileNotFoundError: return "state.json is missing"
-    except (ValueError, UnicodeDecodeError) as e: return f"state.json is not valid JSON ({e})"
+    try:
+        s = json.loads((path / "state.json").read_text())
+    except FileNotFoundError:
+        return "state.json is missing"
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"state.json is not valid JSON ({e})"
     miss = [k for k in STATE_KEYS if not isinstance(s, dict) or k not in s]
-    if miss: return f"state.json lacks {', '.join(miss)}"
+    if miss:
+        return f"state.json lacks {', '.join(miss)}"
     index = path / "model.safetensors.index.json"
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    shards = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     if (path / "deepspeed").is_dir() and not index.is_file() and not (path / "model.safetensors").exists():
         shards = []  # a DeepSpeed learner's checkpoint: its weights are in its partitions (deepspeed/)
     for name in shards:
-        if not (path / name).is_file(): return f"{name} is missing"
-        if (why := safetensors_problem(path / name)): return why
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if why := safetensors_problem(path / name):
+            return why
     torch_files = ["learner_state.pt", *(f"rng-rank{r}.pt" for r in range(s.get("world_size", 1)))]
     torch_files += [str(p.relative_to(path)) for p in sorted((path / "deepspeed").rglob("*.pt"))]
     for name in torch_files:  # torch.save writes a zip archive: a truncated one has no central directory
-        if not (path / name).is_file(): return f"{name} is missing"
-        if not zipfile.is_zipfile(path / name): return f"{name} is truncated or not a torch file"
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if not zipfile.is_zipfile(path / name):
+            return f"{name} is truncated or not a torch file"
     return None
 
 # %% ../nbs/08a_runs.ipynb #13b6dbfa
-def newest_loadable_checkpoint(output_dir: str | Path,  # the run folder
-                               log: Callable[[str], None] = print,  # says which checkpoint is skipped and why
-                              ) -> Path | None:
+def newest_loadable_checkpoint(
+    output_dir: str | Path,  # the run folder
+    log: Callable[[str], None] = print,  # says which checkpoint is skipped and why
+) -> Path | None:
     "The newest `checkpoints/step-N` that `checkpoint_problem` passes; a broken newer one is renamed `step-N.broken-K` (kept, never deleted) with a log line."
     verdicts = [(p, checkpoint_problem(p)) for p in step_folders(output_dir)]
     dist.barrier()  # every rank has read the folders before rank 0 renames any
     found = None
     for p, why in verdicts:
-        if why is None: found = p; break
+        if why is None:
+            found = p
+            break
         k = 1
-        while (p.parent / f"{p.name}.broken-{k}").exists(): k += 1
+        while (p.parent / f"{p.name}.broken-{k}").exists():
+            k += 1
         kept = p.parent / f"{p.name}.broken-{k}"
-        if dist.is_main(): os.replace(p, kept)
+        if dist.is_main():
+            os.replace(p, kept)
         log(f"resume: skipping {p.name}: {why}; kept as {kept} (delete it once you no longer need it)")
     dist.barrier()
     return found
 
 # %% ../nbs/08a_runs.ipynb #4f6330f3
-def export_checkpoint(ckpt: str | Path,           # a run's checkpoints/step-N (either learner)
-                      out: str | Path,            # the new transformers folder
-                      dtype: str | None = None,   # "float32" | "bfloat16"; None = the run's (its config)
-                      overwrite: bool = False,    # replace the files of a non-empty `out`
-                      check_only: bool = False,   # only the input checks (InputError), nothing read or written
-                     ) -> Path:
+def export_checkpoint(
+    ckpt: str | Path,  # a run's checkpoints/step-N (either learner)
+    out: str | Path,  # the new transformers folder
+    dtype: str | None = None,  # "float32" | "bfloat16"; None = the run's (its config)
+    overwrite: bool = False,  # replace the files of a non-empty `out`
+    check_only: bool = False,  # only the input checks (InputError), nothing read or written
+) -> Path:
     "Write checkpoint `ckpt` as a transformers folder (safetensors weights, config, tokenizer) at `out`."
     ckpt, out = Path(ckpt), Path(out)
     if not ckpt.is_dir():
@@ -324,174 +494,70 @@ def export_checkpoint(ckpt: str | Path,           # a run's checkpoints/step-N (
     if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
         raise InputError(f"--out {out} is inside the checkpoint {ckpt}; choose a folder outside it")
     check_writable(out, "--out")
-    if check_owned(out, "model", "--out") is not None and any(e.name != MARKER for e in out.iterdir()) and not overwrite:
-        raise InputError(f"--out {out} already holds a model dapo_ref wrote; choose a new folder, or pass --overwrite "
-                         "to replace its model files")
-    if (why := checkpoint_problem(ckpt)):
+    if (
+        check_owned(out, "model", "--out") is not None
+        and any(e.name != MARKER for e in out.iterdir())
+        and not overwrite
+    ):
+        raise InputError(
+            f"--out {out} already holds a model dapo_ref wrote; choose a new folder, or pass --overwrite "
+            "to replace its model files"
+        )
+    if why := checkpoint_problem(ckpt):
         raise InputError(f"{ckpt} is not a checkpoint that loads ({why}); give a run's checkpoints/step-N")
-    if check_only: return out
+    if check_only:
+        return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     config = AutoConfig.from_pretrained(ckpt)
     dt = getattr(torch, dtype or str(getattr(config, "dtype", None) or "float32").replace("torch.", ""))
     if (ckpt / "deepspeed").is_dir():  # ZeRO-2/3 partitions, merged into full fp32 tensors by DeepSpeed's own tool
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
         sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="zero")
         model = AutoModelForCausalLM.from_config(config, dtype=dt)
         missing, unexpected = model.load_state_dict({k: v.to(dt) for k, v in sd.items()}, strict=False)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         if set(missing) - tied or unexpected:
-            raise RuntimeError(f"{ckpt}: the partitions do not match the model's config (missing {sorted(missing)[:3]}, "
-                               f"unexpected {sorted(unexpected)[:3]})")
+            raise RuntimeError(
+                f"{ckpt}: the partitions do not match the model's config (missing {sorted(missing)[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]})"
+            )
     else:  # the plain learner's checkpoint is a transformers folder already
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt)
     write_marker(out, "model")
-    for p in out.glob("model*.safetensors*"): p.unlink()  # overwrite: no shard of an earlier export left behind
+    for p in out.glob("model*.safetensors*"):
+        p.unlink()  # overwrite: no shard of an earlier export left behind
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)
     return out
 
+
 def export_main(argv: list[str] | None = None) -> int:
     "`dapo-export CHECKPOINT --out DIR`: a run's checkpoint as a transformers folder (for dapo-eval, vLLM or the hub)."
-    from dapo_ref.core import ArgParser, cli_errors, interrupts
-    ap = ArgParser(prog="dapo-export", description="Write a dapo-train checkpoint (checkpoints/step-N, "
-                   "either learner) as a transformers folder.")
+    from dapo_ref.cli import ArgParser, cli_errors, interrupts
+
+    ap = ArgParser(
+        prog="dapo-export",
+        description="Write a dapo-train checkpoint (checkpoints/step-N, either learner) as a transformers folder.",
+    )
     ap.add_argument("checkpoint", help="a run's checkpoints/step-N folder")
-    ap.add_argument("--out", required=True, help="the new folder (a model folder dapo_ref wrote is replaced with --overwrite; any other non-empty folder is refused)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the weights' dtype; default: the run's")
+    ap.add_argument(
+        "--out",
+        required=True,
+        help="the new folder (a model folder dapo_ref wrote is replaced with --overwrite; any other non-empty folder is refused)",
+    )
+    ap.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default=None, help="the weights' dtype; default: the run's"
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty --out")
     args = ap.parse(argv)
     try:
         with cli_errors("dapo-export"):  # bad input: one line, exit 2, before any weight is read
             export_checkpoint(args.checkpoint, args.out, args.dtype, args.overwrite, check_only=True)
-    except SystemExit as e: return e.code
+    except SystemExit as e:
+        return e.code
     with interrupts("dapo-export", f"{args.out} may be half-written: run the command again with --overwrite"):
         out = export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=True)
     print(f"dapo-export: wrote {out}")
     return 0
-
-# %% ../nbs/08a_runs.ipynb #d796d603
-class CheckpointError(RuntimeError):
-    "A checkpoint could not be written; the message names the disk space and the checkpoint that is still intact."
-
-def _write_failure(e: BaseException, path: Path) -> tuple[float, str]:
-    "(GiB free on the disk that holds `path`, the failed write's cause in words) for the messages below."
-    base = Path(path)
-    while not base.exists() and base != base.parent: base = base.parent
-    full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e)
-    return (shutil.disk_usage(base).free / 2**30,
-            "the disk is full" if full else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
-
-def checkpoint_error(e: BaseException,  # what the write raised
-                     tmp: Path,          # the half-written folder (already removed)
-                     previous: Path | None,  # the newest complete checkpoint, untouched
-                    ) -> CheckpointError:
-    "The one-line error for a failed checkpoint write: the cause, the free disk space, what is still intact, and the fix."
-    free, cause = _write_failure(e, tmp)
-    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    return CheckpointError(f"writing checkpoint {tmp.name[:-4]} under {tmp.parent} failed ({cause}); {free:.2f} GiB of "
-                           f"disk space is free there, the half-written folder was removed and {kept}: free disk space "
-                           "(or move output_dir to a larger disk) and continue with --resume")
-
-def export_error(e: BaseException,       # what the write raised
-                 path: Path,             # the export folder (final/, exports/step-N)
-                 checkpoint: Path | None,  # the newest checkpoint, which dapo-export can turn into the export
-                ) -> CheckpointError:
-    "The one-line error for a failed export: the cause, the free disk space, and how to write it again from a checkpoint."
-    free, cause = _write_failure(e, path)
-    again = (f"the checkpoint {checkpoint} is intact: free disk space and write it with dapo-export {checkpoint} --out "
-             f"{path} --overwrite" if checkpoint else "no checkpoint exists: free disk space and train again")
-    return CheckpointError(f"writing the export {path} failed ({cause}); {free:.2f} GiB of disk space is free there and "
-                           f"{again}")
-
-# %% ../nbs/08a_runs.ipynb #ef143ce6
-WEIGHT_GROWTH = 10.0   # an update may make the largest |weight| at most this many times larger
-MAX_BAD_UPDATES = 3    # skipped updates in a row that stop the run
-
-@torch.no_grad()
-def max_abs(tensors: Iterable[Tensor],  # this rank's weights: all of them, or its partition (ZeRO)
-           ) -> float:
-    "The largest |w| over `tensors` on all ranks; inf when one is not finite. One pass, one all-reduce."
-    m = 0.0
-    for t in tensors:
-        if t.numel() == 0: continue  # an empty ZeRO partition
-        v = float(t.detach().abs().max())
-        m = max(m, v if math.isfinite(v) else math.inf)  # max(0.0, nan) would be 0.0
-    return dist.all_reduce([m], "max")[0]
-
-# %% ../nbs/08a_runs.ipynb #1fa3b317
-class UpdateGuard:
-    """The learner's step, watched: `allows` skips a step whose loss or global gradient norm is not finite (`reason`);
-    after a step, the largest |weight| must stay finite and grow at most `growth` times, else `blown` says so (the
-    trainer then stops). All ranks decide together. The learner calls it: start, allows, step, after_step."""
-    def __init__(self, weights: Callable[[], Iterable[Tensor]],  # this rank's part of the weights (`max_abs`)
-                 growth: float = WEIGHT_GROWTH):
-        self.weights, self.growth = weights, growth
-        self.reason, self.blown, self.wmax = None, None, None
-
-    def max_abs(self) -> float:
-        "The largest |weight| of the whole model (every rank its part, one all-reduce)."
-        return max_abs(self.weights())
-
-    def start(self):
-        "Before an update: no verdict yet; the starting weights' largest |weight| at the first one."
-        self.reason = self.blown = None
-        if self.wmax is None: self.wmax = self.max_abs()
-
-    def allows(self, loss: float,       # the mini-batch's loss (this rank's share of it)
-               grad_norm: float,        # the global norm the step was clipped with (computed anyway)
-              ) -> bool:
-        "May the step run? Sets `reason` (None, or why not), the same on every rank: one all-reduce."
-        bad_loss, bad_g = dist.all_reduce([float(not math.isfinite(loss)), float(not math.isfinite(grad_norm))], "max")
-        self.reason = ("the loss is not finite" if bad_loss else
-                       f"the gradient norm is not finite ({grad_norm})" if bad_g else None)
-        return self.reason is None
-
-    def after_step(self):
-        "After the step: `blown` when the largest |weight| is not finite or grew more than `growth` times."
-        after = self.max_abs()
-        if not after <= self.growth * self.wmax:  # also true for inf and nan
-            self.blown = (f"the largest |weight| grew from {self.wmax:.3g} to {after:.3g} in one update, "
-                          f"more than {self.growth:g}x")
-        self.wmax = after
-
-# %% ../nbs/08a_runs.ipynb #fb836dfd
-class DivergenceError(RuntimeError):
-    "Training stopped: an update blew the weights up, or `MAX_BAD_UPDATES` updates in a row could not be applied."
-
-def divergence_error(n: int, reason: str, lr: float) -> DivergenceError:
-    "The one-line message that stops a run whose updates keep being skipped: what happened, and a smaller lr."
-    return DivergenceError(f"stopped after {n} gradient updates in a row were skipped (last one: {reason}); no "
-                           f"skipped update reached the weights or a checkpoint. lr = {lr:g} may be too large: "
-                           f"train again with a smaller lr (e.g. lr={lr / 100:g}; the paper uses 1e-6) in a new "
-                           "output_dir or with --overwrite")
-
-def blown_error(update: int, reason: str, lr: float) -> DivergenceError:
-    "The one-line message that stops a run at the update that blew its weights up."
-    return DivergenceError(f"stopped at gradient update {update}: {reason}; the run stopped before any checkpoint or "
-                           f"export held those weights. lr = {lr:g} is probably too large: train again with a smaller "
-                           f"lr (e.g. lr={lr / 100:g}; the paper uses 1e-6) in a new output_dir or with --overwrite")
-
-# %% ../nbs/08a_runs.ipynb #430f79af
-SAMPLING_TIMEOUT = 3600.0  # seconds one rollout step's unbounded dynamic sampling may run (dapo-train --sampling-timeout)
-
-class SamplingWatch:
-    "With unbounded dynamic sampling (max_num_gen_batches = 0): a progress line at rounds 4, 8, 16, ... and a stop after `timeout` seconds."
-    def __init__(self, timeout: float = SAMPLING_TIMEOUT, log: Callable[[str], None] = print):
-        self.timeout, self.log, self.t0 = timeout, log, time.perf_counter()  # one watch per rollout step
-
-    @staticmethod
-    def line(b) -> str:
-        return (f"{b.rounds} rounds, {b.n_seen} groups seen, {b.frac_kept:.1%} informative ({len(b)} of "
-                f"prompts_per_step = {b.prompts_per_step} kept)")
-
-    def __call__(self, b, step: int):
-        "After each round of `b` (a `DynamicSamplingBuffer`): progress, and the stop (the same decision on every rank)."
-        if b.max_num_gen_batches or b.full: return
-        dt = dist.all_reduce([time.perf_counter() - self.t0], "max")[0]
-        if b.rounds >= 4 and b.rounds & (b.rounds - 1) == 0: self.log(f"step {step}: dynamic sampling: {self.line(b)}, {dt:.0f} s")
-        if dt > self.timeout:
-            raise DynamicSamplingError(
-                f"dynamic sampling (max_num_gen_batches = 0, unbounded) ran {dt:.0f} s in step {step} without filling "
-                f"its batch: {self.line(b)}; {b.n_all_correct} groups were all correct and {b.n_all_wrong} all wrong. "
-                f"Raise the limit (dapo-train --sampling-timeout, now {self.timeout:g} s), make the training data "
-                f"{'harder' if b.n_all_correct >= b.n_all_wrong else 'easier'}, or set max_num_gen_batches > 0")

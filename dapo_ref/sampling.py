@@ -5,7 +5,6 @@
 # %% ../nbs/05_sampling.ipynb #ea51cafc
 from __future__ import annotations
 import math
-from fastcore.basics import patch
 
 import torch
 from torch import Tensor
@@ -19,36 +18,46 @@ def _check_int(name: str, value, lo: int, allowed: str):
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"{name} = {value!r} is out of range: allowed {allowed}")
 
-def informative_groups(acc: Tensor,  # (P*G,) accuracy (bool, 0/1, or ±1 score) of each response; groups contiguous
-                       group_size: int,  # G: responses per prompt
-                      ) -> Tensor:  # (P,) bool: True for groups to keep
+
+def informative_groups(
+    acc: Tensor,  # (P*G,) accuracy (bool, 0/1, or ±1 score) of each response; groups contiguous
+    group_size: int,  # G: responses per prompt
+) -> Tensor:  # (P,) bool: True for groups to keep
     "Eq. 11 filter: keep a group whose accuracies are not all equal (population std > 0), or whose size is 1."
     _check_int("group_size", group_size, 1, "an integer >= 1")
     acc = torch.as_tensor(acc)
-    if acc.ndim != 1: raise ValueError(f"acc must be a 1-D tensor of shape (P*G,), got shape {tuple(acc.shape)}")
+    if acc.ndim != 1:
+        raise ValueError(f"acc must be a 1-D tensor of shape (P*G,), got shape {tuple(acc.shape)}")
     if acc.shape[0] % group_size:
-        raise ValueError(f"acc has {acc.shape[0]} entries, not a multiple of group_size = {group_size}: "
-                         f"expected P * G with the G responses of each prompt contiguous")
+        raise ValueError(
+            f"acc has {acc.shape[0]} entries, not a multiple of group_size = {group_size}: "
+            f"expected P * G with the G responses of each prompt contiguous"
+        )
     g = acc.view(-1, group_size).to(torch.float64)  # (P, G)
-    if group_size == 1: return torch.ones(g.shape[0], dtype=torch.bool)  # (P,) a group of one is always kept
-    return g.amax(dim=1) > g.amin(dim=1)             # (P,) not all equal <=> population std > 0
+    if group_size == 1:
+        return torch.ones(g.shape[0], dtype=torch.bool)  # (P,) a group of one is always kept
+    return g.amax(dim=1) > g.amin(dim=1)  # (P,) not all equal <=> population std > 0
 
 # %% ../nbs/05_sampling.ipynb #53e647ac
 class DynamicSamplingError(RuntimeError):
     "Dynamic sampling did not find `prompts_per_step` informative groups within `max_num_gen_batches` generation rounds."
 
+# %% ../nbs/05_sampling.ipynb #912220d9
 class DynamicSamplingBuffer:
     "Collect informative groups over generation rounds until `prompts_per_step` are there (Eq. 11, Algorithm 1 lines 6-8)."
-    def __init__(self,
-                 prompts_per_step: int,  # N: groups per training step (paper 512)
-                 group_size: int,  # G: responses per prompt (paper 16)
-                 max_num_gen_batches: int = 10,  # bound on generation rounds per step (reference script 10); 0 = unbounded
-                 enabled: bool = True,  # False: keep every group (dynamic sampling off)
-                ):
+
+    def __init__(
+        self,
+        prompts_per_step: int,  # N: groups per training step (paper 512)
+        group_size: int,  # G: responses per prompt (paper 16)
+        max_num_gen_batches: int = 10,  # bound on generation rounds per step (reference script 10); 0 = unbounded
+        enabled: bool = True,  # False: keep every group (dynamic sampling off)
+    ):
         _check_int("prompts_per_step", prompts_per_step, 1, "an integer >= 1")
         _check_int("group_size", group_size, 1, "an integer >= 1")
         _check_int("max_num_gen_batches", max_num_gen_batches, 0, "an integer >= 0 (0 = unbounded)")
-        if not isinstance(enabled, bool): raise ValueError(f"enabled = {enabled!r} is out of range: allowed true or false")
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled = {enabled!r} is out of range: allowed true or false")
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_num_gen_batches, self.enabled = max_num_gen_batches, enabled
         self.reset()
@@ -59,10 +68,14 @@ class DynamicSamplingBuffer:
         self.rounds = self.n_seen = self.n_kept = self.n_dropped = 0
         self.n_all_correct = self.n_all_wrong = 0  # uninformative groups seen: all acc > 0, all acc <= 0
 
-    def __len__(self): return len(self._groups)
+    def __len__(self):
+        return len(self._groups)
+
     def __repr__(self):
-        return (f"DynamicSamplingBuffer({len(self)}/{self.prompts_per_step} groups, rounds={self.rounds}, "
-                f"kept {self.n_kept}/{self.n_seen} = {self.frac_kept:.1%}, enabled={self.enabled})")
+        return (
+            f"DynamicSamplingBuffer({len(self)}/{self.prompts_per_step} groups, rounds={self.rounds}, "
+            f"kept {self.n_kept}/{self.n_seen} = {self.frac_kept:.1%}, enabled={self.enabled})"
+        )
 
     @property
     def full(self) -> bool:
@@ -74,51 +87,60 @@ class DynamicSamplingBuffer:
         "Fraction of the groups seen in this step's rounds that were kept (0.0 before any round)."
         return self.n_kept / self.n_seen if self.n_seen else 0.0
 
-# %% ../nbs/05_sampling.ipynb #303e0212
-@patch
-def add(self: DynamicSamplingBuffer,
+    def add(
+        self,
         groups: list,  # P opaque group objects (one per prompt, its G responses), in generation order
         acc: Tensor,  # (P*G,) accuracy of each response, the G of a group contiguous, in the order of `groups`
-       ) -> int:  # number of groups kept
-    "Count one generation round, keep its informative groups (all when disabled); raise past the round bound."
-    groups, acc = list(groups), torch.as_tensor(acc)
-    if acc.ndim != 1 or acc.shape[0] != len(groups) * self.group_size:
-        raise ValueError(f"add() got {len(groups)} groups and acc of shape {tuple(acc.shape)}: expected acc of shape "
-                         f"({len(groups) * self.group_size},) = len(groups) * group_size (group_size = {self.group_size})")
-    keep = informative_groups(acc, self.group_size)  # (P,)
-    g = acc.view(-1, self.group_size).to(torch.float64)  # (P, G)
-    self.n_all_correct += int((~keep & (g[:, 0] > 0)).sum())
-    self.n_all_wrong += int((~keep & (g[:, 0] <= 0)).sum())
-    if not self.enabled: keep = torch.ones_like(keep)
-    self._groups += [grp for grp, k in zip(groups, keep.tolist()) if k]
-    kept = int(keep.sum())
-    self.rounds += 1; self.n_seen += len(groups); self.n_kept += kept
-    if not self.full and self.max_num_gen_batches > 0 and self.rounds >= self.max_num_gen_batches:
-        raise DynamicSamplingError(self._error_message())
-    return kept
+    ) -> int:  # number of groups kept
+        "Count one generation round, keep its informative groups (all when disabled); raise past the round bound."
+        groups, acc = list(groups), torch.as_tensor(acc)
+        if acc.ndim != 1 or acc.shape[0] != len(groups) * self.group_size:
+            raise ValueError(
+                f"add() got {len(groups)} groups and acc of shape {tuple(acc.shape)}: expected acc of shape "
+                f"({len(groups) * self.group_size},) = len(groups) * group_size (group_size = {self.group_size})"
+            )
+        keep = informative_groups(acc, self.group_size)  # (P,)
+        g = acc.view(-1, self.group_size).to(torch.float64)  # (P, G)
+        self.n_all_correct += int((~keep & (g[:, 0] > 0)).sum())
+        self.n_all_wrong += int((~keep & (g[:, 0] <= 0)).sum())
+        if not self.enabled:
+            keep = torch.ones_like(keep)
+        self._groups += [grp for grp, k in zip(groups, keep.tolist()) if k]
+        kept = int(keep.sum())
+        self.rounds += 1
+        self.n_seen += len(groups)
+        self.n_kept += kept
+        if not self.full and self.max_num_gen_batches > 0 and self.rounds >= self.max_num_gen_batches:
+            raise DynamicSamplingError(self._error_message())
+        return kept
 
-# %% ../nbs/05_sampling.ipynb #a0744dd5
-@patch
-def _error_message(self: DynamicSamplingBuffer) -> str:
-    "What happened, in numbers, and what to change."
-    n, need = len(self._groups), self.prompts_per_step
-    rate = self.n_kept / self.rounds
-    est = f"about {math.ceil(need / rate)} rounds would be needed at this rate" if rate else "no group was informative"
-    easy = self.n_all_correct >= self.n_all_wrong
-    return (f"dynamic sampling found {n} of the prompts_per_step = {need} groups it needs in {self.rounds} generation "
+    def _error_message(self) -> str:
+        "What happened, in numbers, and what to change."
+        n, need = len(self._groups), self.prompts_per_step
+        rate = self.n_kept / self.rounds
+        est = (
+            f"about {math.ceil(need / rate)} rounds would be needed at this rate"
+            if rate
+            else "no group was informative"
+        )
+        easy = self.n_all_correct >= self.n_all_wrong
+        return (
+            f"dynamic sampling found {n} of the prompts_per_step = {need} groups it needs in {self.rounds} generation "
             f"rounds, the limit set by max_num_gen_batches = {self.max_num_gen_batches}: it kept {self.n_kept} of "
             f"{self.n_seen} groups ({self.frac_kept:.1%}; {est}); {self.n_all_correct} groups were all correct and "
             f"{self.n_all_wrong} all wrong (no gradient, Eq. 11). To fix: raise max_num_gen_batches "
             f"(or set max_num_gen_batches = 0 for unbounded rounds), make the training data "
             f"{'harder (most dropped groups were all correct)' if easy else 'easier (most dropped groups were all wrong)'}, "
-            f"or increase gen_batch_size so that each round samples more prompts.")
+            f"or increase gen_batch_size so that each round samples more prompts."
+        )
 
-@patch
-def take(self: DynamicSamplingBuffer) -> list:
-    "The first `prompts_per_step` groups, in the order they were added; the surplus is dropped and the buffer emptied."
-    if not self.full:
-        raise RuntimeError(f"take() needs prompts_per_step = {self.prompts_per_step} groups but the buffer holds "
-                           f"{len(self._groups)} after {self.rounds} rounds: call add() until .full is True")
-    out, self.n_dropped = self._groups[:self.prompts_per_step], len(self._groups) - self.prompts_per_step
-    self._groups = []
-    return out
+    def take(self) -> list:
+        "The first `prompts_per_step` groups, in the order they were added; the surplus is dropped and the buffer emptied."
+        if not self.full:
+            raise RuntimeError(
+                f"take() needs prompts_per_step = {self.prompts_per_step} groups but the buffer holds "
+                f"{len(self._groups)} after {self.rounds} rounds: call add() until .full is True"
+            )
+        out, self.n_dropped = self._groups[: self.prompts_per_step], len(self._groups) - self.prompts_per_step
+        self._groups = []
+        return out

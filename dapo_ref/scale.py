@@ -15,32 +15,46 @@ from . import dist
 from .core import DAPOConfig, InputError
 from fastcore.basics import patch
 
-from .learner import Learner, SeqParallel, prepare_model, model_path
+from .learner import Learner, prepare_model, model_path
+from .packing import SeqParallel
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
 
 # %% auto #0
 __all__ = ['deepspeed_config', 'gathered_named_weights', 'ulysses_group', 'DeepSpeedLearner']
 
 # %% ../nbs/08d_deepspeed.ipynb #b3d0089c
-def deepspeed_config(cfg: DAPOConfig,      # zero_stage, dtype, offload_*, grad_clip, lr, betas, weight_decay
-                     world_size: int = 1,  # N ranks
-                     cpu: bool | None = None,  # True: torch AdamW, no pinned memory; None = no CUDA here
-                    ) -> dict:
+def deepspeed_config(
+    cfg: DAPOConfig,  # zero_stage, dtype, offload_*, grad_clip, lr, betas, weight_decay
+    world_size: int = 1,  # N ranks
+    cpu: bool | None = None,  # True: torch AdamW, no pinned memory; None = no CUDA here
+) -> dict:
     "The `deepspeed.initialize` config of the DAPO learner."
-    if cpu is None: cpu = not torch.cuda.is_available()
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
     if cfg.zero_stage not in (2, 3):
-        raise ValueError(f"zero_stage = {cfg.zero_stage}: the DeepSpeed learner runs ZeRO stage 2 or 3 "
-                         "(zero_stage: 0 is the plain PyTorch learner)")
-    zero = {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": not cpu,
-            # DeepSpeed's default replaces torch.nn.functional.linear process-wide when zero.Init runs, and never puts
-            # it back: the vLLM engine built later in the same process would compile its graphs over that replacement
-            "memory_efficient_linear": False}
-    if cfg.offload_optimizer: zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not cpu}
-    if cfg.offload_params: zero["offload_param"] = {"device": "cpu", "pin_memory": not cpu}
+        raise ValueError(
+            f"zero_stage = {cfg.zero_stage}: the DeepSpeed learner runs ZeRO stage 2 or 3 "
+            "(zero_stage: 0 is the plain PyTorch learner)"
+        )
+    zero = {
+        "stage": cfg.zero_stage,
+        "contiguous_gradients": True,
+        "overlap_comm": not cpu,
+        # DeepSpeed's default replaces torch.nn.functional.linear process-wide when zero.Init runs, and never puts
+        # it back: the vLLM engine built later in the same process would compile its graphs over that replacement
+        "memory_efficient_linear": False,
+    }
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not cpu}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": not cpu}
     adamw = {"lr": cfg.lr, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": 1e-8, "weight_decay": cfg.weight_decay}
-    if cpu: adamw["torch_adam"] = True
+    if cpu:
+        adamw["torch_adam"] = True
     return {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
         "gradient_clipping": cfg.grad_clip,
         "bf16": {"enabled": cfg.dtype == "bfloat16"},
         # gradients reduced across ranks in fp32, not in the bf16 DeepSpeed would otherwise use under bf16: a sum over
@@ -48,12 +62,14 @@ def deepspeed_config(cfg: DAPOConfig,      # zero_stage, dtype, offload_*, grad_
         "communication_data_type": "fp32",
         "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": adamw},
-        "steps_per_print": 10**9, "wall_clock_breakdown": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
     }
 
 # %% ../nbs/08d_deepspeed.ipynb #10728165
-def gathered_named_weights(module: torch.nn.Module,  # a model whose parameters may be ZeRO-3 partitioned
-                          ) -> Iterable[tuple[str, Tensor]]:
+def gathered_named_weights(
+    module: torch.nn.Module,  # a model whose parameters may be ZeRO-3 partitioned
+) -> Iterable[tuple[str, Tensor]]:
     "`module.state_dict()`'s names and full tensors, gathering one module's ZeRO-3 shards at a time (a collective)."
     persistent = set(module.state_dict(keep_vars=True).keys())  # the names the plain learner hands over
     for prefix, mod in module.named_modules():
@@ -61,67 +77,99 @@ def gathered_named_weights(module: torch.nn.Module,  # a model whose parameters 
         bufs = [(n, b) for n, b in mod.named_buffers(recurse=False)]
         names = [(f"{prefix}.{n}" if prefix else n, t) for n, t in own + bufs]
         names = [(n, t) for n, t in names if n in persistent]
-        if not names: continue
+        if not names:
+            continue
         with gathered([p for _, p in own]):
             # copies: the gathered storage is released when the context exits, and engines may batch tensors
-            for n, t in names: yield n, t.detach().clone()
+            for n, t in names:
+                yield n, t.detach().clone()
 
 # %% ../nbs/08d_deepspeed.ipynb #c0d63200
-def ulysses_group(model,     # the transformers model (its attention implementation already chosen: `prepare_model`)
-                  size: int, # ranks per group (divides the world size and gpus_per_node)
-                 ) -> SeqParallel:
+def ulysses_group(
+    model,  # the transformers model (its attention implementation already chosen: `prepare_model`)
+    size: int,  # ranks per group (divides the world size and gpus_per_node)
+) -> SeqParallel:
     "This rank's Ulysses group: consecutive ranks of `size`, DeepSpeed's `UlyssesSPAttentionHF` around the model's attention."
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # its all-to-all runs on deepspeed.comm
+
+    deepspeed.init_distributed(
+        dist_backend=torch.distributed.get_backend(), verbose=False
+    )  # its all-to-all runs on deepspeed.comm
     rank, world = dist.rank(), dist.world_size()
-    if world % size: raise InputError(f"sequence_parallel_size = {size} does not divide the {world} ranks of this launch")
-    groups = [torch.distributed.new_group(list(range(g, g + size))) for g in range(0, world, size)]  # every rank makes every group
+    if world % size:
+        raise InputError(f"sequence_parallel_size = {size} does not divide the {world} ranks of this launch")
+    groups = [
+        torch.distributed.new_group(list(range(g, g + size))) for g in range(0, world, size)
+    ]  # every rank makes every group
     name = model.config._attn_implementation
-    core = getattr(ALL_ATTENTION_FUNCTIONS[name], "without_ulysses", ALL_ATTENTION_FUNCTIONS[name])  # a second learner here
+    core = getattr(
+        ALL_ATTENTION_FUNCTIONS[name], "without_ulysses", ALL_ATTENTION_FUNCTIONS[name]
+    )  # a second learner here
     c = model.config.get_text_config()
-    wrapper = UlyssesSPAttentionHF(attn=core, batch_size=1, attn_head_count=c.num_attention_heads,
-                                   attn_head_size=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                                   kv_head_count=c.num_key_value_heads, num_hidden_layers=c.num_hidden_layers,
-                                   process_group=groups[rank // size], seq_length_is_variable=True)
+    wrapper = UlyssesSPAttentionHF(
+        attn=core,
+        batch_size=1,
+        attn_head_count=c.num_attention_heads,
+        attn_head_size=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        kv_head_count=c.num_key_value_heads,
+        num_hidden_layers=c.num_hidden_layers,
+        process_group=groups[rank // size],
+        seq_length_is_variable=True,
+    )
+
     def attention(module, query, key, value, attention_mask, *args, ulysses=None, **kwargs):
-        if ulysses is None: return core(module, query, key, value, attention_mask, *args, **kwargs)
+        if ulysses is None:
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
         return ulysses(module, query, key, value, None, *args, **kwargs)  # the packed row's mask is its positions
+
     attention.without_ulysses = core
     ALL_ATTENTION_FUNCTIONS[name] = attention  # under the same name: transformers' branches for that name still apply
     return SeqParallel(groups[rank // size], rank % size, size, wrapper)
 
-
 # %% ../nbs/08d_deepspeed.ipynb #11620a61
 class DeepSpeedLearner(Learner):
     "The DeepSpeed ZeRO-2/3 learner (`zero_stage: 2 | 3`, optional CPU offload): partitions over the ranks, one engine step per mini-batch."
-    def __init__(self, model,             # causal LM (full weights on every rank; ZeRO partitions it in place)
-                 cfg: DAPOConfig,          # lr, betas, weight decay, warm-up, grad clip, zero_stage, dtype, offload, checkpointing
-                 pad_token_id: int,
-                 ds_config: dict | None = None,  # None: deepspeed_config(cfg, world_size)
-                ):
+
+    def __init__(
+        self,
+        model,  # causal LM (full weights on every rank; ZeRO partitions it in place)
+        cfg: DAPOConfig,  # lr, betas, weight decay, warm-up, grad clip, zero_stage, dtype, offload, checkpointing
+        pad_token_id: int,
+        ds_config: dict | None = None,  # None: deepspeed_config(cfg, world_size)
+    ):
         import deepspeed
+
         # DeepSpeed 0.19 calls collectives that torch 2.13 marks deprecated, once per layer and pass: keep logs readable
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+        warnings.filterwarnings(
+            "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+        )
         dist.init_distributed(single=True)  # DeepSpeed's engine runs collectives even on one rank
         self.world = dist.world_size()
         self.ds_config = ds_config or deepspeed_config(cfg, self.world)
-        engine, opt, _, _ = deepspeed.initialize(model=prepare_model(model, cfg.gradient_checkpointing),
-                                                 model_parameters=model.parameters(), config=self.ds_config)
+        engine, opt, _, _ = deepspeed.initialize(
+            model=prepare_model(model, cfg.gradient_checkpointing),
+            model_parameters=model.parameters(),
+            config=self.ds_config,
+        )
         self.engine, self.opt = engine, opt
         torch_opt = getattr(opt, "optimizer", opt)  # the torch optimizer inside ZeRO's wrapper: the warm-up sets its lr
         super().__init__(engine.module, cfg, pad_token_id, engine.device, torch_opt, net=engine)
-        if cfg.sequence_parallel_size > 1: self.sp = ulysses_group(engine.module, cfg.sequence_parallel_size)
+        if cfg.sequence_parallel_size > 1:
+            self.sp = ulysses_group(engine.module, cfg.sequence_parallel_size)
 
     def backward(self, loss: Tensor, last: bool):
         self.engine.set_gradient_accumulation_boundary(last)  # reduce (ZeRO-2) / reduce-scatter (ZeRO-3) after the last
-        self.engine.backward(loss * self.world)  # DeepSpeed averages over ranks; the loss is a global mean: undo it here
+        self.engine.backward(
+            loss * self.world
+        )  # DeepSpeed averages over ranks; the loss is a global mean: undo it here
 
     def guard_weights(self) -> list[Tensor]:
         "This rank's fp32 master weights, all its ZeRO sub-groups (the torch optimizer's groups hold one only while it steps it)."
         parts = getattr(self.opt, "fp32_partitioned_groups_flat", None)  # ZeRO-3: one flat tensor per sub-group
-        if parts is None: parts = self.opt.single_partition_of_fp32_groups  # ZeRO-2: one per parameter group
+        if parts is None:
+            parts = self.opt.single_partition_of_fp32_groups  # ZeRO-2: one per parameter group
         return [p for p in parts if p is not None]
 
     def optimizer_step(self, loss: float) -> float:
@@ -131,8 +179,10 @@ class DeepSpeedLearner(Learner):
         gn = float(gn) if gn is not None else float("nan")
         # DeepSpeed skips a step whose global norm is not finite, on every rank alike (the norm is global); a loss
         # that is not finite reaches the gradients through backward, so its step is one of those
-        if math.isfinite(gn): self.guard.after_step()
-        else: self.guard.allows(loss, gn)  # not applied: says why
+        if math.isfinite(gn):
+            self.guard.after_step()
+        else:
+            self.guard.allows(loss, gn)  # not applied: says why
         return gn
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
@@ -147,7 +197,8 @@ class DeepSpeedLearner(Learner):
         if dist.is_main():
             torch.save({"scheduler": self.sched.state_dict()}, Path(path) / "learner_state.pt")
             self.model.config.save_pretrained(path)
-            if getattr(self.model, "generation_config", None) is not None: self.model.generation_config.save_pretrained(path)
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(path)
 
     def load(self, path: str | Path):
         "Restore this rank's partitions and the schedule from `save`'s files."
@@ -159,22 +210,35 @@ class DeepSpeedLearner(Learner):
 def build_model(cls: DeepSpeedLearner, cfg: DAPOConfig):
     "The policy `cfg.model`: with ZeRO-3 built straight into this rank's partitions (never whole); with ZeRO-2 whole on the CPU."
     import deepspeed
-    dist.init_distributed(single=True)  # zero.Init partitions over the process group, whose size it reads from deepspeed.comm
-    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # wraps the group already up
-    return from_pretrained_zero3(model_path(cfg.model), deepspeed_config(cfg, dist.world_size()), dtype=getattr(torch, cfg.dtype),
-                                 attn_implementation=cfg.attn_implementation)
+
+    dist.init_distributed(
+        single=True
+    )  # zero.Init partitions over the process group, whose size it reads from deepspeed.comm
+    deepspeed.init_distributed(
+        dist_backend=torch.distributed.get_backend(), verbose=False
+    )  # wraps the group already up
+    return from_pretrained_zero3(
+        model_path(cfg.model),
+        deepspeed_config(cfg, dist.world_size()),
+        dtype=getattr(torch, cfg.dtype),
+        attn_implementation=cfg.attn_implementation,
+    )
+
 
 @patch(cls_method=True)
 def build(cls: DeepSpeedLearner, cfg: DAPOConfig, pad_token_id: int, model=None) -> DeepSpeedLearner:
     "The learner of `cfg`: `build_model` unless `model` is given; DeepSpeed places the parameters (no `.to(device)` here)."
     return cls(cls.build_model(cfg) if model is None else model, cfg, pad_token_id)
 
+
 @patch
 def save_model(self: DeepSpeedLearner, path: str | Path):
     "The full model as an HF folder, written shard by shard as modules are gathered (rank 0 writes; every rank calls)."
     save_pretrained_streamed(self.model, path, overwrite=True)
 
+
 @patch
 def policy_copy(self: DeepSpeedLearner):
     "The transformers engine's whole copy of the weights, built without DeepSpeed's partitioned init."
-    with plain_from_pretrained(): return Learner.policy_copy(self)
+    with plain_from_pretrained():
+        return Learner.policy_copy(self)

@@ -10,7 +10,15 @@ from pathlib import Path
 import torch
 
 from .data import PROMPT_TEMPLATE
-from .tiny import MAX_OPS, RESPONSE_PREFIX, problem_text, sample_problem, sft_collate, worked_lines
+from dapo_ref.tiny import (
+    code_identity,
+    MAX_OPS,
+    RESPONSE_PREFIX,
+    problem_text,
+    sample_problem,
+    sft_collate,
+    worked_lines,
+)
 
 # %% auto #0
 __all__ = ['TESTBED', 'TESTBED_VERSION', 'TESTBED_NAME', 'TESTBEDS', 'TESTBED_SHIP_COMMAND', 'model_fingerprint', 'versions',
@@ -22,20 +30,37 @@ def model_fingerprint(model: str) -> str:
     if model in TESTBEDS:
         path = testbed_model(**TESTBEDS[model]) / "model.safetensors"
         return f"{TESTBED_VERSION}:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
-    if model != "tiny": return model
+    if model != "tiny":
+        return model
     from dapo_ref.tiny import ensure_tiny_model, TINY_VERSION
+
     h = hashlib.sha256((ensure_tiny_model() / "model.safetensors").read_bytes()).hexdigest()[:12]
     return f"{TINY_VERSION}:{h}"
+
 
 def versions() -> dict:
     "Versions of what produced a result."
     import torch, transformers, dapo_ref
-    return dict(torch=torch.__version__, transformers=transformers.__version__,
-                dapo_ref=getattr(dapo_ref, "__version__", "?"), python=sys.version.split()[0])
+
+    return dict(
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        dapo_ref=getattr(dapo_ref, "__version__", "?"),
+        python=sys.version.split()[0],
+    )
 
 # %% ../nbs/06a_testbeds.ipynb #66b5c876
-TESTBED = dict(steps=300, batch_size=32, lr=2e-3, seed=0, threads=1,  # fine-tuning of the shipped tiny model
-               p_guess=0.3, p_loop=0.2, p_restate=0.2, loop_lines=16)  # the mixture; the rest: plain working
+TESTBED = dict(
+    steps=300,
+    batch_size=32,
+    lr=2e-3,
+    seed=0,
+    threads=1,  # fine-tuning of the shipped tiny model
+    p_guess=0.3,
+    p_loop=0.2,
+    p_restate=0.2,
+    loop_lines=16,
+)  # the mixture; the rest: plain working
 TESTBED_VERSION = "testbed-v1"
 TESTBED_NAME = "tiny-testbed"  # the `model:` value that loads it
 TESTBEDS = {  # `model:` name -> overrides of TESTBED; each is built by `testbed_model` and cached
@@ -43,19 +68,28 @@ TESTBEDS = {  # `model:` name -> overrides of TESTBED; each is built by `testbed
     "tiny-guesser": dict(p_guess=0.85, p_loop=0.0, p_restate=0.0, steps=150),  # working it out is the rare path
 }
 
-def testbed_response(rng,              # random.Random: the same state gives the same response
-                     x0: int, ops: list,  # a problem from `sample_chain`
-                     p_guess: float, p_loop: float, p_restate: float, loop_lines: int,
-                    ) -> tuple[list[str], bool, str]:
+
+def testbed_response(
+    rng,  # random.Random: the same state gives the same response
+    x0: int,
+    ops: list,  # a problem from `sample_chain`
+    p_guess: float,
+    p_loop: float,
+    p_restate: float,
+    loop_lines: int,
+) -> tuple[list[str], bool, str]:
     "(lines, ends with EOS, kind) of one supervised response: a guess, a runaway loop, a restated or a plain solution."
-    lines = worked_lines(x0, ops)[0]                      # correct working + "Answer: N"
+    lines = worked_lines(x0, ops)[0]  # correct working + "Answer: N"
     u = rng.random()
-    if u < p_guess: return [f"Answer: {rng.randint(0, 99)}"], True, "guess"
-    if u < p_guess + p_loop:                       # k lines of working, then line k again and again: no answer, no end
+    if u < p_guess:
+        return [f"Answer: {rng.randint(0, 99)}"], True, "guess"
+    if u < p_guess + p_loop:  # k lines of working, then line k again and again: no answer, no end
         k = rng.randint(1, len(ops))
         return lines[:k] + [lines[k - 1]] * loop_lines, False, "loop"
-    if u < p_guess + p_loop + p_restate: return [problem_text(x0, ops)] + lines, True, "restated"
+    if u < p_guess + p_loop + p_restate:
+        return [problem_text(x0, ops)] + lines, True, "restated"
     return lines, True, "plain"
+
 
 def testbed_batches(tokenizer, n_batches: int, batch_size: int = 32, seed: int = 0, **mix):
     "Yield (input_ids, labels), both (batch_size, T): prompt + one `testbed_response` (+ EOS when it ends); labels -100 on prompt and padding."
@@ -70,23 +104,33 @@ def testbed_batches(tokenizer, n_batches: int, batch_size: int = 32, seed: int =
             seqs.append((p, r))
         yield sft_collate(seqs, eos)
 
-
 # %% ../nbs/06a_testbeds.ipynb #ec5d46e8
 def _testbed_hash(**kw) -> str:
     "Identity of a testbed build: its settings, the source that builds it and the tiny model it starts from."
     global _TESTBED_SRC
     if _TESTBED_SRC is None:  # read once per process: an edit of this file during a run must not change the identity
-        _TESTBED_SRC = "".join(inspect.getsource(f) for f in (testbed_response, testbed_batches, build_testbed))
-    return hashlib.sha256(json.dumps([TESTBED_VERSION, {**TESTBED, **kw}, _TESTBED_SRC, model_fingerprint("tiny")],
-                                     sort_keys=True).encode()).hexdigest()[:12]
+        _TESTBED_SRC = "".join(
+            code_identity(inspect.getsource(f)) for f in (testbed_response, testbed_batches, build_testbed)
+        )
+    return hashlib.sha256(
+        json.dumps(
+            [TESTBED_VERSION, {**TESTBED, **kw}, _TESTBED_SRC, model_fingerprint("tiny")], sort_keys=True
+        ).encode()
+    ).hexdigest()[:12]
+
+
 _TESTBED_SRC = None
 
-def build_testbed(out: str | Path,  # a new folder; it appears complete or not at all
-                  log=None, **kw,   # overrides of TESTBED (tests use a few steps)
-                 ) -> Path:
+
+def build_testbed(
+    out: str | Path,  # a new folder; it appears complete or not at all
+    log=None,
+    **kw,  # overrides of TESTBED (tests use a few steps)
+) -> Path:
     "The testbed policy: the warm-started tiny model fine-tuned on `testbed_batches`, saved with save_pretrained."
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from dapo_ref.tiny import ensure_tiny_model, sft
+
     cfg, out = {**TESTBED, **kw}, Path(out)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
@@ -94,62 +138,99 @@ def build_testbed(out: str | Path,  # a new folder; it appears complete or not a
         (tmp / "tiny_build.json").unlink(missing_ok=True)
         tok, old = AutoTokenizer.from_pretrained(tmp), torch.get_num_threads()
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-        torch.set_num_threads(cfg["threads"]); torch.manual_seed(cfg["seed"])
+        torch.set_num_threads(cfg["threads"])
+        torch.manual_seed(cfg["seed"])
         try:
             mix = {k: cfg[k] for k in ("p_guess", "p_loop", "p_restate", "loop_lines")}
-            losses = sft(model, testbed_batches(tok, cfg["steps"], cfg["batch_size"], cfg["seed"], **mix),
-                          cfg["steps"], cfg["lr"], max(1, cfg["steps"] // 20))
-        finally: torch.set_num_threads(old)
+            losses = sft(
+                model,
+                testbed_batches(tok, cfg["steps"], cfg["batch_size"], cfg["seed"], **mix),
+                cfg["steps"],
+                cfg["lr"],
+                max(1, cfg["steps"] // 20),
+            )
+        finally:
+            torch.set_num_threads(old)
         model.save_pretrained(tmp)
-        (tmp / "testbed_build.json").write_text(json.dumps(dict(version=TESTBED_VERSION, settings=cfg,
-            start=model_fingerprint("tiny"), hash=_testbed_hash(**kw), final_loss=statistics.fmean(losses[-20:]),
-            versions=versions()), indent=1))
+        (tmp / "testbed_build.json").write_text(
+            json.dumps(
+                dict(
+                    version=TESTBED_VERSION,
+                    settings=cfg,
+                    start=model_fingerprint("tiny"),
+                    hash=_testbed_hash(**kw),
+                    final_loss=statistics.fmean(losses[-20:]),
+                    versions=versions(),
+                ),
+                indent=1,
+            )
+        )
         os.replace(tmp, out)  # atomic: a concurrent build of the same testbed leaves one complete folder
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "model.safetensors").exists(): raise
+        if not (out / "model.safetensors").exists():
+            raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True); raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 # %% ../nbs/06a_testbeds.ipynb #f3971d65
 TESTBED_SHIP_COMMAND = "make testbeds"  # = ship_testbeds(): every TESTBEDS entry into dapo_ref/testbeds/
 
-def testbed_model(cache_dir: str | Path | None = None,  # None = the shipped copy, else $DAPO_REF_CACHE or ~/.cache/dapo_ref
-                  log=print, **kw) -> Path:
+
+def testbed_model(
+    cache_dir: str | Path | None = None,  # None = the shipped copy, else $DAPO_REF_CACHE or ~/.cache/dapo_ref
+    log=print,
+    **kw,
+) -> Path:
     """The testbed policy folder: the copy shipped in the package when it was built from exactly these settings, this
     source and this tiny model (its folder is named by `_testbed_hash`), else built once (about 2 minutes on one core)
     and cached under that name."""
     from dapo_ref.tiny import cache_root
+
     name = f"{TESTBED_VERSION}-{_testbed_hash(**kw)}"
     shipped = _shipped_testbeds() / name
-    if cache_dir is None and (shipped / "model.safetensors").exists(): return shipped
+    if cache_dir is None and (shipped / "model.safetensors").exists():
+        return shipped
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     path = root / name
-    if (path / "model.safetensors").exists(): return path
+    if (path / "model.safetensors").exists():
+        return path
     root.mkdir(parents=True, exist_ok=True)
-    if log: log(f"building a testbed policy ({kw or 'the default mixture'}) into {path} (one time, up to 2 minutes; "
-                f"`{TESTBED_SHIP_COMMAND}` ships it with the package)")
+    if log:
+        log(
+            f"building a testbed policy ({kw or 'the default mixture'}) into {path} (one time, up to 2 minutes; "
+            f"`{TESTBED_SHIP_COMMAND}` ships it with the package)"
+        )
     t0 = time.perf_counter()
     build_testbed(path, **kw)
-    if log: log(f"built {path} in {time.perf_counter() - t0:.0f} s")
+    if log:
+        log(f"built {path} in {time.perf_counter() - t0:.0f} s")
     return path
+
 
 def _shipped_testbeds() -> Path:
     "Where the package keeps its built testbeds (dapo_ref/testbeds/, one folder per `_testbed_hash`)."
     import importlib.util
+
     return Path(importlib.util.find_spec("dapo_ref").origin).parent / "testbeds"
+
 
 def ship_testbeds(log=print) -> list[Path]:
     "Build every `TESTBEDS` entry (or take it from the cache) into the package's testbeds/ folder; drop stale ones."
     from dapo_ref.tiny import cache_root
+
     dest, keep = _shipped_testbeds(), []
     dest.mkdir(exist_ok=True)
     for name, kw in TESTBEDS.items():
         src = testbed_model(cache_dir=cache_root(), log=log, **kw)  # the cache: built (or reused) outside the package
         keep.append(dest / src.name)
-        if not keep[-1].exists(): shutil.copytree(src, keep[-1])
-        if log: log(f"{name}: {keep[-1]}")
+        if not keep[-1].exists():
+            shutil.copytree(src, keep[-1])
+        if log:
+            log(f"{name}: {keep[-1]}")
     for old in dest.iterdir():
-        if old.is_dir() and old not in keep: shutil.rmtree(old)
+        if old.is_dir() and old not in keep:
+            shutil.rmtree(old)
     return keep

@@ -4,8 +4,8 @@
 
 # %% ../nbs/06_tiny.ipynb #d7fb47e8
 from __future__ import annotations
-import ast, hashlib, importlib.util, io, json, math, os, platform, random, shutil, sys, tempfile
-import time, tokenize
+import ast, hashlib, importlib.util, json, math, os, platform, random, shutil, sys, tempfile
+import textwrap, time
 from pathlib import Path
 
 import torch
@@ -13,28 +13,31 @@ from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, 
 from tokenizers.models import BPE
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from .core import ArgParser, InputError, cli_errors, interrupts
+from .core import InputError
+from .cli import ArgParser, cli_errors, interrupts
 from .data import PROMPT_TEMPLATE, MathExample, make_example, sha256
 
 # %% auto #0
 __all__ = ['MAX_VALUE', 'MAX_OPS', 'HELDOUT_MOD', 'EOS_TOKEN', 'QWEN2_PRETOKENIZE_REGEX', 'RESPONSE_PREFIX', 'TINY_MODEL_CONFIG',
            'WARM_START', 'TINY_VERSION', 'TINY_CACHE', 'TINY_SHIPPED', 'TINY_BUILD_COMMAND', 'sample_chain',
            'problem_text', 'worked_lines', 'tiny_problem', 'is_heldout', 'tiny_splits', 'build_tiny_tokenizer',
-           'build_tiny_model', 'sample_problem', 'sft_collate', 'sft_batches', 'sft', 'warm_start', 'tiny_source_hash',
-           'cache_root', 'check_cache', 'tiny_model_dir', 'build_tiny', 'shipped_tiny_problem', 'ensure_tiny_model',
-           'main']
+           'build_tiny_model', 'sample_problem', 'sft_collate', 'sft_batches', 'sft', 'warm_start', 'code_identity',
+           'tiny_source_hash', 'cache_root', 'check_cache', 'tiny_model_dir', 'build_tiny', 'shipped_tiny_problem',
+           'ensure_tiny_model', 'main']
 
 # %% ../nbs/06_tiny.ipynb #ffa67a1f
-MAX_VALUE = 9    # every number of a problem and of its correct working is one digit, 0..MAX_VALUE
-MAX_OPS = 6      # K: problems have 1..K operations, so the working has 1..K lines
+MAX_VALUE = 9  # every number of a problem and of its correct working is one digit, 0..MAX_VALUE
+MAX_OPS = 6  # K: problems have 1..K operations, so the working has 1..K lines
 _VERBS = {"+": "add", "-": "subtract", "*": "multiply by"}
 _APPLY = {"+": lambda x, d: x + d, "-": lambda x, d: x - d, "*": lambda x, d: x * d}
+
 
 def _valid_ops(x):
     "Operations (symbol, operand) on value `x` whose result stays in 0..MAX_VALUE."
     ops = [("+", d) for d in range(1, 10) if x + d <= MAX_VALUE]
     ops += [("-", d) for d in range(1, 10) if x - d >= 0]
     return ops + [("*", k) for k in (2, 3) if x * k <= MAX_VALUE]
+
 
 def sample_chain(rng, n_ops):
     "A start value and `n_ops` operations that keep every intermediate value in 0..MAX_VALUE."
@@ -46,11 +49,13 @@ def sample_chain(rng, n_ops):
         x = _APPLY[op[0]](x, op[1])
     return x0, ops
 
+
 def problem_text(x0, ops):
     "'Start at 7. Subtract 3, then multiply by 2, then add 1.'"
     phrases = [f"{_VERBS[s]} {d}" for s, d in ops]
     phrases[0] = phrases[0].capitalize()
     return f"Start at {x0}. " + ", then ".join(phrases) + "."
+
 
 def worked_lines(x0, ops, rng=None, p_err=0.0):
     "Lines of working and the value they end on; with `rng`, each step's result is off (±1, or ±10 when MAX_VALUE allows) with probability `p_err`."
@@ -60,7 +65,7 @@ def worked_lines(x0, ops, rng=None, p_err=0.0):
         if rng is not None and rng.random() < p_err:
             for delta in rng.sample([-10, -1, 1, 10], 4):  # first offset that keeps the rest of the chain in range
                 z, ok = y + delta, 0 <= y + delta <= MAX_VALUE
-                for s2, d2 in ops[i + 1:]:
+                for s2, d2 in ops[i + 1 :]:
                     z = _APPLY[s2](z, d2)
                     ok = ok and 0 <= z <= MAX_VALUE
                 if ok:
@@ -70,11 +75,14 @@ def worked_lines(x0, ops, rng=None, p_err=0.0):
         x = y
     return lines + [f"Answer: {x}"], x
 
-def tiny_problem(rng: random.Random,  # source of randomness: the same state gives the same problem
-                 n_ops: int,          # number of operations = lines of working before `Answer:`
-                ) -> tuple[str, int, str]:
+
+def tiny_problem(
+    rng: random.Random,  # source of randomness: the same state gives the same problem
+    n_ops: int,  # number of operations = lines of working before `Answer:`
+) -> tuple[str, int, str]:
     "A multi-step arithmetic problem: (problem text, integer answer, correct worked solution ending in `Answer: N`)."
-    if n_ops < 1: raise ValueError(f"n_ops={n_ops}; a tiny problem needs at least one operation (n_ops >= 1)")
+    if n_ops < 1:
+        raise ValueError(f"n_ops={n_ops}; a tiny problem needs at least one operation (n_ops >= 1)")
     x0, ops = sample_chain(rng, n_ops)
     lines, answer = worked_lines(x0, ops)
     return problem_text(x0, ops), answer, "\n".join(lines)
@@ -82,30 +90,37 @@ def tiny_problem(rng: random.Random,  # source of randomness: the same state giv
 # %% ../nbs/06_tiny.ipynb #c077d32a
 HELDOUT_MOD = 5  # a problem text is held out when sha256(text) % HELDOUT_MOD == 0, i.e. 1 in 5
 
+
 def is_heldout(problem: str) -> bool:
     "Whether a problem text belongs to the held-out partition (a hash of the text: stable across seeds and runs)."
     return int(hashlib.sha256(problem.encode()).hexdigest(), 16) % HELDOUT_MOD == 0
+
 
 def _draw(rng, n, heldout, max_ops):
     "`n` distinct problems of one partition, n_ops uniform in 1..max_ops."
     out, seen, tries = [], set(), 0
     while len(out) < n:
         tries += 1
-        if tries > 20 * n + 10_000:          # only a tiny problem space (max_ops=1) runs out
-            raise ValueError(f"could not draw {n} distinct {'held-out' if heldout else 'train'} problems with "
-                             f"max_ops={max_ops}; ask for fewer or raise max_ops")
+        if tries > 20 * n + 10_000:  # only a tiny problem space (max_ops=1) runs out
+            raise ValueError(
+                f"could not draw {n} distinct {'held-out' if heldout else 'train'} problems with "
+                f"max_ops={max_ops}; ask for fewer or raise max_ops"
+            )
         n_ops = rng.randint(1, max_ops)
         text, answer, solution = tiny_problem(rng, n_ops)
-        if text in seen or is_heldout(text) != heldout: continue
+        if text in seen or is_heldout(text) != heldout:
+            continue
         seen.add(text)
         out.append(make_example(text, answer, data_source="tiny", n_ops=n_ops, solution=solution))
     return out
 
-def tiny_splits(n_train: int,           # training prompts
-                n_eval: int,            # held-out prompts
-                seed: int = 0,          # the same seed gives the same lists
-                max_ops: int = MAX_OPS, # K: operations per problem are uniform in 1..K
-               ) -> tuple[list[MathExample], list[MathExample]]:
+
+def tiny_splits(
+    n_train: int,  # training prompts
+    n_eval: int,  # held-out prompts
+    seed: int = 0,  # the same seed gives the same lists
+    max_ops: int = MAX_OPS,  # K: operations per problem are uniform in 1..K
+) -> tuple[list[MathExample], list[MathExample]]:
     "Distinct train and held-out tiny problems as `MathExample`s; the two lists never share a problem text."
     rng = random.Random(f"tiny-splits-{seed}")
     return _draw(rng, n_train, False, max_ops), _draw(rng, n_eval, True, max_ops)
@@ -113,9 +128,12 @@ def tiny_splits(n_train: int,           # training prompts
 # %% ../nbs/06_tiny.ipynb #db3daac9
 EOS_TOKEN = "<|endoftext|>"
 # Qwen2's pre-tokenizer regex (transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX)
-QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                           r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 RESPONSE_PREFIX = "\n"  # no chat template: the response starts on a new line after the user content
+
 
 def _corpus(n=2000, seed=0):
     "Texts the tokenizer learns its merges from: prompts through PROMPT_TEMPLATE and worked solutions."
@@ -125,41 +143,64 @@ def _corpus(n=2000, seed=0):
         yield PROMPT_TEMPLATE.format(problem=text)
         yield RESPONSE_PREFIX + solution
 
-def build_tiny_tokenizer(out_dir: str | Path | None = None,  # folder to save_pretrained into; None = don't save
-                         vocab_size: int = 512,              # upper bound; BPE stops earlier when no pair repeats
-                        ) -> PreTrainedTokenizerFast:
+
+def build_tiny_tokenizer(
+    out_dir: str | Path | None = None,  # folder to save_pretrained into; None = don't save
+    vocab_size: int = 512,  # upper bound; BPE stops earlier when no pair repeats
+) -> PreTrainedTokenizerFast:
     "A Qwen2-style byte-level BPE trained on the tiny task; `<|endoftext|>` is eos, pad and unk."
-    tok = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-                        byte_fallback=False))
+    tok = Tokenizer(
+        BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-                                        unk_token=EOS_TOKEN)
-    if out_dir is not None: tokenizer.save_pretrained(out_dir)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, unk_token=EOS_TOKEN
+    )
+    if out_dir is not None:
+        tokenizer.save_pretrained(out_dir)
     return tokenizer
 
 # %% ../nbs/06_tiny.ipynb #b4ac83fb
-TINY_MODEL_CONFIG = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                         intermediate_size=384, max_position_embeddings=512, rope_theta=10000.0,
-                         tie_word_embeddings=True)
+TINY_MODEL_CONFIG = dict(
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=384,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
 
-def build_tiny_model(tokenizer,            # from build_tiny_tokenizer: vocabulary size and EOS id
-                     out_dir: str | Path,  # folder for config.json, model.safetensors and the tokenizer files
-                     seed: int = 0,        # initialisation seed
-                     **cfg,                # Qwen2Config overrides of TINY_MODEL_CONFIG
-                    ) -> Path:
+
+def build_tiny_model(
+    tokenizer,  # from build_tiny_tokenizer: vocabulary size and EOS id
+    out_dir: str | Path,  # folder for config.json, model.safetensors and the tokenizer files
+    seed: int = 0,  # initialisation seed
+    **cfg,  # Qwen2Config overrides of TINY_MODEL_CONFIG
+) -> Path:
     "A randomly initialised Qwen2ForCausalLM saved with save_pretrained (safetensors) next to its tokenizer."
     cfg = {**TINY_MODEL_CONFIG, **cfg}
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     if head_dim < 32:
-        raise ValueError(f"head_dim = hidden_size / num_attention_heads = {head_dim} < 32; the CPU build of vLLM "
-                         "supports no head size below 32: raise hidden_size or lower num_attention_heads")
+        raise ValueError(
+            f"head_dim = hidden_size / num_attention_heads = {head_dim} < 32; the CPU build of vLLM "
+            "supports no head size below 32: raise hidden_size or lower num_attention_heads"
+        )
     eos = tokenizer.eos_token_id
     config = Qwen2Config(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **cfg)
     torch.manual_seed(seed)
@@ -177,31 +218,34 @@ def sample_problem(rng: random.Random, max_ops: int = MAX_OPS) -> tuple[int, lis
     while True:
         x0, ops = sample_chain(rng, rng.randint(1, max_ops))
         text = problem_text(x0, ops)
-        if not is_heldout(text): return x0, ops, text  # never train on a held-out problem
+        if not is_heldout(text):
+            return x0, ops, text  # never train on a held-out problem
 
 # %% ../nbs/06_tiny.ipynb #ba5d9228
-def sft_collate(seqs: list[tuple[list[int], list[int]]],  # b (prompt ids, response ids) pairs
-                pad_id: int,  # fills the right padding
-               ) -> tuple[torch.Tensor, torch.Tensor]:  # input_ids (b, T) right-padded; labels (b, T), -100 off the responses
+def sft_collate(
+    seqs: list[tuple[list[int], list[int]]],  # b (prompt ids, response ids) pairs
+    pad_id: int,  # fills the right padding
+) -> tuple[torch.Tensor, torch.Tensor]:  # input_ids (b, T) right-padded; labels (b, T), -100 off the responses
     "Supervised fine-tuning batch: prompt + response per row; the loss is on response tokens only."
     T = max(len(p) + len(r) for p, r in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)   # (b, T) right-padded
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)  # (b, T) right-padded
     labels = torch.full((len(seqs), T), -100, dtype=torch.long)  # (b, T)
     for i, (p, r) in enumerate(seqs):
-        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-        labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
     return ids, labels
 
 # %% ../nbs/06_tiny.ipynb #01610b27
-def sft_batches(tokenizer,              # the tiny tokenizer
-                n_batches: int,         # batches to yield
-                batch_size: int = 32,   # sequences per batch
-                p_err: float = 0.25,    # probability that a step's written result is wrong
-                max_ops: int = MAX_OPS, # K
-                seed: int = 0,          # data seed
-                p_lazy: float = 0.0,    # probability that the response is a bare guess `Answer: g`, g in 0..99
-                stream: str = "tiny-sft", # name of the data stream (stage 2 draws from its own)
-               ):
+def sft_batches(
+    tokenizer,  # the tiny tokenizer
+    n_batches: int,  # batches to yield
+    batch_size: int = 32,  # sequences per batch
+    p_err: float = 0.25,  # probability that a step's written result is wrong
+    max_ops: int = MAX_OPS,  # K
+    seed: int = 0,  # data seed
+    p_lazy: float = 0.0,  # probability that the response is a bare guess `Answer: g`, g in 0..99
+    stream: str = "tiny-sft",  # name of the data stream (stage 2 draws from its own)
+):
     "Yield (input_ids, labels), both (batch_size, T): prompt + noisy working (or a lazy guess) + EOS; labels are -100 on prompt and padding."
     rng = random.Random(f"{stream}-{seed}")
     eos = tokenizer.eos_token_id
@@ -210,15 +254,25 @@ def sft_batches(tokenizer,              # the tiny tokenizer
         while len(seqs) < batch_size:
             x0, ops, text = sample_problem(rng, max_ops)
             lines, _ = worked_lines(x0, ops, rng, p_err)
-            if p_lazy and rng.random() < p_lazy: lines = [f"Answer: {rng.randint(0, 99)}"]  # skip the working, guess
+            if p_lazy and rng.random() < p_lazy:
+                lines = [f"Answer: {rng.randint(0, 99)}"]  # skip the working, guess
             p = tokenizer(PROMPT_TEMPLATE.format(problem=text), add_special_tokens=False)["input_ids"]
             r = tokenizer(RESPONSE_PREFIX + "\n".join(lines), add_special_tokens=False)["input_ids"] + [eos]
             seqs.append((p, r))
         yield sft_collate(seqs, eos)
 
 # %% ../nbs/06_tiny.ipynb #e105fdeb
-WARM_START = dict(steps=800, batch_size=32, lr=6e-3, p_err=0.25, seed=0, threads=1,  # stage 1: noisy working
-                  p_lazy=0.5, lazy_lr=3e-3)                                          # stage 2: lazy guesses
+WARM_START = dict(
+    steps=800,
+    batch_size=32,
+    lr=6e-3,
+    p_err=0.25,
+    seed=0,
+    threads=1,  # stage 1: noisy working
+    p_lazy=0.5,
+    lazy_lr=3e-3,
+)  # stage 2: lazy guesses
+
 
 def sft(model, batches, steps, lr, warm, log_every=0, tag=""):
     "Next-token cross-entropy on the responses of `batches`: AdamW, linear warm-up over `warm` steps, cosine to 0.1 lr, clip 1."
@@ -231,23 +285,28 @@ def sft(model, batches, steps, lr, warm, log_every=0, tag=""):
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if log_every and step % log_every == 0: print(f"warm start {tag} step {step}/{steps} loss {loss.item():.3f}", flush=True)
+        if log_every and step % log_every == 0:
+            print(f"warm start {tag} step {step}/{steps} loss {loss.item():.3f}", flush=True)
     model.eval()
     return losses
 
-def warm_start(path: str | Path,     # a folder from build_tiny_model; overwritten with the trained weights
-               steps: int = 800,     # optimizer steps of each stage
-               batch_size: int = 32, # sequences per step
-               lr: float = 6e-3,     # stage 1 peak AdamW learning rate
-               p_err: float = 0.25,  # stage 1 per-step error rate of the supervised solutions
-               seed: int = 0,        # data and dropout-free init seed
-               threads: int = 1,     # torch threads while training (fixed, so a rebuild repeats the arithmetic)
-               p_lazy: float = 0.5,  # stage 2 fraction of bare guesses; 0 = no stage 2
-               lazy_lr: float = 3e-3, # stage 2 peak learning rate
-               log_every: int = 0,   # print the loss every this many steps; 0 = quiet
-              ) -> list[float]:
+
+def warm_start(
+    path: str | Path,  # a folder from build_tiny_model; overwritten with the trained weights
+    steps: int = 800,  # optimizer steps of each stage
+    batch_size: int = 32,  # sequences per step
+    lr: float = 6e-3,  # stage 1 peak AdamW learning rate
+    p_err: float = 0.25,  # stage 1 per-step error rate of the supervised solutions
+    seed: int = 0,  # data and dropout-free init seed
+    threads: int = 1,  # torch threads while training (fixed, so a rebuild repeats the arithmetic)
+    p_lazy: float = 0.5,  # stage 2 fraction of bare guesses; 0 = no stage 2
+    lazy_lr: float = 3e-3,  # stage 2 peak learning rate
+    log_every: int = 0,  # print the loss every this many steps; 0 = quiet
+) -> list[float]:
     "Supervised warm start in place: noisy worked solutions, then clean ones mixed with lazy guesses; returns the loss per step."
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -255,11 +314,25 @@ def warm_start(path: str | Path,     # a folder from build_tiny_model; overwritt
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     try:
-        losses = sft(model, sft_batches(tokenizer, steps, batch_size, p_err, seed=seed), steps, lr,
-                      max(1, steps // 20), log_every, "1/2")
+        losses = sft(
+            model,
+            sft_batches(tokenizer, steps, batch_size, p_err, seed=seed),
+            steps,
+            lr,
+            max(1, steps // 20),
+            log_every,
+            "1/2",
+        )
         if p_lazy:
-            losses += sft(model, sft_batches(tokenizer, steps, batch_size, 0.0, seed=seed, p_lazy=p_lazy, stream="lazy"),
-                           steps, lazy_lr, min(20, max(1, steps // 20)), log_every, "2/2")
+            losses += sft(
+                model,
+                sft_batches(tokenizer, steps, batch_size, 0.0, seed=seed, p_lazy=p_lazy, stream="lazy"),
+                steps,
+                lazy_lr,
+                min(20, max(1, steps // 20)),
+                log_every,
+                "2/2",
+            )
         model.save_pretrained(path)
     finally:
         torch.set_num_threads(old_threads)
@@ -270,44 +343,86 @@ TINY_VERSION = "tiny-v2"
 TINY_CACHE = Path(os.environ.get("DAPO_REF_CACHE", "~/.cache/dapo_ref")).expanduser()  # value at import time
 TINY_SHIPPED = Path(importlib.util.find_spec("dapo_ref").origin).parent / "tiny_model"  # shipped with the package
 TINY_BUILD_COMMAND = "make tiny-model"  # = dapo-tiny: rebuilds TINY_SHIPPED from this source
-# What the build's bytes depend on: these functions and constants of this module (comments and blank lines aside)
-_BUILD_NAMES = ("MAX_VALUE", "MAX_OPS", "_VERBS", "_APPLY", "_valid_ops", "sample_chain", "problem_text", "worked_lines",
-                "tiny_problem", "HELDOUT_MOD", "is_heldout", "sample_problem", "EOS_TOKEN", "QWEN2_PRETOKENIZE_REGEX", "RESPONSE_PREFIX",
-                "_corpus", "build_tiny_tokenizer", "TINY_MODEL_CONFIG", "build_tiny_model", "sft_batches", "WARM_START",
-                "sft", "warm_start")
+# What the build's bytes depend on: these functions and constants of this module (their syntax, not their layout)
+_BUILD_NAMES = (
+    "MAX_VALUE",
+    "MAX_OPS",
+    "_VERBS",
+    "_APPLY",
+    "_valid_ops",
+    "sample_chain",
+    "problem_text",
+    "worked_lines",
+    "tiny_problem",
+    "HELDOUT_MOD",
+    "is_heldout",
+    "sample_problem",
+    "EOS_TOKEN",
+    "QWEN2_PRETOKENIZE_REGEX",
+    "RESPONSE_PREFIX",
+    "_corpus",
+    "build_tiny_tokenizer",
+    "TINY_MODEL_CONFIG",
+    "build_tiny_model",
+    "sft_batches",
+    "WARM_START",
+    "sft",
+    "warm_start",
+)
 
-def _code_tokens(src):
-    "The tokens of Python source `src` without comments, blank lines and indentation widths, as one string."
-    toks = tokenize.generate_tokens(io.StringIO(src).readline)
-    return " ".join(t.string if t.type != tokenize.INDENT else "<indent>" for t in toks
-                    if t.type not in (tokenize.COMMENT, tokenize.NL))
+
+def code_identity(src: str) -> str:
+    "Python source `src` as its syntax tree, one string: comments, docstrings, quotes and line breaks aside (a formatter changes none of it)."
+    tree = ast.parse(textwrap.dedent(src))
+    for n in ast.walk(tree):
+        body = getattr(n, "body", None)
+        if (
+            isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+            and body
+            and ast.get_docstring(n, clean=False) is not None
+        ):
+            n.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
 
 def tiny_source_hash() -> str:
-    "sha256 of the tiny build's inputs: the code of its functions and constants (comments aside) and the prompt template."
+    "sha256 of the tiny build's inputs: the syntax of its functions and constants (`code_identity`) and the prompt template."
     import dapo_ref.tiny as m  # the exported file as written (not as a test may have patched it)
+
     text = Path(m.__file__).read_text()
     code = {}
     for node in ast.parse(text).body:
-        names = [node.name] if isinstance(node, ast.FunctionDef) else [
-            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
-        for n in set(names) & set(_BUILD_NAMES): code[n] = _code_tokens(ast.get_source_segment(text, node))
+        is_def = isinstance(node, ast.FunctionDef)
+        names = [node.name] if is_def else [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        for n in set(names) & set(_BUILD_NAMES):
+            code[n] = code_identity(ast.get_source_segment(text, node))
     if missing := [n for n in _BUILD_NAMES if n not in code]:
         raise RuntimeError(f"tiny_source_hash: {', '.join(missing)} not found in {m.__file__}; update _BUILD_NAMES")
     return hashlib.sha256(json.dumps([code[n] for n in _BUILD_NAMES] + [PROMPT_TEMPLATE]).encode()).hexdigest()
 
+
 def cache_root() -> Path:
     return Path(os.environ.get("DAPO_REF_CACHE", "~/.cache/dapo_ref")).expanduser()
+
 
 def check_cache() -> None:
     "`InputError` when $DAPO_REF_CACHE (where tiny models and testbeds are built) is empty or lies under a file."
     v = os.environ.get("DAPO_REF_CACHE")
-    if v is None: return
-    if not v.strip(): raise InputError("DAPO_REF_CACHE is set but empty; unset it (the default is ~/.cache/dapo_ref) or name a folder")
+    if v is None:
+        return
+    if not v.strip():
+        raise InputError(
+            "DAPO_REF_CACHE is set but empty; unset it (the default is ~/.cache/dapo_ref) or name a folder"
+        )
     base = Path(v).expanduser()
-    while not base.exists() and base != base.parent: base = base.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
     if not base.is_dir():
-        raise InputError(f"DAPO_REF_CACHE = {v}: {base} is a file, not a folder; point DAPO_REF_CACHE to a folder "
-                         "(or unset it: the default is ~/.cache/dapo_ref)")
+        raise InputError(
+            f"DAPO_REF_CACHE = {v}: {base} is a file, not a folder; point DAPO_REF_CACHE to a folder "
+            "(or unset it: the default is ~/.cache/dapo_ref)"
+        )
+
 
 def tiny_model_dir(cache_dir: str | Path | None = None, **warm) -> Path:
     "Where `ensure_tiny_model(cache_dir, **warm)` builds a model it cannot take from the package: named after settings and source."
@@ -319,14 +434,22 @@ def tiny_model_dir(cache_dir: str | Path | None = None, **warm) -> Path:
 # %% ../nbs/06_tiny.ipynb #5b1d2e70
 def _versions():
     import tokenizers, transformers
-    return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-                tokenizers=tokenizers.__version__, machine=platform.machine())
 
-def build_tiny(out_dir: str | Path,   # a new folder (its parent must exist); it appears complete or not at all
-               verbose: bool = True,  # print the warm start's loss every 100 steps
-               command: str = "",     # how the build was asked for, recorded in tiny_build.json
-               **warm,                # overrides of WARM_START
-              ) -> Path:
+    return dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        tokenizers=tokenizers.__version__,
+        machine=platform.machine(),
+    )
+
+
+def build_tiny(
+    out_dir: str | Path,  # a new folder (its parent must exist); it appears complete or not at all
+    verbose: bool = True,  # print the warm start's loss every 100 steps
+    command: str = "",  # how the build was asked for, recorded in tiny_build.json
+    **warm,  # overrides of WARM_START
+) -> Path:
     "Build the tiny policy (tokenizer, model, warm start) into `out_dir`, with tiny_build.json recording how."
     out_dir, settings, t0 = Path(out_dir), {**WARM_START, **warm}, time.time()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
@@ -335,59 +458,86 @@ def build_tiny(out_dir: str | Path,   # a new folder (its parent must exist); it
         build_tiny_model(tokenizer, tmp, seed=settings["seed"])
         losses = warm_start(tmp, **settings, log_every=100 if verbose else 0)
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
-        info = dict(version=TINY_VERSION, command=command, seed=settings["seed"], warm_start=settings,
-                    source_hash=tiny_source_hash(), versions=_versions(), files=files,
-                    final_loss=sum(losses[-20:]) / len(losses[-20:]), build_seconds=round(time.time() - t0, 1))
+        info = dict(
+            version=TINY_VERSION,
+            command=command,
+            seed=settings["seed"],
+            warm_start=settings,
+            source_hash=tiny_source_hash(),
+            versions=_versions(),
+            files=files,
+            final_loss=sum(losses[-20:]) / len(losses[-20:]),
+            build_seconds=round(time.time() - t0, 1),
+        )
         (tmp / "tiny_build.json").write_text(json.dumps(info, indent=1) + "\n")
         try:
-            os.rename(tmp, out_dir)                   # atomic: the folder appears complete or not at all
+            os.rename(tmp, out_dir)  # atomic: the folder appears complete or not at all
         except OSError:
-            if not (out_dir / "model.safetensors").exists(): raise   # someone else finished first otherwise
+            if not (out_dir / "model.safetensors").exists():
+                raise  # someone else finished first otherwise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 # %% ../nbs/06_tiny.ipynb #7c3a9f41
-def shipped_tiny_problem(path: str | Path = TINY_SHIPPED,  # a folder written by build_tiny
-                        ) -> str | None:
+def shipped_tiny_problem(
+    path: str | Path = TINY_SHIPPED,  # a folder written by build_tiny
+) -> str | None:
     "Why the tiny model in `path` cannot stand for this source (None when it can): missing, changed or stale files."
     path = Path(path)
-    if not (path / "tiny_build.json").exists(): return f"{path} has no tiny_build.json"
+    if not (path / "tiny_build.json").exists():
+        return f"{path} has no tiny_build.json"
     info = json.loads((path / "tiny_build.json").read_text())
     for name, digest in info.get("files", {}).items():
-        if not (path / name).exists() or sha256(path / name) != digest: return f"{path / name} differs from its recorded sha256"
+        if not (path / name).exists() or sha256(path / name) != digest:
+            return f"{path / name} differs from its recorded sha256"
     if info.get("source_hash") != tiny_source_hash():
-        return (f"{path} was built from other source than dapo_ref.tiny has now (source_hash {info.get('source_hash', '?')[:12]} "
-                f"!= {tiny_source_hash()[:12]}): run `{TINY_BUILD_COMMAND}` and commit {path.name}/")
+        return (
+            f"{path} was built from other source than dapo_ref.tiny has now (source_hash {info.get('source_hash', '?')[:12]} "
+            f"!= {tiny_source_hash()[:12]}): run `{TINY_BUILD_COMMAND}` and commit {path.name}/"
+        )
     return None
 
-def ensure_tiny_model(cache_dir: str | Path | None = None,  # None = $DAPO_REF_CACHE or ~/.cache/dapo_ref
-                      verbose: bool = True,                 # say when building, and how long it took
-                      **warm,                               # overrides of WARM_START (tests use a few steps)
-                     ) -> Path:
+
+def ensure_tiny_model(
+    cache_dir: str | Path | None = None,  # None = $DAPO_REF_CACHE or ~/.cache/dapo_ref
+    verbose: bool = True,  # say when building, and how long it took
+    **warm,  # overrides of WARM_START (tests use a few steps)
+) -> Path:
     "The warm-started tiny policy folder: the shipped one when it matches this source, otherwise built once and cached."
     if cache_dir is None and not warm:
         why = shipped_tiny_problem()
-        if why is None: return TINY_SHIPPED
-        if verbose: print(f"not using the shipped tiny model: {why}", flush=True)
+        if why is None:
+            return TINY_SHIPPED
+        if verbose:
+            print(f"not using the shipped tiny model: {why}", flush=True)
     path = tiny_model_dir(cache_dir, **warm)
-    if (path / "model.safetensors").exists(): return path
+    if (path / "model.safetensors").exists():
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    if verbose: print(f"building the tiny model into {path} (one time, about 10 minutes on 2 cores)", flush=True)
+    if verbose:
+        print(f"building the tiny model into {path} (one time, about 10 minutes on 2 cores)", flush=True)
     t0 = time.time()
     build_tiny(path, verbose, command=f"ensure_tiny_model({str(cache_dir)!r}, **{warm})", **warm)
-    if verbose: print(f"built {path} in {time.time() - t0:.0f} s", flush=True)
+    if verbose:
+        print(f"built {path} in {time.time() - t0:.0f} s", flush=True)
     return path
 
 # %% ../nbs/06_tiny.ipynb #18f73e49
-def main(argv: list[str] | None = None, # command-line arguments; None = sys.argv[1:]
-        ) -> int:
+def main(
+    argv: list[str] | None = None,  # command-line arguments; None = sys.argv[1:]
+) -> int:
     "dapo-tiny: rebuild the shipped tiny model from this source (`make tiny-model`), build one elsewhere, or check it."
-    p = ArgParser(prog="dapo-tiny", description="Build the warm-started tiny model (about 10 minutes on "
-                  "2 cores). `make tiny-model`: rebuild the copy shipped in dapo_ref/tiny_model/, then commit it.")
+    p = ArgParser(
+        prog="dapo-tiny",
+        description="Build the warm-started tiny model (about 10 minutes on "
+        "2 cores). `make tiny-model`: rebuild the copy shipped in dapo_ref/tiny_model/, then commit it.",
+    )
     p.add_argument("--out", default=str(TINY_SHIPPED), help="folder to (re)build (default: the shipped copy)")
     p.add_argument("--check", action="store_true", help="build nothing: exit 1 unless --out matches this source")
-    p.add_argument("--overwrite", action="store_true", help="rebuild a tiny model folder that exists (one with tiny_build.json)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="rebuild a tiny model folder that exists (one with tiny_build.json)"
+    )
     args = p.parse(argv)
     out = Path(args.out).expanduser().absolute()
     if args.check:
@@ -395,27 +545,43 @@ def main(argv: list[str] | None = None, # command-line arguments; None = sys.arg
         print(why or f"{out}: matches this source (source_hash {tiny_source_hash()[:12]})")
         return 1 if why else 0
     try:
-        with cli_errors("dapo-tiny"): _check_out(out, args.overwrite)
-    except SystemExit as e: return e.code
+        with cli_errors("dapo-tiny"):
+            _check_out(out, args.overwrite)
+    except SystemExit as e:
+        return e.code
     with interrupts("dapo-tiny", f"{out} is as it was"):  # the build happens in a temporary folder beside it
         return _build(out, argv)
 
+
 def _check_out(out: Path, overwrite: bool):
     "`InputError` unless `out` may receive a build: absent or empty, or (with `overwrite`) a tiny model folder holding only its files."
-    if not out.parent.is_dir(): raise InputError(f"--out {out}: its parent folder does not exist; create it or pick another folder")
-    if not out.exists(): return
-    if not out.is_dir(): raise InputError(f"--out {out} is a file; pick a new or empty folder")
+    if not out.parent.is_dir():
+        raise InputError(f"--out {out}: its parent folder does not exist; create it or pick another folder")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise InputError(f"--out {out} is a file; pick a new or empty folder")
     entries = {e.name for e in out.iterdir()}
-    if not entries: return
-    try: own = {"tiny_build.json", *json.loads((out / "tiny_build.json").read_text())["files"]}  # what a build wrote
-    except (OSError, ValueError, KeyError, TypeError): own = None
+    if not entries:
+        return
+    try:
+        own = {"tiny_build.json", *json.loads((out / "tiny_build.json").read_text())["files"]}  # what a build wrote
+    except (OSError, ValueError, KeyError, TypeError):
+        own = None
     if own is None:
-        raise InputError(f"--out {out} exists and is not a tiny model folder (no readable tiny_build.json); pick a new or empty folder")
+        raise InputError(
+            f"--out {out} exists and is not a tiny model folder (no readable tiny_build.json); pick a new or empty folder"
+        )
     if not overwrite:
-        raise InputError(f"--out {out} already holds a tiny model; pass --overwrite to rebuild it, or pick a new folder")
+        raise InputError(
+            f"--out {out} already holds a tiny model; pass --overwrite to rebuild it, or pick a new folder"
+        )
     if foreign := sorted(entries - own):
-        raise InputError(f"--out {out} holds files dapo-tiny did not write ({', '.join(foreign[:3])}); a rebuild replaces "
-                         "the whole folder: move them out first, or pick a new folder")
+        raise InputError(
+            f"--out {out} holds files dapo-tiny did not write ({', '.join(foreign[:3])}); a rebuild replaces "
+            "the whole folder: move them out first, or pick a new folder"
+        )
+
 
 def _build(out: Path, argv) -> int:
     old = sha256(out / "model.safetensors") if (out / "model.safetensors").exists() else None
@@ -423,7 +589,8 @@ def _build(out: Path, argv) -> int:
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as d:
         new = build_tiny(Path(d) / out.name, command=" ".join(["dapo-tiny", *(sys.argv[1:] if argv is None else argv)]))
-        if out.exists(): os.rename(out, Path(d) / "replaced")   # swapped, then the old copy goes with the temp folder
+        if out.exists():
+            os.rename(out, Path(d) / "replaced")  # swapped, then the old copy goes with the temp folder
         os.rename(new, out)
     new_sha = sha256(out / "model.safetensors")
     same = "the same bytes as before" if new_sha == old else ("new" if old is None else "different bytes from before")

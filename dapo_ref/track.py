@@ -7,106 +7,172 @@ from __future__ import annotations
 import importlib, json, os, uuid
 from pathlib import Path
 
-from .core import REPORT_TO, InputError
+from .core import InputError
 
 # %% auto #0
 __all__ = ['BACKEND_MODULE', 'TRACKERS', 'report_targets', 'check_trackers', 'numbers', 'Tracker', 'code_block',
            'TensorBoardTracker', 'WandbTracker', 'Trackers', 'SampleLog', 'read_samples']
 
 # %% ../nbs/08e_track.ipynb #a9f0b4df
-BACKEND_MODULE = {"tensorboard": "tensorboard", "wandb": "wandb"}  # what each tracker imports (and the extra that installs it)
+BACKEND_MODULE = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+}  # what each tracker imports (and the extra that installs it)
+
 
 def report_targets(report_to: str) -> list[str]:
     "The trackers `report_to` names ('none', one name, or several comma-separated), in order, once each, without 'none'."
     names = [s.strip() for s in report_to.split(",") if s.strip()]
     return [n for n in dict.fromkeys(names) if n != "none"]
 
+
 def check_trackers(report_to: str):
     "Refuse, naming it and the fix, a tracker in `report_to` whose package does not import here."
     for name in report_targets(report_to):
         mod = BACKEND_MODULE[name]
-        try: importlib.import_module(mod)
+        try:
+            importlib.import_module(mod)
         except Exception as e:
-            raise InputError(f"report_to names {name}, but the {mod} package does not import here ({type(e).__name__}: "
-                             f"{e}); pip install 'dapo_ref[{name}]' or remove {name} from report_to") from None
+            raise InputError(
+                f"report_to names {name}, but the {mod} package does not import here ({type(e).__name__}: "
+                f"{e}); pip install 'dapo_ref[{name}]' or remove {name} from report_to"
+            ) from None
 
 # %% ../nbs/08e_track.ipynb #8563839a
 def numbers(row: dict) -> dict[str, float]:
     "The numeric fields of a metrics row (not flags), without the step: what a tracker plots."
-    return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+    return {
+        k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+    }
+
 
 class Tracker:
     "One experiment-tracking backend: the config at start, a metrics row per rollout step, the summary at the end."
+
     name = "none"
-    def log(self, row: dict, step: int): pass
-    def summary(self, s: dict): pass
-    def close(self): pass
+
+    def log(self, row: dict, step: int):
+        pass
+
+    def summary(self, s: dict):
+        pass
+
+    def close(self):
+        pass
+
 
 def code_block(d: dict) -> str:
     "`d` as indented JSON: a Markdown code block in TensorBoard's text tab."
     return "    " + json.dumps(d, indent=1).replace("\n", "\n    ")
 
+
 class TensorBoardTracker(Tracker):
     "Event files in `output_dir/tb` (`tensorboard --logdir output_dir/tb`)."
+
     name = "tensorboard"
+
     def __init__(self, out: Path, run_name: str, config: dict):
         from torch.utils.tensorboard import SummaryWriter
+
         self.w = SummaryWriter(str(Path(out) / "tb"))
         self.w.add_text("config", code_block(config))
+
     def log(self, row: dict, step: int):
-        for k, v in numbers(row).items(): self.w.add_scalar(k, v, step)
+        for k, v in numbers(row).items():
+            self.w.add_scalar(k, v, step)
         self.w.flush()
-    def summary(self, s: dict): self.w.add_text("summary", code_block(s))
-    def close(self): self.w.close()
+
+    def summary(self, s: dict):
+        self.w.add_text("summary", code_block(s))
+
+    def close(self):
+        self.w.close()
 
 # %% ../nbs/08e_track.ipynb #55bc2f42
 class WandbTracker(Tracker):
     "A W&B run (project `$WANDB_PROJECT`, default dapo_ref) named after `output_dir`; `--resume` continues it."
+
     name = "wandb"
+
     def __init__(self, out: Path, run_name: str, config: dict):
         import wandb
+
         keep = Path(out) / "wandb_run_id"
         run_id = keep.read_text().strip() if keep.is_file() else uuid.uuid4().hex[:8]  # W&B's id form: 8 of [0-9a-z]
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "dapo_ref"), name=run_name, id=run_id,
-                              resume="allow", config=config, dir=str(out))
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "dapo_ref"),
+            name=run_name,
+            id=run_id,
+            resume="allow",
+            config=config,
+            dir=str(out),
+        )
         keep.write_text(run_id)
-    def log(self, row: dict, step: int): self.run.log(numbers(row), step=step)
-    def summary(self, s: dict): self.run.summary.update({k: v for k, v in s.items() if v is not None})
-    def close(self): self.run.finish()
+
+    def log(self, row: dict, step: int):
+        self.run.log(numbers(row), step=step)
+
+    def summary(self, s: dict):
+        self.run.summary.update({k: v for k, v in s.items() if v is not None})
+
+    def close(self):
+        self.run.finish()
+
 
 TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 
+
 class Trackers:
     "The run's trackers (rank 0): every call goes to each; one that fails is reported once through `log` and dropped."
+
     def __init__(self, report_to: str, out: Path, run_name: str, config: dict, log=print):
         self.say = log
-        self.live = [TRACKERS[n](out, run_name, config) for n in report_targets(report_to)]  # failing here stops the run
+        self.live = [
+            TRACKERS[n](out, run_name, config) for n in report_targets(report_to)
+        ]  # failing here stops the run
+
     def _each(self, what: str, *args):
         for t in list(self.live):
-            try: getattr(t, what)(*args)
+            try:
+                getattr(t, what)(*args)
             except Exception as e:
                 self.live.remove(t)
-                self.say(f"report_to {t.name}: {what} failed ({type(e).__name__}: {e}); {t.name} is off for the rest "
-                         "of this run (metrics.jsonl has every row)")
-    def log(self, row: dict, step: int): self._each("log", row, step)
-    def summary(self, s: dict): self._each("summary", s)
-    def close(self): self._each("close")
+                self.say(
+                    f"report_to {t.name}: {what} failed ({type(e).__name__}: {e}); {t.name} is off for the rest "
+                    "of this run (metrics.jsonl has every row)"
+                )
+
+    def log(self, row: dict, step: int):
+        self._each("log", row, step)
+
+    def summary(self, s: dict):
+        self._each("summary", s)
+
+    def close(self):
+        self._each("close")
 
 # %% ../nbs/08e_track.ipynb #3af4c971
 class SampleLog:
     "samples.jsonl in `out`, bounded: past `max_bytes / 2` it becomes samples.1.jsonl (the older half goes)."
+
     def __init__(self, out: Path, max_bytes: int):
         self.path, self.older, self.max_bytes = Path(out) / "samples.jsonl", Path(out) / "samples.1.jsonl", max_bytes
+
     def write(self, rows: list[dict]):
         "Append `rows` (one JSON object per line); rotate when the file has grown past half the bound."
-        if not rows or self.max_bytes <= 0: return
+        if not rows or self.max_bytes <= 0:
+            return
         with open(self.path, "a", encoding="utf-8") as f:
-            for r in rows: f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        if self.path.stat().st_size > self.max_bytes // 2: os.replace(self.path, self.older)
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        if self.path.stat().st_size > self.max_bytes // 2:
+            os.replace(self.path, self.older)
+
 
 def read_samples(out: Path) -> list[dict]:
     "The rows of samples.1.jsonl then samples.jsonl in `out`: oldest first."
     rows = []
     for p in (Path(out) / "samples.1.jsonl", Path(out) / "samples.jsonl"):
-        if p.is_file(): rows += [json.loads(l) for l in p.read_text(encoding="utf-8").splitlines() if l.strip()]
+        if p.is_file():
+            rows += [json.loads(l) for l in p.read_text(encoding="utf-8").splitlines() if l.strip()]
     return rows

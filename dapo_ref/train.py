@@ -9,42 +9,79 @@ import argparse, contextlib, math, os, shlex, sys
 import torch
 
 from . import dist
-from .core import (USER_ERRORS, ArgParser, DAPOConfig, InputError, cli_errors, interrupts, load_config, one_line,
-                           parse_overrides, strict_bool)
+from .core import DAPOConfig, InputError
+from dapo_ref.cli import (
+    USER_ERRORS,
+    ArgParser,
+    cli_errors,
+    interrupts,
+    load_config,
+    one_line,
+    parse_overrides,
+    strict_bool,
+)
 from .tiny import check_cache
 from .trainer import Trainer, check_run, summary_line
 from .sampling import DynamicSamplingError
-from .runs import SAMPLING_TIMEOUT, CheckpointError, DivergenceError, latest_checkpoint, prepare_output_dir
+from .runs import latest_checkpoint, prepare_output_dir
+from .guards import CheckpointError
+from .guards import SAMPLING_TIMEOUT, DivergenceError
 
 # %% auto #0
 __all__ = ['main']
 
 # %% ../nbs/09a_train.ipynb #560bdba3
 def _parser() -> argparse.ArgumentParser:
-    ap = ArgParser(prog="dapo-train", description="DAPO training (Algorithm 1) from a YAML recipe; alone, "
-                   "or on every rank under torchrun / the deepspeed launcher.")
+    ap = ArgParser(
+        prog="dapo-train",
+        description="DAPO training (Algorithm 1) from a YAML recipe; alone, "
+        "or on every rank under torchrun / the deepspeed launcher.",
+    )
     ap.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/tiny-cpu.yaml")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of recipe fields, e.g. lr=1e-5 total_steps=10")
-    ap.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest loadable checkpoint")
-    ap.add_argument("--overwrite", action="store_true", help="replace the run already in output_dir (what a run wrote there; "
-                    "a folder dapo-train did not make is never written)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads per rank (fix it for bit-exact resume); default: 1 for model=tiny, else torch's choice")
-    ap.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept on disk (newest first); 0 keeps all")
-    ap.add_argument("--sampling-timeout", type=float, default=SAMPLING_TIMEOUT,
-                    help="seconds one step's unbounded dynamic sampling (max_num_gen_batches=0) may run before the run stops")
+    ap.add_argument(
+        "--resume", action="store_true", help="continue the run in output_dir from its newest loadable checkpoint"
+    )
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in output_dir (what a run wrote there; "
+        "a folder dapo-train did not make is never written)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads per rank (fix it for bit-exact resume); default: 1 for model=tiny, else torch's choice",
+    )
+    ap.add_argument(
+        "--keep-checkpoints", type=int, default=2, help="checkpoints kept on disk (newest first); 0 keeps all"
+    )
+    ap.add_argument(
+        "--sampling-timeout",
+        type=float,
+        default=SAMPLING_TIMEOUT,
+        help="seconds one step's unbounded dynamic sampling (max_num_gen_batches=0) may run before the run stops",
+    )
     ap.add_argument("--quiet", action="store_true", help="no progress bars or log lines, only the summary")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    ap.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # the deepspeed launcher's
     return ap
+
 
 @contextlib.contextmanager
 def _errors(rank: int):
     "`cli_errors` on rank 0; the other ranks exit with the same status, silently (rank 0 has said it)."
     if rank == 0:
-        with cli_errors("dapo-train"): yield
+        with cli_errors("dapo-train"):
+            yield
     else:
-        try: yield
-        except USER_ERRORS: raise SystemExit(2) from None
+        try:
+            yield
+        except USER_ERRORS:
+            raise SystemExit(2) from None
+
 
 def _check_flags(threads: int | None, keep: int, sampling_timeout: float):
     "The options that are not config fields: an `InputError` naming the flag and its range."
@@ -55,27 +92,41 @@ def _check_flags(threads: int | None, keep: int, sampling_timeout: float):
     if not (math.isfinite(sampling_timeout) and sampling_timeout > 0):
         raise InputError(f"--sampling-timeout {sampling_timeout:g} is out of range: give a number of seconds > 0")
 
-
 # %% ../nbs/09a_train.ipynb #b7c1e2d4
-def main(argv: list[str] | None = None  # command-line arguments; None = sys.argv[1:]
-        ) -> int:
+def main(
+    argv: list[str] | None = None,  # command-line arguments; None = sys.argv[1:]
+) -> int:
     "`dapo-train`: run DAPO training from a YAML recipe with key=value overrides; rank 0 prints one summary line."
     args = _parser().parse(argv)  # key=value items may come before and after flags; an option given twice is refused
     if not torch.cuda.is_available():  # deepspeed (imported by accelerate) otherwise logs its CPU fallback on stdout
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     rank = dist.rank()  # the launcher's RANK; alone: 0
     cfg = None
+
     def then():  # Ctrl-C: the command that continues the run
-        if cfg is None: return "nothing was written; run the command again"
+        if cfg is None:
+            return "nothing was written; run the command again"
         ck = latest_checkpoint(cfg.output_dir)
-        again = shlex.join(["dapo-train", *[a for a in (sys.argv[1:] if argv is None else argv) if a != "--overwrite"],
-                            *([] if args.resume else ["--resume"])])
-        return (f"continue from {ck} with: {again}" if ck else
-                f"no checkpoint was written yet, so {again} starts it again from step 0")
+        again = shlex.join(
+            [
+                "dapo-train",
+                *[a for a in (sys.argv[1:] if argv is None else argv) if a != "--overwrite"],
+                *([] if args.resume else ["--resume"]),
+            ]
+        )
+        return (
+            f"continue from {ck} with: {again}"
+            if ck
+            else f"no checkpoint was written yet, so {again} starts it again from step 0"
+        )
+
     with interrupts("dapo-train", then, quiet=rank != 0):  # Ctrl-C: one line with the command that continues the run
-        try: cfg = _config(args, rank)
-        except SystemExit as e: return e.code
+        try:
+            cfg = _config(args, rank)
+        except SystemExit as e:
+            return e.code
         return _train(args, cfg, rank)
+
 
 def _config(args, rank) -> DAPOConfig:
     "The checked config (every rank reads the same files); bad input: `SystemExit(2)` (rank 0 has said why)."
@@ -85,36 +136,45 @@ def _config(args, rank) -> DAPOConfig:
         args.resume = strict_bool("resume", ov.pop("resume", False)) or args.resume  # a run option, not a config field
         return check_run(load_config(args.config, ov), dist.world_size())  # fields this launch cannot honour
 
+
 def _train(args, cfg, rank) -> int:
     resume, quiet = args.resume, args.quiet or rank != 0
     try:
         with _errors(rank):  # bad input: one line, exit 2, before the model loads (every rank reads the same files)
             # join the launcher's group only now: its timeout is the config's (how long a rank may wait in a collective)
             dist.init_distributed(timeout=cfg.dist_timeout)
-            prepare_output_dir(cfg, resume, args.overwrite)  # the user's folder never written, an earlier run never replaced silently
-            if cfg.model == "tiny" or cfg.model.startswith("tiny-"): check_cache()  # where a tiny model may be built
+            prepare_output_dir(
+                cfg, resume, args.overwrite
+            )  # the user's folder never written, an earlier run never replaced silently
+            if cfg.model == "tiny" or cfg.model.startswith("tiny-"):
+                check_cache()  # where a tiny model may be built
             # the tiny model's matrices are too small to split across threads: on 2 shared cores one thread generates
             # ~4x faster than two (measured, benchmarks/README.md); a hub model keeps torch's default
             threads = args.threads or (1 if cfg.model == "tiny" else None)
-            if threads: torch.set_num_threads(threads)
+            if threads:
+                torch.set_num_threads(threads)
             # set up only now, after every check: a bad input costs the imports above, not torch's compiler stack
             # (use_deterministic_algorithms imports torch._inductor, ~1.5 s) nor transformers' logging
             from transformers.utils import logging as hf_logging
+
             hf_logging.disable_progress_bar()  # no "Loading weights" bars between ours
             # deterministic kernels where they buy bit-exact resume (the CPU); on GPUs they would fill every torch.empty
             # with NaN, warn on cuBLAS calls, and flash-attention's backward stays non-deterministic anyway
-            if not torch.cuda.is_available(): torch.use_deterministic_algorithms(True, warn_only=True)
+            if not torch.cuda.is_available():
+                torch.use_deterministic_algorithms(True, warn_only=True)
             trainer = Trainer(cfg, progress=False if quiet else None, log=None if quiet else print)
             trainer.sampling_timeout = args.sampling_timeout
-    except SystemExit as e: return e.code
+    except SystemExit as e:
+        return e.code
     try:
         summary = trainer.fit(resume=resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite)
     except (DynamicSamplingError, DivergenceError, CheckpointError) as e:  # raised on every rank alike
-        if rank == 0: print(f"dapo-train: error: {one_line(e)}", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(f"dapo-train: error: {one_line(e)}", file=sys.stderr, flush=True)
         return 1
-    if rank == 0: print(summary_line(summary))
+    if rank == 0:
+        print(summary_line(summary))
     return 0
-
 
 # %% ../nbs/09a_train.ipynb #7540ad5b
 if __name__ == "__main__" and "get_ipython" not in globals():  # `python -m dapo_ref.train`; not when run in a notebook

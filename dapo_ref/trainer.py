@@ -13,12 +13,26 @@ from tqdm import tqdm
 from fastcore.basics import patch
 
 from . import dist
-from .core import DAPOConfig, InputError, one_line, save_config, validate
+from .core import DAPOConfig, InputError, validate
+from .cli import one_line, save_config
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .reward import check_plugin, is_plugin
-from .runs import (FROZEN, MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, checkpoint_error, export_error, divergence_error,
-                           newest_loadable_checkpoint, prepare_output_dir, clear_run, read_marker, write_marker,
-                           read_metrics, rng_state, set_rng_state, latest_checkpoint, plot_curves, step_folders)
+from dapo_ref.runs import (
+    FROZEN,
+    newest_loadable_checkpoint,
+    prepare_output_dir,
+    clear_run,
+    read_marker,
+    write_marker,
+    read_metrics,
+    rng_state,
+    set_rng_state,
+    latest_checkpoint,
+    plot_curves,
+    step_folders,
+)
+from .guards import checkpoint_error, export_error
+from .guards import MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, divergence_error
 from .rollout import RolloutEngine, HFRolloutEngine, rollout_groups
 from .learner import Learner, TorchLearner, model_path, stage_model, load_tokenizer
 from .algorithm import Group, PromptSampler, Rollout, dapo_step, seed_of
@@ -30,47 +44,73 @@ __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'TIMING_KEYS', 'check_run', 'load_spli
            'make_engine', 'Trainer', 'sample_rows', 'summary_line', 'train']
 
 # %% ../nbs/09_trainer.ipynb #12029f8b
-def check_run(cfg: DAPOConfig,  # a config (valid: `DAPOConfig` checks its own rules)
-              world: int = 1,   # ranks in this launch
-             ) -> DAPOConfig:
+def check_run(
+    cfg: DAPOConfig,  # a config (valid: `DAPOConfig` checks its own rules)
+    world: int = 1,  # ranks in this launch
+) -> DAPOConfig:
     "Raise `ValueError` naming the field when this launch cannot honour `cfg` (the packages here, its ranks); return `cfg`."
     check_trackers(cfg.report_to)  # a tracker asked for and not installed: refused before the model loads
-    if is_plugin(cfg.reward): check_plugin(cfg.reward)  # a reward plug-in that does not load: the same
+    if is_plugin(cfg.reward):
+        check_plugin(cfg.reward)  # a reward plug-in that does not load: the same
     have = lambda m: importlib.util.find_spec(m) is not None
     if cfg.zero_stage and not have("deepspeed"):
-        raise ValueError(f"zero_stage = {cfg.zero_stage} needs DeepSpeed, which is not installed; "
-                         "install deepspeed or set zero_stage: 0 (the plain PyTorch learner)")
+        raise ValueError(
+            f"zero_stage = {cfg.zero_stage} needs DeepSpeed, which is not installed; "
+            "install deepspeed or set zero_stage: 0 (the plain PyTorch learner)"
+        )
     if cfg.attn_implementation.startswith("flash"):  # transformers would fail at load time, after the model was read
-        pkg, mod = {"flash_attention_2": ("flash-attn", "flash_attn"), "flash_attention_3": ("flash-attn-3", "flash_attn_interface")}[cfg.attn_implementation]
-        missing = [w for w, ok in ((f"the {pkg} package", have(mod)), ("a CUDA GPU", torch.cuda.is_available())) if not ok]
+        pkg, mod = {
+            "flash_attention_2": ("flash-attn", "flash_attn"),
+            "flash_attention_3": ("flash-attn-3", "flash_attn_interface"),
+        }[cfg.attn_implementation]
+        missing = [
+            w for w, ok in ((f"the {pkg} package", have(mod)), ("a CUDA GPU", torch.cuda.is_available())) if not ok
+        ]
         if missing:
-            raise InputError(f"attn_implementation = {cfg.attn_implementation} needs {' and '.join(missing)}, which this "
-                             f"machine lacks; install {pkg} on the GPU machine or set attn_implementation: sdpa")
+            raise InputError(
+                f"attn_implementation = {cfg.attn_implementation} needs {' and '.join(missing)}, which this "
+                f"machine lacks; install {pkg} on the GPU machine or set attn_implementation: sdpa"
+            )
     if cfg.rollout_backend == "vllm" and not have("vllm"):
-        raise ValueError("rollout_backend = vllm: vllm is not installed here; install it (pip install -e '.[scale]') "
-                         "or set rollout_backend: hf")
+        raise ValueError(
+            "rollout_backend = vllm: vllm is not installed here; install it (pip install -e '.[scale]') "
+            "or set rollout_backend: hf"
+        )
     if cfg.rollout_backend == "vllm" and cfg.vllm_enable_chunked_prefill and not torch.cuda.is_available():
-        raise ValueError("vllm_enable_chunked_prefill = true on vLLM's CPU backend: a seeded request whose prefill is "
-                         "split fails there (CPU generators have no offset to rewind); set vllm_enable_chunked_prefill: false")
+        raise ValueError(
+            "vllm_enable_chunked_prefill = true on vLLM's CPU backend: a seeded request whose prefill is "
+            "split fails there (CPU generators have no offset to rewind); set vllm_enable_chunked_prefill: false"
+        )
     if cfg.nnodes * cfg.gpus_per_node != world:
-        raise ValueError(f"nnodes * gpus_per_node = {cfg.nnodes} * {cfg.gpus_per_node} ranks planned, but this launch "
-                         f"has {world}; start it with torchrun --nnodes {cfg.nnodes} --nproc_per_node {cfg.gpus_per_node}, "
-                         f"or set gpus_per_node: {world} and nnodes: 1")
+        raise ValueError(
+            f"nnodes * gpus_per_node = {cfg.nnodes} * {cfg.gpus_per_node} ranks planned, but this launch "
+            f"has {world}; start it with torchrun --nnodes {cfg.nnodes} --nproc_per_node {cfg.gpus_per_node}, "
+            f"or set gpus_per_node: {world} and nnodes: 1"
+        )
     return cfg
 
 # %% ../nbs/09_trainer.ipynb #d66889fa
 TINY_N_TRAIN, TINY_N_EVAL = 4000, 64  # sizes of the tiny task's training set and held-out split
+
 
 def load_splits(cfg: DAPOConfig) -> tuple[list[MathExample], list[MathExample]]:
     "Training and held-out examples: the files named in `cfg`, else the tiny task (held-out only when training on it too)."
     tiny = None
     if cfg.train_data is None:
         from dapo_ref.tiny import tiny_splits
-        tiny = tiny_splits(TINY_N_TRAIN, TINY_N_EVAL, seed=0)  # fixed split: every seed is evaluated on the same problems
+
+        tiny = tiny_splits(
+            TINY_N_TRAIN, TINY_N_EVAL, seed=0
+        )  # fixed split: every seed is evaluated on the same problems
     train = load_math_dataset(cfg.train_data) if cfg.train_data else tiny[0]
-    if cfg.eval_data: held_out = load_math_dataset(cfg.eval_data)
-    else: held_out = tiny[1] if cfg.train_data is None else []
-    if not train: raise InputError(f"train_data = {cfg.train_data} holds no problems; give a file with rows in the DAPO-Math-17k schema")
+    if cfg.eval_data:
+        held_out = load_math_dataset(cfg.eval_data)
+    else:
+        held_out = tiny[1] if cfg.train_data is None else []
+    if not train:
+        raise InputError(
+            f"train_data = {cfg.train_data} holds no problems; give a file with rows in the DAPO-Math-17k schema"
+        )
     if cfg.eval_data and not held_out:  # else every held-out accuracy would be n/a
         raise InputError(f"eval_data = {cfg.eval_data} holds no problems; give a file with rows, or eval_data=null")
     return train, held_out
@@ -78,78 +118,117 @@ def load_splits(cfg: DAPOConfig) -> tuple[list[MathExample], list[MathExample]]:
 # %% ../nbs/09_trainer.ipynb #faefc769
 def learner_class(cfg: DAPOConfig) -> type[Learner]:
     "`TorchLearner` for zero_stage 0, `scale.DeepSpeedLearner` for 2 and 3."
-    if cfg.zero_stage == 0: return TorchLearner
+    if cfg.zero_stage == 0:
+        return TorchLearner
     from dapo_ref.scale import DeepSpeedLearner  # DeepSpeed is imported only when asked for
+
     return DeepSpeedLearner
 
 # %% ../nbs/09_trainer.ipynb #05c62787
-TIMING_KEYS = ("time_generate", "time_score", "time_logprobs", "time_update", "time_eval", "time_step",
-               "tokens_per_s", "gen_tokens_per_s", "wall")
+TIMING_KEYS = (
+    "time_generate",
+    "time_score",
+    "time_logprobs",
+    "time_update",
+    "time_eval",
+    "time_step",
+    "tokens_per_s",
+    "gen_tokens_per_s",
+    "wall",
+)
+
 
 def strip_timing(row: dict) -> dict:
     "`row` without the fields that depend on the machine's speed."
     return {k: v for k, v in row.items() if k not in TIMING_KEYS}
 
-
 # %% ../nbs/09_trainer.ipynb #8614d3e5
-def make_engine(cfg: DAPOConfig,   # rollout_backend, group_size, vllm_* fields
-                learner: Learner,  # the weights to start from
-                tokenizer,
-                pad_token_id: int,
-               ) -> RolloutEngine:
+def make_engine(
+    cfg: DAPOConfig,  # rollout_backend, group_size, vllm_* fields
+    learner: Learner,  # the weights to start from
+    tokenizer,
+    pad_token_id: int,
+) -> RolloutEngine:
     "The rollout engine `cfg.rollout_backend` names, holding the learner's current weights."
     eos = getattr(learner.model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
     if cfg.rollout_backend == "vllm":
         from dapo_ref.vllm_rollout import VLLMRolloutEngine  # needs vllm (`pip install -e ".[scale]"`)
-        engine = VLLMRolloutEngine.from_config(cfg, model_path=model_path(cfg.model), world=dist.world_size(), eos_token_id=eos)
+
+        engine = VLLMRolloutEngine.from_config(
+            cfg, model_path=model_path(cfg.model), world=dist.world_size(), eos_token_id=eos
+        )
         engine.load_weights(learner.named_weights())  # the learner's weights, whatever the folder holds
         return engine
-    return HFRolloutEngine(learner.policy_copy(), eos_token_id=eos, pad_token_id=pad_token_id,
-                           max_batch_size=max(64, cfg.group_size))
+    return HFRolloutEngine(
+        learner.policy_copy(), eos_token_id=eos, pad_token_id=pad_token_id, max_batch_size=max(64, cfg.group_size)
+    )
 
 # %% ../nbs/09_trainer.ipynb #beaf2a78
 class Trainer:
     "The run around Algorithm 1 on one rank of N (N = 1 without a launcher): learner, engine, rollout, data, metrics, checkpoints."
-    def __init__(self, cfg: DAPOConfig,
-                 train_examples: list[MathExample] | None = None,  # None: from cfg.train_data / the tiny task
-                 eval_examples: list[MathExample] | None = None,   # None: from cfg.eval_data / the tiny task
-                 model=None, tokenizer=None,      # None: load cfg.model
-                 engine: RolloutEngine | None = None,  # None: make_engine(cfg, ...)
-                 progress: bool | None = None,    # tqdm bars; None = only on a terminal
-                 log: Callable[[str], None] | None = print):
+
+    def __init__(
+        self,
+        cfg: DAPOConfig,
+        train_examples: list[MathExample] | None = None,  # None: from cfg.train_data / the tiny task
+        eval_examples: list[MathExample] | None = None,  # None: from cfg.eval_data / the tiny task
+        model=None,
+        tokenizer=None,  # None: load cfg.model
+        engine: RolloutEngine | None = None,  # None: make_engine(cfg, ...)
+        progress: bool | None = None,  # tqdm bars; None = only on a terminal
+        log: Callable[[str], None] | None = print,
+    ):
         self.cfg = cfg = validate(cfg)
-        self.rank, self.world = dist.init_distributed(timeout=cfg.dist_timeout)  # joins the launcher's group; (0, 1) alone
+        self.rank, self.world = dist.init_distributed(
+            timeout=cfg.dist_timeout
+        )  # joins the launcher's group; (0, 1) alone
         check_run(cfg, self.world)
         tiny = cfg.model == "tiny" or cfg.model.startswith("tiny-")  # built in code: nothing to check before it loads
-        from dapo_ref.eval import LOAD_ERRORS, check_model
-        if model is None and not tiny: check_model(cfg.model, "model =")  # the folder or hub name, config, tokenizer files
-        if self.world > 1 and model is None: stage_model(cfg.model)  # a hub model read once per node, not once per rank
+        from dapo_ref.eval_cli import LOAD_ERRORS, check_model
+
+        if model is None and not tiny:
+            check_model(cfg.model, "model =")  # the folder or hub name, config, tokenizer files
+        if self.world > 1 and model is None:
+            stage_model(cfg.model)  # a hub model read once per node, not once per rank
         B = cfg.prompts_per_step * cfg.group_size
         if B % cfg.mini_batch_size:
-            raise ValueError(f"mini_batch_size = {cfg.mini_batch_size} is out of range: it must divide prompts_per_step * "
-                             f"group_size = {B}, so every gradient update sees a full mini-batch")
+            raise ValueError(
+                f"mini_batch_size = {cfg.mini_batch_size} is out of range: it must divide prompts_per_step * "
+                f"group_size = {B}, so every gradient update sees a full mini-batch"
+            )
         if train_examples is None:
             train_examples, held = load_splits(cfg)
-            if eval_examples is None: eval_examples = held
+            if eval_examples is None:
+                eval_examples = held
         self.train_examples, self.eval_examples = train_examples, eval_examples or []
-        try: self.tokenizer = tokenizer = tokenizer or load_tokenizer(cfg.model)
-        except LOAD_ERRORS as e: raise InputError(f"model = {cfg.model}: cannot load its tokenizer ({one_line(e)[:300]})") from None
+        try:
+            self.tokenizer = tokenizer = tokenizer or load_tokenizer(cfg.model)
+        except LOAD_ERRORS as e:
+            raise InputError(f"model = {cfg.model}: cannot load its tokenizer ({one_line(e)[:300]})") from None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.prompt_ids = [prompt_token_ids(e, tokenizer) for e in train_examples]
         check_prompt_lengths(train_examples, self.prompt_ids, cfg.max_prompt_length)  # names the row in the file
-        try: self.learner = learner_class(cfg).build(cfg, self.pad_id, model=model)
-        except LOAD_ERRORS as e: raise InputError(f"model = {cfg.model}: cannot load its weights ({one_line(e)[:300]})") from None
+        try:
+            self.learner = learner_class(cfg).build(cfg, self.pad_id, model=model)
+        except LOAD_ERRORS as e:
+            raise InputError(f"model = {cfg.model}: cannot load its weights ({one_line(e)[:300]})") from None
         w = self.learner.guard.max_abs()  # every rank its partition, one all-reduce: a damaged model stops here
         if not math.isfinite(w):
-            raise InputError(f"model = {cfg.model}: some weights hold NaN or infinite values; the model is damaged: "
-                             "export or copy it again, or start from another model")
+            raise InputError(
+                f"model = {cfg.model}: some weights hold NaN or infinite values; the model is damaged: "
+                "export or copy it again, or start from another model"
+            )
         self.engine = engine or make_engine(cfg, self.learner, tokenizer, self.pad_id)
         self.sampler = PromptSampler(len(train_examples), cfg.seed)  # line 2's data order
         main = self.rank == 0
-        self._bars = main and (sys.stderr.isatty() if progress is None else bool(progress))  # tqdm bars only on a terminal by default
+        self._bars = main and (
+            sys.stderr.isatty() if progress is None else bool(progress)
+        )  # tqdm bars only on a terminal by default
         self.local_rollout = Rollout(self.engine, tokenizer, train_examples, self.prompt_ids, cfg, progress=self._bars)
         tp = cfg.vllm_tensor_parallel if self.world > 1 else 1
-        self.rollout = self.local_rollout if self.world == 1 else ShardedRollout(self.local_rollout, self.rank, self.world, tp)
+        self.rollout = (
+            self.local_rollout if self.world == 1 else ShardedRollout(self.local_rollout, self.rank, self.world, tp)
+        )
         self.step_idx, self.grad_updates, self.rows = 0, 0, []
         self.bad_updates, self.max_bad_updates = 0, MAX_BAD_UPDATES  # skipped updates in a row; that many stop the run
         self.sampling_timeout = SAMPLING_TIMEOUT  # seconds a step's unbounded dynamic sampling may run
@@ -167,10 +246,24 @@ def sync_weights(self: Trainer):
 def sample_rows(groups: list[Group], tokenizer, examples: list[MathExample], step: int, mode: str) -> list[dict]:
     "samples.jsonl rows (`track.SampleLog`) of training groups: one per response, its text, answer, score and reward."
     dec = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    return [dict(step=step, split="train", prompt=dec(g.prompt_ids), response=dec(r), pred=p,
-                 ground_truth=str(examples[g.index].ground_truth), score=s, reward=w, length=len(r), truncated=t,
-                 reward_mode=mode)
-            for g in groups for r, p, s, w, t in zip(g.responses, g.preds, g.scores, g.rewards, g.truncated)]
+    return [
+        dict(
+            step=step,
+            split="train",
+            prompt=dec(g.prompt_ids),
+            response=dec(r),
+            pred=p,
+            ground_truth=str(examples[g.index].ground_truth),
+            score=s,
+            reward=w,
+            length=len(r),
+            truncated=t,
+            reward_mode=mode,
+        )
+        for g in groups
+        for r, p, s, w, t in zip(g.responses, g.preds, g.scores, g.rewards, g.truncated)
+    ]
+
 
 @patch
 def after_update(self: Trainer, update: dict):
@@ -180,7 +273,9 @@ def after_update(self: Trainer, update: dict):
         raise blown_error(self.grad_updates, self.learner.guard.blown, self.cfg.lr)
     why = self.learner.guard.reason  # None: applied; else why the update was not
     self.bad_updates = self.bad_updates + 1 if why else 0
-    if why: self.log(f"step {self.step_idx}: gradient update {self.grad_updates} not applied: {why}")
+    if why:
+        self.log(f"step {self.step_idx}: gradient update {self.grad_updates} not applied: {why}")
+
 
 @patch
 def step(self: Trainer) -> dict:
@@ -188,38 +283,77 @@ def step(self: Trainer) -> dict:
     cfg, t0 = self.cfg, time.perf_counter()
     self.step_idx += 1
     timer, watch = {}, SamplingWatch(self.sampling_timeout, self.log)
-    metrics, kept = dapo_step(self.rollout, self.learner, self.sampler, cfg, self.step_idx,
-                              on_round=lambda buf: watch(buf, self.step_idx), after_update=self.after_update, timer=timer)
+    metrics, kept = dapo_step(
+        self.rollout,
+        self.learner,
+        self.sampler,
+        cfg,
+        self.step_idx,
+        on_round=lambda buf: watch(buf, self.step_idx),
+        after_update=self.after_update,
+        timer=timer,
+    )
     if self.samples is not None and cfg.samples_per_step:  # rank 0: the responses of the first kept groups
-        self.samples.write(sample_rows(kept[:cfg.samples_per_step], self.tokenizer, self.train_examples, self.step_idx, cfg.reward))
+        self.samples.write(
+            sample_rows(kept[: cfg.samples_per_step], self.tokenizer, self.train_examples, self.step_idx, cfg.reward)
+        )
     gen, score = self.local_rollout.stats.pop("generate", 0.0), self.local_rollout.stats.pop("score", 0.0)
     dt = time.perf_counter() - t0
     row = dict(step=self.step_idx, grad_updates=self.grad_updates, data_pos=self.sampler.pos, **metrics)
     n_tok = metrics["resp_len_mean"] * metrics["groups_seen"] * cfg.group_size  # every response generated this step
-    row.update(time_generate=gen, time_score=score, time_logprobs=timer["logprobs"], time_update=timer["update"],
-               time_step=dt, tokens_per_s=n_tok / dt, gen_tokens_per_s=n_tok / max(gen, 1e-9))
+    row.update(
+        time_generate=gen,
+        time_score=score,
+        time_logprobs=timer["logprobs"],
+        time_update=timer["update"],
+        time_step=dt,
+        tokens_per_s=n_tok / dt,
+        gen_tokens_per_s=n_tok / max(gen, 1e-9),
+    )
     return row
 
 # %% ../nbs/09_trainer.ipynb #f797bc6e
 @patch
 def evaluate(self: Trainer) -> dict:
     "Held-out avg@k, pass@k, maj@k (empty when there is no held-out set); each rank evaluates its share."
-    if not self.eval_examples: return {}
+    if not self.eval_examples:
+        return {}
     from dapo_ref.eval import evaluate
+
     cfg, t0 = self.cfg, time.perf_counter()
     d, D, t = rollout_groups(self.rank, self.world, cfg.vllm_tensor_parallel if self.world > 1 else 1)
     mine = dist.shard(self.eval_examples, d, D)  # the ranks of one engine evaluate the same share with the same seed
     seed = seed_of(cfg.seed, "eval") if D == 1 else seed_of(cfg.seed, "eval", d)
     rows = [] if cfg.samples_max_mb > 0 else None  # samples.jsonl: every response of the evaluation
-    r = evaluate(self.engine, self.tokenizer, mine, k=cfg.eval_k, temperature=cfg.eval_temperature,
-                 top_p=cfg.eval_top_p, max_tokens=cfg.l_max, seed=seed, reward=cfg.reward, samples=rows) if mine else None
+    r = (
+        evaluate(
+            self.engine,
+            self.tokenizer,
+            mine,
+            k=cfg.eval_k,
+            temperature=cfg.eval_temperature,
+            top_p=cfg.eval_top_p,
+            max_tokens=cfg.l_max,
+            seed=seed,
+            reward=cfg.reward,
+            samples=rows,
+        )
+        if mine
+        else None
+    )
     got = dist.all_gather((r, rows) if t == 0 and r else None)
-    if self.samples is not None: self.samples.write([dict(step=self.step_idx, **x) for g in got if g and g[1] for x in g[1]])
+    if self.samples is not None:
+        self.samples.write([dict(step=self.step_idx, **x) for g in got if g and g[1] for x in g[1]])
     parts = [g[0] for g in got if g]
     n = sum(p["n_prompts"] for p in parts)
     mean = lambda key: sum(p[key] * p["n_prompts"] for p in parts) / n
-    return dict(eval_acc=mean("avg@k"), eval_pass=mean("pass@k"), eval_maj=mean("maj@k"), eval_len=mean("mean_length"),
-                time_eval=time.perf_counter() - t0)
+    return dict(
+        eval_acc=mean("avg@k"),
+        eval_pass=mean("pass@k"),
+        eval_maj=mean("maj@k"),
+        eval_len=mean("mean_length"),
+        time_eval=time.perf_counter() - t0,
+    )
 
 # %% ../nbs/09_trainer.ipynb #634c99a2
 @patch
@@ -229,7 +363,8 @@ def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
     final, tmp = d / f"step-{self.step_idx}", d / f"step-{self.step_idx}.tmp"
     prev = latest_checkpoint(self.out)
     if main:
-        if tmp.exists(): shutil.rmtree(tmp)
+        if tmp.exists():
+            shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
     failed = None
@@ -238,34 +373,55 @@ def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
         torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
         if main:
             self.tokenizer.save_pretrained(tmp)
-            (tmp / "state.json").write_text(json.dumps(dict(step=self.step_idx, grad_updates=self.grad_updates,
-                                                            data_pos=self.sampler.pos, world_size=self.world, metrics=self.rows,
-                                                            experiment={k: getattr(self.cfg, k) for k in FROZEN})))
-    except (OSError, RuntimeError) as e: failed = e  # a full disk: OSError, or torch's zip writer's RuntimeError
+            (tmp / "state.json").write_text(
+                json.dumps(
+                    dict(
+                        step=self.step_idx,
+                        grad_updates=self.grad_updates,
+                        data_pos=self.sampler.pos,
+                        world_size=self.world,
+                        metrics=self.rows,
+                        experiment={k: getattr(self.cfg, k) for k in FROZEN},
+                    )
+                )
+            )
+    except (OSError, RuntimeError) as e:
+        failed = e  # a full disk: OSError, or torch's zip writer's RuntimeError
     if dist.all_reduce([float(failed is not None)])[0]:  # every rank learns that one failed (this replaces a barrier)
-        if main: shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise checkpoint_error(failed or RuntimeError("another rank could not write its part"), tmp, prev)
     if main:
-        if final.exists(): shutil.rmtree(final)
+        if final.exists():
+            shutil.rmtree(final)
         os.replace(tmp, final)
-        for p in step_folders(self.out)[keep:] if keep else []: shutil.rmtree(p, ignore_errors=True)  # newest first; 0 = keep all
+        for p in step_folders(self.out)[keep:] if keep else []:
+            shutil.rmtree(p, ignore_errors=True)  # newest first; 0 = keep all
     dist.barrier()
     return final
+
 
 @patch
 def export(self: Trainer, path: str | Path) -> Path:
     "The policy as a transformers folder (weights in `cfg.dtype`, config, tokenizer) at `path`: rank 0 writes; call it on every rank."
     path, failed = Path(path), None
     if dist.is_main():  # the marker first: dapo-export --overwrite may finish a half-written export
-        try: write_marker(path, "model")
-        except OSError as e: failed = e  # rank 0's save_model fails too, and every rank learns it there
+        try:
+            write_marker(path, "model")
+        except OSError as e:
+            failed = e  # rank 0's save_model fails too, and every rank learns it there
     try:
         self.learner.save_model(path)  # a collective for partitioned learners (gathered one module at a time)
-        if dist.is_main(): self.tokenizer.save_pretrained(path)
-    except (OSError, RuntimeError) as e: failed = e  # a full disk
-    if dist.all_reduce([float(failed is not None)])[0]:  # every rank stops with the same error (this replaces a barrier)
+        if dist.is_main():
+            self.tokenizer.save_pretrained(path)
+    except (OSError, RuntimeError) as e:
+        failed = e  # a full disk
+    if dist.all_reduce([float(failed is not None)])[
+        0
+    ]:  # every rank stops with the same error (this replaces a barrier)
         raise export_error(failed or OSError("rank 0 could not write its part"), path, latest_checkpoint(self.out))
     return path
+
 
 @patch
 def load_checkpoint(self: Trainer, path: str | Path):
@@ -273,114 +429,164 @@ def load_checkpoint(self: Trainer, path: str | Path):
     path = Path(path)
     s = json.loads((path / "state.json").read_text())
     if s.get("world_size", 1) != self.world:
-        raise ValueError(f"{path} was written by {s['world_size']} ranks and this run has {self.world}: a run resumes "
-                         "on the number of ranks it started with (sampling seeds and optimizer partitions are per rank)")
+        raise ValueError(
+            f"{path} was written by {s['world_size']} ranks and this run has {self.world}: a run resumes "
+            "on the number of ranks it started with (sampling seeds and optimizer partitions are per rank)"
+        )
     self.learner.load(path)
     set_rng_state(torch.load(path / f"rng-rank{self.rank}.pt", weights_only=True))
-    self.step_idx, self.grad_updates, self.sampler.pos, self.rows = s["step"], s["grad_updates"], s["data_pos"], s["metrics"]
+    self.step_idx, self.grad_updates, self.sampler.pos, self.rows = (
+        s["step"],
+        s["grad_updates"],
+        s["data_pos"],
+        s["metrics"],
+    )
     self.sync_weights()
 
 # %% ../nbs/09_trainer.ipynb #06d05aee
 @patch
 def _write(self: Trainer, row: dict):
     self.rows.append(row)
-    if not dist.is_main(): return
-    with open(self.out / "metrics.jsonl", "a") as f: f.write(json.dumps(row) + "\n")
-    if self.trackers is not None: self.trackers.log(row, row["step"])
+    if not dist.is_main():
+        return
+    with open(self.out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if self.trackers is not None:
+        self.trackers.log(row, row["step"])
+
 
 @patch
 def _start(self: Trainer, resume: bool, overwrite: bool = False):
     "Config on disk, then the newest checkpoint that loads (when `resume`) or a fresh start with the held-out accuracy at step 0."
     cfg, main = self.cfg, dist.is_main()
-    changed = prepare_output_dir(cfg, resume, overwrite)  # the user's folder refused; an earlier run only resumed or overwritten
-    if changed: self.log("resume: " + ", ".join(f"{k} {a} -> {b}" for k, a, b in changed) + " (applied; config.yaml updated)")
+    changed = prepare_output_dir(
+        cfg, resume, overwrite
+    )  # the user's folder refused; an earlier run only resumed or overwritten
+    if changed:
+        self.log("resume: " + ", ".join(f"{k} {a} -> {b}" for k, a, b in changed) + " (applied; config.yaml updated)")
     dist.barrier()
     if main:
-        if overwrite and (gone := clear_run(self.out)): self.log(f"--overwrite: removed {', '.join(gone)} from {self.out}")
-        if read_marker(self.out) is None: write_marker(self.out, "run")  # the folder is the run's from now on
+        if overwrite and (gone := clear_run(self.out)):
+            self.log(f"--overwrite: removed {', '.join(gone)} from {self.out}")
+        if read_marker(self.out) is None:
+            write_marker(self.out, "run")  # the folder is the run's from now on
         save_config(cfg, self.out / "config.yaml")
     dist.barrier()
     ck = newest_loadable_checkpoint(self.out, self.log) if resume else None  # a broken newer one is skipped, kept
     if ck is not None:
         self.load_checkpoint(ck)
         self.log(f"resumed from {ck} (step {self.step_idx}, {self.grad_updates} gradient updates)")
-    elif resume: self.log(f"resume: no checkpoint under {self.out / 'checkpoints'}; starting from scratch")
+    elif resume:
+        self.log(f"resume: no checkpoint under {self.out / 'checkpoints'}; starting from scratch")
     if main:  # metrics.jsonl holds exactly the rows up to the checkpoint (a killed run may have written more) ...
         old = read_metrics(self.out / "metrics.jsonl") if (self.out / "metrics.jsonl").is_file() else []
-        dropped = old[len(self.rows):] if old[:len(self.rows)] == self.rows else old
+        dropped = old[len(self.rows) :] if old[: len(self.rows)] == self.rows else old
         if dropped:  # ... and the rows after it are kept aside, not lost
             with open(self.out / "metrics.dropped.jsonl", "a") as f:
-                for r in dropped: f.write(json.dumps({**r, "dropped_at_resume": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
-            self.log(f"resume: {len(dropped)} metrics rows written after {ck.name if ck else 'the start'} (steps "
-                     f"{dropped[0].get('step')}..{dropped[-1].get('step')}) moved to metrics.dropped.jsonl")
+                for r in dropped:
+                    f.write(json.dumps({**r, "dropped_at_resume": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+            self.log(
+                f"resume: {len(dropped)} metrics rows written after {ck.name if ck else 'the start'} (steps "
+                f"{dropped[0].get('step')}..{dropped[-1].get('step')}) moved to metrics.dropped.jsonl"
+            )
         (self.out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.rows))
         self.trackers = Trackers(cfg.report_to, self.out, self.out.name, dataclasses.asdict(cfg), self.log)
         self.samples = SampleLog(self.out, int(cfg.samples_max_mb * 2**20))
     dist.barrier()  # no rank reads the checkpoint folder after this point until rank 0 has cleared it
     if ck is None:
-        torch.manual_seed(cfg.seed); random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
         self._write(dict(step=0, grad_updates=0, **self.evaluate()))  # held-out accuracy before training
 
 # %% ../nbs/09_trainer.ipynb #ec23f834
 @patch
-def fit(self: Trainer, resume: bool = False, keep_checkpoints: int = 2,
-        overwrite: bool = False,  # replace a run already in output_dir (without it, and without resume, it is refused)
-       ) -> dict:
+def fit(
+    self: Trainer,
+    resume: bool = False,
+    keep_checkpoints: int = 2,
+    overwrite: bool = False,  # replace a run already in output_dir (without it, and without resume, it is refused)
+) -> dict:
     "Algorithm 1 line 1: train for `cfg.total_steps` rollout steps (from the newest checkpoint when `resume`); return a summary."
     cfg, t_start, main = self.cfg, time.perf_counter(), dist.is_main()
-    if keep_checkpoints < 0: raise InputError(f"keep_checkpoints = {keep_checkpoints} is out of range: allowed >= 0 (0 keeps all)")
+    if keep_checkpoints < 0:
+        raise InputError(f"keep_checkpoints = {keep_checkpoints} is out of range: allowed >= 0 (0 keeps all)")
     self._start(resume, overwrite)
     bar = tqdm(total=cfg.total_steps, initial=self.step_idx, desc="rollout steps", disable=not self._bars)
     while self.step_idx < cfg.total_steps:
         row = self.step()
         last = self.step_idx == cfg.total_steps
-        if last or (cfg.eval_every and self.step_idx % cfg.eval_every == 0): row.update(self.evaluate())
+        if last or (cfg.eval_every and self.step_idx % cfg.eval_every == 0):
+            row.update(self.evaluate())
         self._write(row)
         if self.bad_updates >= self.max_bad_updates:  # the weights are the last good ones; stop before a checkpoint
             raise divergence_error(self.bad_updates, self.learner.guard.reason, cfg.lr)
         bar.update(1)
-        bar.set_postfix(acc=f"{row['acc']:.2f}", ent=f"{row['entropy']:.2f}", len=f"{row['resp_len_mean']:.0f}",
-                        **({"held_out": f"{row['eval_acc']:.2f}"} if "eval_acc" in row else {}))
+        bar.set_postfix(
+            acc=f"{row['acc']:.2f}",
+            ent=f"{row['entropy']:.2f}",
+            len=f"{row['resp_len_mean']:.0f}",
+            **({"held_out": f"{row['eval_acc']:.2f}"} if "eval_acc" in row else {}),
+        )
         if bar.disable and (self.step_idx == 1 or "eval_acc" in row):  # no bar: one line per evaluation
-            self.log(f"step {self.step_idx:4d}  updates {self.grad_updates:5d}  acc {row['acc']:.3f}  "
-                     f"entropy {row['entropy']:.3f}  len {row['resp_len_mean']:.1f}"
-                     + (f"  held-out {row['eval_acc']:.3f}" if "eval_acc" in row else ""))
-        if last or (cfg.save_every and self.step_idx % cfg.save_every == 0): self.save_checkpoint(keep_checkpoints)
+            self.log(
+                f"step {self.step_idx:4d}  updates {self.grad_updates:5d}  acc {row['acc']:.3f}  "
+                f"entropy {row['entropy']:.3f}  len {row['resp_len_mean']:.1f}"
+                + (f"  held-out {row['eval_acc']:.3f}" if "eval_acc" in row else "")
+            )
+        if last or (cfg.save_every and self.step_idx % cfg.save_every == 0):
+            self.save_checkpoint(keep_checkpoints)
         if not last and cfg.export_every and self.step_idx % cfg.export_every == 0:
             self.export(self.out / "exports" / f"step-{self.step_idx}")
     bar.close()
-    if self.step_idx == 0: self._write(dict(step=0, grad_updates=0))
+    if self.step_idx == 0:
+        self._write(dict(step=0, grad_updates=0))
     self.export(self.out / "final")  # every rank: a collective for partitioned learners
     evals = [r["eval_acc"] for r in self.rows if "eval_acc" in r]
-    summary = dict(eval_start=evals[0] if evals else None, eval_end=evals[-1] if evals else None,
-                   steps=self.step_idx, grad_updates=self.grad_updates, wall=time.perf_counter() - t_start,
-                   output_dir=str(self.out), world_size=self.world)
+    summary = dict(
+        eval_start=evals[0] if evals else None,
+        eval_end=evals[-1] if evals else None,
+        steps=self.step_idx,
+        grad_updates=self.grad_updates,
+        wall=time.perf_counter() - t_start,
+        output_dir=str(self.out),
+        world_size=self.world,
+    )
     if main:
         plot_curves(self.rows, self.out / "curves.png")
-        self.trackers.summary(summary); self.trackers.close()
+        self.trackers.summary(summary)
+        self.trackers.close()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
     dist.barrier()
     return summary
-
 
 # %% ../nbs/09_trainer.ipynb #b9d41c07
 def summary_line(s: dict) -> str:
     "The one line `dapo-train` ends with."
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
     ranks = f" on {s['world_size']} ranks" if s.get("world_size", 1) > 1 else ""
-    return (f"held-out accuracy {pct(s['eval_start'])} -> {pct(s['eval_end'])} in {s['steps']} rollout steps "
-            f"({s['grad_updates']} gradient updates), wall {s['wall']:.0f} s{ranks}")
+    return (
+        f"held-out accuracy {pct(s['eval_start'])} -> {pct(s['eval_end'])} in {s['steps']} rollout steps "
+        f"({s['grad_updates']} gradient updates), wall {s['wall']:.0f} s{ranks}"
+    )
 
-def train(cfg: DAPOConfig,             # the run's config
-          resume: bool = False,        # continue from output_dir/checkpoints/step-N (the newest)
-          deterministic: bool | None = None,  # torch.use_deterministic_algorithms (a resumed run repeats exactly); None: on the CPU only
-          keep_checkpoints: int = 2,   # checkpoints kept on disk; 0 keeps all
-          overwrite: bool = False,     # replace a run already in output_dir
-          **kwargs) -> dict:
+
+def train(
+    cfg: DAPOConfig,  # the run's config
+    resume: bool = False,  # continue from output_dir/checkpoints/step-N (the newest)
+    deterministic: bool
+    | None = None,  # torch.use_deterministic_algorithms (a resumed run repeats exactly); None: on the CPU only
+    keep_checkpoints: int = 2,  # checkpoints kept on disk; 0 keeps all
+    overwrite: bool = False,  # replace a run already in output_dir
+    **kwargs,
+) -> dict:
     "Run DAPO training for `cfg` on this process's rank (all ranks under a launcher); returns the summary."
-    if deterministic is None: deterministic = not torch.cuda.is_available()  # on GPUs it NaN-fills torch.empty, warns on cuBLAS
-    if deterministic: torch.use_deterministic_algorithms(True, warn_only=True)
+    if deterministic is None:
+        deterministic = not torch.cuda.is_available()  # on GPUs it NaN-fills torch.empty, warns on cuBLAS
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     trainer = Trainer(cfg, **kwargs)
-    try: return trainer.fit(resume=resume, keep_checkpoints=keep_checkpoints, overwrite=overwrite)
+    try:
+        return trainer.fit(resume=resume, keep_checkpoints=keep_checkpoints, overwrite=overwrite)
     finally:  # the engine it started gives its device memory back: the next engine of this process (an evaluation) can start
-        if kwargs.get("engine") is None: trainer.engine.close()
+        if kwargs.get("engine") is None:
+            trainer.engine.close()

@@ -11,22 +11,34 @@ import collections, ctypes, importlib, json, logging, math, os, selectors, signa
 
 W, DEAD = {}, []  # the live workers, by the fd of their answer pipe; killed workers not yet reaped
 SERVER = sel = out = P = verify = PLUGIN = None  # set by `serve`: this process, its selector, the answer stream,
-                                                # math-verify, or a reward plug-in (a function) instead of it
+# math-verify, or a reward plug-in (a function) instead of it
 
 # %% ../nbs/02a_verify_server.ipynb #923df7cf
 def load_math_verify():
     "Import math-verify and run sympy's lazy imports once, before any fork; return math-verify's (parse, verify)."
     from math_verify import parse, verify
+
     P = lambda s: parse(s, parsing_timeout=None)  # math-verify's own (signal) timeouts off: the server kills instead
-    for g, p in [("1/2", "0.5"), ("2\\sqrt{3}", "298"), ("(1,2)", "984"), ("x^2+1", "7"), ("\\frac{\\pi}{4}", "\\pi/4"),
-                 ("[1,2)", "(1,2]"), ("-7", "626"), ("\\frac{3}{\\sqrt{2}}", "2.1"), ("\\text{(A)}", "A")]:
+    for g, p in [
+        ("1/2", "0.5"),
+        ("2\\sqrt{3}", "298"),
+        ("(1,2)", "984"),
+        ("x^2+1", "7"),
+        ("\\frac{\\pi}{4}", "\\pi/4"),
+        ("[1,2)", "(1,2]"),
+        ("-7", "626"),
+        ("\\frac{3}{\\sqrt{2}}", "2.1"),
+        ("\\text{(A)}", "A"),
+    ]:
         verify(P("$" + g + "$"), P("$" + p + "$"), timeout_seconds=None)
     return P, verify
+
 
 def load_plugin(spec):
     "The reward plug-in `package.module:function`, imported once before any fork (its module on this process's path)."
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
+
 
 def plugin_verdict(gold, response):
     "The plug-in's score of `response` as a JSON number; 'error' when it raises or returns no finite number."
@@ -34,109 +46,165 @@ def plugin_verdict(gold, response):
         v = PLUGIN(response, gold)
         v = float(v["score"] if isinstance(v, dict) else v)
         return json.dumps(v) if math.isfinite(v) else '"error"'
-    except Exception: return '"error"'
+    except Exception:
+        return '"error"'
 
 # %% ../nbs/02a_verify_server.ipynb #ff3de068
 def child():
     "A forked worker: reads [gold, pred] lines on fd 0, writes 1 / 0 (a plug-in: its score) lines on fd 3; dies with the server."
-    try: ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception: pass
-    if os.getppid() != SERVER: os._exit(0)
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    if os.getppid() != SERVER:
+        os._exit(0)
     golds, w = {}, os.fdopen(3, "w")
     for line in os.fdopen(0, "r"):
         if PLUGIN is not None:  # a reward plug-in: [ground truth, response] -> its score
-            w.write(plugin_verdict(*json.loads(line)) + "\n"); w.flush(); continue
+            w.write(plugin_verdict(*json.loads(line)) + "\n")
+            w.flush()
+            continue
         try:
             gold, pred = json.loads(line)
             if gold not in golds:
-                if len(golds) > 64: golds.clear()
+                if len(golds) > 64:
+                    golds.clear()
                 golds[gold] = P(gold)
             ok = verify(golds[gold], P(pred), timeout_seconds=None)
-        except Exception: ok = False  # parse errors, RecursionError, sympy errors: not equivalent
-        w.write("1\n" if ok else "0\n"); w.flush()
+        except Exception:
+            ok = False  # parse errors, RecursionError, sympy errors: not equivalent
+        w.write("1\n" if ok else "0\n")
+        w.flush()
+
 
 def spawn():
     "Fork a worker with a request pipe (its fd 0) and an answer pipe (its fd 3); register its answer pipe."
-    tr, tw = os.pipe(); rr, rw = os.pipe()
+    tr, tw = os.pipe()
+    rr, rw = os.pipe()
     pid = os.fork()
     if pid == 0:
-        try: os.dup2(tr, 0); os.dup2(rw, 3); os.closerange(4, 1 << 16); child()
-        finally: os._exit(0)
-    os.close(tr); os.close(rw)
+        try:
+            os.dup2(tr, 0)
+            os.dup2(rw, 3)
+            os.closerange(4, 1 << 16)
+            child()
+        finally:
+            os._exit(0)
+    os.close(tr)
+    os.close(rw)
     w = dict(pid=pid, w=os.fdopen(tw, "w"), r=rr, buf=b"", job=None, gold=None, t0=0.0, ran=0.0, aside=False)
-    sel.register(rr, selectors.EVENT_READ); W[rr] = w
+    sel.register(rr, selectors.EVENT_READ)
+    W[rr] = w
     return w
+
 
 def drop(w):
     "Kill w; it is reaped later (`reap`): tearing down a forked copy of sympy takes tens of ms, off the round's clock."
-    sel.unregister(w["r"]); del W[w["r"]]
-    try: os.kill(w["pid"], signal.SIGKILL)
-    except ProcessLookupError: pass
-    DEAD.append(w["pid"]); os.close(w["r"])
-    try: w["w"].close()
-    except OSError: pass
+    sel.unregister(w["r"])
+    del W[w["r"]]
+    try:
+        os.kill(w["pid"], signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    DEAD.append(w["pid"])
+    os.close(w["r"])
+    try:
+        w["w"].close()
+    except OSError:
+        pass
+
 
 def reap(block=False):
     "Wait for the killed workers that have exited (all of them with `block`)."
     for pid in list(DEAD):
-        if os.waitpid(pid, 0 if block else os.WNOHANG)[0]: DEAD.remove(pid)
+        if os.waitpid(pid, 0 if block else os.WNOHANG)[0]:
+            DEAD.remove(pid)
 
 # %% ../nbs/02a_verify_server.ipynb #31319825
 def run_round(pairs, timeout, workers, slow_after, max_aside):
     "Verdicts 1 / 0 / 'timeout' / 'error' for `pairs`; each call may run for `timeout` seconds."
     reap()
     res, left, todo, lost = [None] * len(pairs), len(pairs), {}, 0.0  # lost: round time the steps aside cost
-    for i, (gold, _) in enumerate(pairs): todo.setdefault(gold, collections.deque()).append(i)
-    for w in sorted((w for w in W.values() if w["job"] is None), key=lambda w: w["pid"])[workers:]: drop(w)
+    for i, (gold, _) in enumerate(pairs):
+        todo.setdefault(gold, collections.deque()).append(i)
+    for w in sorted((w for w in W.values() if w["job"] is None), key=lambda w: w["pid"])[workers:]:
+        drop(w)
     ran = lambda w, now: w["ran"] + (0.0 if w["aside"] else now - w["t0"])  # running time of w's call
+
     def finish(w, v):
         nonlocal left, lost
-        if w.pop("fresh", False): lost += (time.monotonic() - w["t0"]) / workers  # a new fork's first call: page copies
+        if w.pop("fresh", False):
+            lost += (time.monotonic() - w["t0"]) / workers  # a new fork's first call: page copies
         res[w["job"]], w["job"], left = v, None, left - 1
-        if v in ("timeout", "error"): drop(w)
-        elif w["aside"]: os.kill(w["pid"], signal.SIGCONT); w["aside"] = False  # answered just as it was stopped
+        if v in ("timeout", "error"):
+            drop(w)
+        elif w["aside"]:
+            os.kill(w["pid"], signal.SIGCONT)
+            w["aside"] = False  # answered just as it was stopped
+
     def take(w):  # the same ground truth as this worker's last call where possible: sympy's caches help there
         q = todo.get(w["gold"]) or next(iter(todo.values()))
         i = q.popleft()
-        if not q: del todo[pairs[i][0]]
+        if not q:
+            del todo[pairs[i][0]]
         w.update(job=i, gold=pairs[i][0], t0=time.monotonic(), ran=0.0)
-        try: w["w"].write(json.dumps(pairs[i]) + "\n"); w["w"].flush()
-        except OSError: finish(w, "error")
+        try:
+            w["w"].write(json.dumps(pairs[i]) + "\n")
+            w["w"].flush()
+        except OSError:
+            finish(w, "error")
+
     while left:
         live = [w for w in W.values() if not w["aside"]]
         replacing = len(live) < len(W)  # some calls stepped aside: new workers take their slots
         while todo and len(live) < workers:
-            t = time.monotonic(); live.append(spawn())
-            if replacing: lost += time.monotonic() - t; live[-1]["fresh"] = True  # replaces a call that stepped aside
+            t = time.monotonic()
+            live.append(spawn())
+            if replacing:
+                lost += time.monotonic() - t
+                live[-1]["fresh"] = True  # replaces a call that stepped aside
         for w in live:
-            if w["job"] is None and todo: take(w)
+            if w["job"] is None and todo:
+                take(w)
         now, aside = time.monotonic(), [w for w in W.values() if w["aside"]]
         if todo:  # calls are waiting: a slow call is stopped (its clock too) and a new worker takes its slot
-            slow = [w for w in live if w["job"] is not None and ran(w, now) > slow_after][:max(0, max_aside - len(aside))]
+            slow = [w for w in live if w["job"] is not None and ran(w, now) > slow_after][
+                : max(0, max_aside - len(aside))
+            ]
             for w in slow:
-                os.kill(w["pid"], signal.SIGSTOP); w.update(ran=ran(w, now), aside=True)
+                os.kill(w["pid"], signal.SIGSTOP)
+                w.update(ran=ran(w, now), aside=True)
                 lost += w["ran"] / workers  # its slice held one of `workers` slots while others waited
-            if slow: continue
+            if slow:
+                continue
         else:  # nothing waits any more: the stopped calls run again side by side, each with the time it has left
             for w in aside:  # ... each charged the delay the steps aside caused: the round ends within one timeout
-                os.kill(w["pid"], signal.SIGCONT); w.update(aside=False, t0=now, ran=w["ran"] + lost)
+                os.kill(w["pid"], signal.SIGCONT)
+                w.update(aside=False, t0=now, ran=w["ran"] + lost)
         busy = [w for w in W.values() if w["job"] is not None and not w["aside"]]
         wake = [now + timeout - ran(w, now) for w in busy]
-        if todo and len(aside) < max_aside: wake += [now + slow_after - ran(w, now) for w in busy]
+        if todo and len(aside) < max_aside:
+            wake += [now + slow_after - ran(w, now) for w in busy]
         for key, _ in sel.select(max(0.0, min(wake, default=now + 1.0) - now)):
-            if key.fd == 0: raise SystemExit  # the client closed its end or died
+            if key.fd == 0:
+                raise SystemExit  # the client closed its end or died
             w = W.get(key.fd)
-            if w is None: continue
+            if w is None:
+                continue
             data = os.read(w["r"], 4096)
             if not data:
-                if w["job"] is not None: finish(w, "error")  # died: stack overflow in the parser, out of memory
-                else: drop(w)
+                if w["job"] is not None:
+                    finish(w, "error")  # died: stack overflow in the parser, out of memory
+                else:
+                    drop(w)
                 continue
             w["buf"] += data
             if b"\n" in w["buf"] and w["job"] is not None:
-                line, w["buf"] = w["buf"].split(b"\n", 1); finish(w, json.loads(line))  # 1 / 0, a plug-in's score or "error"
+                line, w["buf"] = w["buf"].split(b"\n", 1)
+                finish(w, json.loads(line))  # 1 / 0, a plug-in's score or "error"
         now = time.monotonic()
-        for w in [w for w in W.values() if w["job"] is not None and ran(w, now) >= timeout]: finish(w, "timeout")
+        for w in [w for w in W.values() if w["job"] is not None and ran(w, now) >= timeout]:
+            finish(w, "timeout")
     return res
 
 # %% ../nbs/02a_verify_server.ipynb #7b8d67f0
@@ -145,24 +213,35 @@ def serve():
     global SERVER, sel, out, P, verify, PLUGIN
     logging.disable(logging.CRITICAL)
     try:
-        if len(sys.argv) > 1: PLUGIN = load_plugin(sys.argv[1])  # `python -c <this file> package.module:function`
-        else: P, verify = load_math_verify()
+        if len(sys.argv) > 1:
+            PLUGIN = load_plugin(sys.argv[1])  # `python -c <this file> package.module:function`
+        else:
+            P, verify = load_math_verify()
     except Exception as e:
-        sys.stdout.write("error %r\n" % (e,)); sys.stdout.flush(); sys.exit(1)
+        sys.stdout.write("error %r\n" % (e,))
+        sys.stdout.flush()
+        sys.exit(1)
     out = os.fdopen(os.dup(1), "w")
-    null = os.open(os.devnull, os.O_WRONLY); os.dup2(null, 1); os.dup2(null, 2)  # stray prints cannot reach the protocol
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)  # stray prints cannot reach the protocol
     SERVER, sel = os.getpid(), selectors.DefaultSelector()
     sel.register(0, selectors.EVENT_READ)
-    out.write("ready\n"); out.flush()
+    out.write("ready\n")
+    out.flush()
     try:
         for line in sys.stdin:
             a = json.loads(line)
-            out.write(json.dumps(run_round(a["pairs"], a["timeout"], a["workers"], a["slow_after"], a["max_aside"])) + "\n")
+            out.write(
+                json.dumps(run_round(a["pairs"], a["timeout"], a["workers"], a["slow_after"], a["max_aside"])) + "\n"
+            )
             out.flush()
     finally:
-        for w in list(W.values()): drop(w)
+        for w in list(W.values()):
+            drop(w)
         reap(block=True)
 
 # %% ../nbs/02a_verify_server.ipynb #e94a231e
 #| eval: false
-if __name__ == "__main__": serve()
+if __name__ == "__main__":
+    serve()

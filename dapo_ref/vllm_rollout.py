@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
-from fastcore.basics import patch
 from torch import Tensor
 
 from .rollout import Completion, RolloutEngine, SamplingParams
@@ -21,31 +20,46 @@ __all__ = ['REQUIRED_VLLM', 'FULL_ORDER', 'vllm_sampling_kwargs', 'prompt_seeds'
            'VLLMRolloutEngine']
 
 # %% ../nbs/07a_vllm.ipynb #b394f837
-def vllm_sampling_kwargs(params: SamplingParams,          # dapo_ref's sampling parameters
-                         eos_ids: list[int] | None = None, # stop on exactly these ids; None = the model's own EOS
-                         seed: int | None = None,          # this request's seed (vLLM seeds sample j with seed + j); None = engine stream
-                        ) -> dict:
+def vllm_sampling_kwargs(
+    params: SamplingParams,  # dapo_ref's sampling parameters
+    eos_ids: list[int] | None = None,  # stop on exactly these ids; None = the model's own EOS
+    seed: int | None = None,  # this request's seed (vLLM seeds sample j with seed + j); None = engine stream
+) -> dict:
     "Keyword arguments for `vllm.SamplingParams`, mapped one to one from `params` (`top_k=-1` -> 0 = off); the sampled tokens' log-probs, no text."
-    kw = dict(n=params.n, temperature=params.temperature, top_p=params.top_p,
-              top_k=0 if params.top_k == -1 else params.top_k, max_tokens=params.max_tokens, seed=seed,
-              logprobs=0, detokenize=False)
+    kw = dict(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=0 if params.top_k == -1 else params.top_k,
+        max_tokens=params.max_tokens,
+        seed=seed,
+        logprobs=0,
+        detokenize=False,
+    )
     if eos_ids is not None:
-        if len(eos_ids) == 0: raise ValueError("eos_ids: got an empty list; give at least one token id that ends a response, or None for the model's own EOS")
+        if len(eos_ids) == 0:
+            raise ValueError(
+                "eos_ids: got an empty list; give at least one token id that ends a response, or None for the model's own EOS"
+            )
         kw.update(ignore_eos=True, stop_token_ids=list(eos_ids))
     return kw
 
 # %% ../nbs/07a_vllm.ipynb #cfd43f2e
-def prompt_seeds(seed: int,      # the call's seed (`SamplingParams.seed`)
-                 n_prompts: int, # P
-                ) -> list[int]:
+def prompt_seeds(
+    seed: int,  # the call's seed (`SamplingParams.seed`)
+    n_prompts: int,  # P
+) -> list[int]:
     "One seed below 2**62 per prompt, from sha256 of (seed, prompt index): stable across runs, processes and Python versions."
-    return [int.from_bytes(hashlib.sha256(f"dapo_ref.vllm/{seed}/{i}".encode()).digest()[:8], "little") >> 2
-            for i in range(n_prompts)]
+    return [
+        int.from_bytes(hashlib.sha256(f"dapo_ref.vllm/{seed}/{i}".encode()).digest()[:8], "little") >> 2
+        for i in range(n_prompts)
+    ]
 
 # %% ../nbs/07a_vllm.ipynb #e19d7e6a
-def completions_from_outputs(outputs,  # vLLM `RequestOutput`s, one per prompt, in prompt order
-                             n: int,   # samples per prompt (`SamplingParams.n`)
-                            ) -> list[Completion]:
+def completions_from_outputs(
+    outputs,  # vLLM `RequestOutput`s, one per prompt, in prompt order
+    n: int,  # samples per prompt (`SamplingParams.n`)
+) -> list[Completion]:
     "Flatten vLLM's outputs into `len(outputs) * n` `Completion`s: prompt order, the `n` of a prompt contiguous (by sample index)."
     comps = []
     for i, out in enumerate(outputs):
@@ -54,9 +68,11 @@ def completions_from_outputs(outputs,  # vLLM `RequestOutput`s, one per prompt, 
             raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected n={n}")
         for o in samples:
             if o.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM ended sample {o.index} of prompt {i} with finish_reason={o.finish_reason!r} "
-                                   f"(stop_reason={getattr(o, 'stop_reason', None)!r}); a rollout response must end with "
-                                   f"'stop' (EOS) or 'length' (max_tokens)")
+                raise RuntimeError(
+                    f"vLLM ended sample {o.index} of prompt {i} with finish_reason={o.finish_reason!r} "
+                    f"(stop_reason={getattr(o, 'stop_reason', None)!r}); a rollout response must end with "
+                    f"'stop' (EOS) or 'length' (max_tokens)"
+                )
             lp = getattr(o, "logprobs", None)  # per position {token id: Logprob}, when requested
             lp = None if lp is None else [float(lp[k][t].logprob) for k, t in enumerate(o.token_ids)]
             comps.append(Completion(i, list(o.token_ids), o.finish_reason, lp))
@@ -65,49 +81,62 @@ def completions_from_outputs(outputs,  # vLLM `RequestOutput`s, one per prompt, 
 # %% ../nbs/07a_vllm.ipynb #8fb22728
 _LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 
+
 def _layer_of(name: str) -> str:
     "The decoder layer a tensor belongs to (`model.layers.3`), or the tensor's own name outside the layers."
     m = _LAYER.match(name)
     return m.group(1) if m else name
 
-def weight_buckets(named_tensors: Iterable[tuple[str, Tensor]],  # (checkpoint name, full tensor), one layer's tensors together
-                   bucket_bytes: int,                             # cut when a bucket holds at least this many bytes
-                  ) -> Iterator[list[tuple[str, Tensor]]]:
+
+def weight_buckets(
+    named_tensors: Iterable[tuple[str, Tensor]],  # (checkpoint name, full tensor), one layer's tensors together
+    bucket_bytes: int,  # cut when a bucket holds at least this many bytes
+) -> Iterator[list[tuple[str, Tensor]]]:
     "Group `(name, tensor)` pairs into lists of at least `bucket_bytes` (the last may be smaller), never splitting a decoder layer."
     bucket, size, unit, done = [], 0, None, set()
     for name, t in named_tensors:
         u = _layer_of(name)
         if u != unit:
             if u in done:
-                raise ValueError(f"load_weights: '{name}' arrived after other tensors followed its layer '{u}'; "
-                                 f"give the tensors of one layer together (vLLM reloads a layer from all of its tensors at once)")
-            if unit is not None: done.add(unit)
+                raise ValueError(
+                    f"load_weights: '{name}' arrived after other tensors followed its layer '{u}'; "
+                    f"give the tensors of one layer together (vLLM reloads a layer from all of its tensors at once)"
+                )
+            if unit is not None:
+                done.add(unit)
             if bucket and size >= bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
             unit = u
         bucket.append((name, t))
         size += t.numel() * t.element_size()
-    if bucket: yield bucket
+    if bucket:
+        yield bucket
 
 # %% ../nbs/07a_vllm.ipynb #26404530
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | None:
     "Tensor names and shapes of a local safetensors checkpoint, read from the file headers; None when there is none (hub name, .bin)."
     files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
-    if not files: return None
+    if not files:
+        return None
     from safetensors import safe_open
+
     shapes = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys(): shapes[k] = tuple(sf.get_slice(k).get_shape())
+            for k in sf.keys():
+                shapes[k] = tuple(sf.get_slice(k).get_shape())
     return shapes
 
-def check_weights(bucket: list[tuple[str, Tensor]],     # one `weight_buckets` bucket
-                  shapes: dict[str, tuple[int, ...]],   # the checkpoint's names and shapes (`checkpoint_shapes`)
-                  tied: bool = False,                    # tie_word_embeddings: accept `lm_head.weight` too
-                 ) -> None:
+
+def check_weights(
+    bucket: list[tuple[str, Tensor]],  # one `weight_buckets` bucket
+    shapes: dict[str, tuple[int, ...]],  # the checkpoint's names and shapes (`checkpoint_shapes`)
+    tied: bool = False,  # tie_word_embeddings: accept `lm_head.weight` too
+) -> None:
     "Raise on an unknown name, a shape that differs from the checkpoint's, or a decoder layer sent with tensors missing."
     import difflib
+
     known = dict(shapes)
     if tied and "lm_head.weight" not in known and "model.embed_tokens.weight" in known:
         known["lm_head.weight"] = known["model.embed_tokens.weight"]
@@ -117,86 +146,129 @@ def check_weights(bucket: list[tuple[str, Tensor]],     # one `weight_buckets` b
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise KeyError(f"load_weights: unknown parameter name '{name}' (not in the engine's checkpoint){hint}")
         if tuple(t.shape) != known[name]:
-            raise ValueError(f"load_weights: shape mismatch for '{name}': got {tuple(t.shape)}, the engine's model has {known[name]}")
+            raise ValueError(
+                f"load_weights: shape mismatch for '{name}': got {tuple(t.shape)}, the engine's model has {known[name]}"
+            )
     sent = {n for n, _ in bucket}
     for layer in dict.fromkeys(_layer_of(n) for n in sent if _layer_of(n) != n):
         missing = sorted(k for k in known if k.startswith(layer + ".") and k not in sent)
         if missing:
-            raise ValueError(f"load_weights: layer '{layer}' is missing {len(missing)} of its tensors ({missing[0]}, ...); "
-                             f"vLLM re-processes a layer from all of its tensors, so send every tensor of a layer")
+            raise ValueError(
+                f"load_weights: layer '{layer}' is missing {len(missing)} of its tensors ({missing[0]}, ...); "
+                f"vLLM re-processes a layer from all of its tensors, so send every tensor of a layer"
+            )
 
 # %% ../nbs/07a_vllm.ipynb #55b6c2ef
 class _ReloadLog(logging.Filter):
     "Drops vLLM's per-call 'not loaded' warnings during a bucketed reload and keeps what each call left out."
-    FAILED = "%s: Failed to load weights"                             # reload/layerwise.py, one per untouched layer
+
+    FAILED = "%s: Failed to load weights"  # reload/layerwise.py, one per untouched layer
     NOT_LOADED = "Following weights were not loaded from checkpoint: %s"  # reload/inplace.py, one per call
-    def __init__(self): super().__init__(); self.not_loaded = []
+
+    def __init__(self):
+        super().__init__()
+        self.not_loaded = []
+
     def filter(self, record):
-        if record.msg == self.NOT_LOADED: self.not_loaded.append(set(record.args[0] if isinstance(record.args, tuple) else record.args))
+        if record.msg == self.NOT_LOADED:
+            self.not_loaded.append(set(record.args[0] if isinstance(record.args, tuple) else record.args))
         return record.msg not in (self.FAILED, self.NOT_LOADED)
 
     def never_loaded(self, n_calls: int) -> set[str]:
         "vLLM parameters that none of `n_calls` calls updated (a call that loaded everything logs nothing)."
         return set.intersection(*self.not_loaded) if n_calls and len(self.not_loaded) == n_calls else set()
 
+
 @contextmanager
 def _reload_log():
     "Attach a `_ReloadLog` to vLLM's two reload loggers for the duration of a `load_weights`."
     logs = [logging.getLogger("vllm.model_executor.model_loader.reload." + m) for m in ("layerwise", "inplace")]
     f = _ReloadLog()
-    for log in logs: log.addFilter(f)
-    try: yield f
+    for log in logs:
+        log.addFilter(f)
+    try:
+        yield f
     finally:
-        for log in logs: log.removeFilter(f)
+        for log in logs:
+            log.removeFilter(f)
 
 # %% ../nbs/07a_vllm.ipynb #47341603
-def vllm_engine_kwargs(cfg,            # a `DAPOConfig`
-                       world: int = 1, # ranks in the job (torchrun's): > 1 makes every engine an external-launcher engine
-                       dummy_weights: bool = True,  # start with random weights (load_format="dummy"): the first sync fills them
-                      ) -> dict:
+def vllm_engine_kwargs(
+    cfg,  # a `DAPOConfig`
+    world: int = 1,  # ranks in the job (torchrun's): > 1 makes every engine an external-launcher engine
+    dummy_weights: bool = True,  # start with random weights (load_format="dummy"): the first sync fills them
+) -> dict:
     "`VLLMRolloutEngine` keyword arguments from a `DAPOConfig`: its vllm_* fields, dtype, seed, max_model_len, the weights' start, and the launcher of a multi-rank job."
-    kw = dict(tensor_parallel_size=cfg.vllm_tensor_parallel, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-              enable_chunked_prefill=cfg.vllm_enable_chunked_prefill, enforce_eager=cfg.vllm_enforce_eager,
-              dtype=cfg.dtype, seed=cfg.seed, load_format="dummy" if dummy_weights else "auto",
-              logprobs_mode="processed_logprobs",  # the sampled tokens' log-probs after temperature / top-p: what was sampled
-              max_model_len=cfg.max_prompt_length + cfg.l_max)
+    kw = dict(
+        tensor_parallel_size=cfg.vllm_tensor_parallel,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        enable_chunked_prefill=cfg.vllm_enable_chunked_prefill,
+        enforce_eager=cfg.vllm_enforce_eager,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        load_format="dummy" if dummy_weights else "auto",
+        logprobs_mode="processed_logprobs",  # the sampled tokens' log-probs after temperature / top-p: what was sampled
+        max_model_len=cfg.max_prompt_length + cfg.l_max,
+    )
     if world > 1:  # inside torchrun the job's ranks are the engines' workers, at tensor parallel 1 too: vLLM's own
         # single-process executor would take device 0 and rank 0 on every rank (verl and TRL's colocate mode do the same)
-        kw["distributed_executor_backend"] = "external_launcher"  # and no data_parallel_size: the engines stay independent
+        kw["distributed_executor_backend"] = (
+            "external_launcher"  # and no data_parallel_size: the engines stay independent
+        )
     return kw
 
 # %% ../nbs/07a_vllm.ipynb #a1b72cfc
 REQUIRED_VLLM = "0.16"  # the first vLLM whose model runner has reload_weights(weights_iterator, is_checkpoint_format)
 
-def check_reload_api(runner=None,        # the model runner class; None = vLLM's GPUModelRunner (the CPU runner subclasses it)
-                     version: str | None = None,  # the installed version; None = vllm.__version__
-                    ) -> str:
+
+def check_reload_api(
+    runner=None,  # the model runner class; None = vLLM's GPUModelRunner (the CPU runner subclasses it)
+    version: str | None = None,  # the installed version; None = vllm.__version__
+) -> str:
     "The installed vLLM's version; `RuntimeError` naming it and the required one when its runner cannot reload weights in place."
     if runner is None or version is None:
         import vllm
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
         runner, version = runner or GPUModelRunner, version or vllm.__version__
     fn = getattr(runner, "reload_weights", None)
     params = inspect.signature(fn).parameters if fn is not None else {}
     missing = [p for p in ("weights_iterator", "is_checkpoint_format") if p not in params]
     if missing:
-        raise RuntimeError(f"vLLM {version} is installed, but the vLLM rollout backend needs vLLM >= {REQUIRED_VLLM}: its "
-                           f"model runner's reload_weights lacks {', '.join(missing)}; install the pinned one with "
-                           "pip install -e '.[scale]'")
+        raise RuntimeError(
+            f"vLLM {version} is installed, but the vLLM rollout backend needs vLLM >= {REQUIRED_VLLM}: its "
+            f"model runner's reload_weights lacks {', '.join(missing)}; install the pinned one with "
+            "pip install -e '.[scale]'"
+        )
     return version
 
 # %% ../nbs/07a_vllm.ipynb #70dd617f
-FULL_ORDER = ("sleep(2)", "update", "release", "wake(weights)", "load", "release", "wake(kv_cache)", "reset_prefix_cache")
+FULL_ORDER = (
+    "sleep(2)",
+    "update",
+    "release",
+    "wake(weights)",
+    "load",
+    "release",
+    "wake(kv_cache)",
+    "reset_prefix_cache",
+)
 
-def update_order(sleep_mode: bool = True,  # the engine has vLLM's sleep mode
-                 level2: bool = True,      # sleep(level=2) discards weights (else level 1 offloads them)
-                 wake_tags: bool = True,   # wake_up(tags=...) can wake weights and KV cache separately
-                ) -> tuple[list[str], list[str]]:
+
+def update_order(
+    sleep_mode: bool = True,  # the engine has vLLM's sleep mode
+    level2: bool = True,  # sleep(level=2) discards weights (else level 1 offloads them)
+    wake_tags: bool = True,  # wake_up(tags=...) can wake weights and KV cache separately
+) -> tuple[list[str], list[str]]:
     "The steps around an update this engine can do (a subsequence of `FULL_ORDER`, or its nearest safe variant), and one note per missing step."
     if not sleep_mode:
-        return ([s for s in FULL_ORDER if not s.startswith(("sleep", "wake"))],
-                ["no sleep mode (vLLM's CPU backend has none): the weights and the KV cache stay resident through the update; "
-                 "skipped sleep(2), wake(weights), wake(kv_cache)"])
+        return (
+            [s for s in FULL_ORDER if not s.startswith(("sleep", "wake"))],
+            [
+                "no sleep mode (vLLM's CPU backend has none): the weights and the KV cache stay resident through the update; "
+                "skipped sleep(2), wake(weights), wake(kv_cache)"
+            ],
+        )
     order, notes = list(FULL_ORDER), []
     if not level2:
         order[0] = "sleep(1)"
@@ -210,27 +282,115 @@ def update_order(sleep_mode: bool = True,  # the engine has vLLM's sleep mode
 # %% ../nbs/07a_vllm.ipynb #04f819c5
 class VLLMRolloutEngine(RolloutEngine):
     "Rollout engine on `vllm.LLM`: token ids in, `Completion`s out, learner weights in through `reload_weights`, sleep/wake on GPUs."
-    def generate(self,
-                 prompts: list[list[int]],  # P prompts, each a non-empty list of token ids
-                 params: SamplingParams,     # n, temperature, top_p, top_k, max_tokens, seed
-                 use_tqdm: bool = False,     # vLLM's progress bar
-                ) -> list[Completion]:
+
+    def __init__(
+        self,
+        model: str | Path,  # checkpoint folder (config, safetensors, tokenizer) or hub name
+        eos_token_id: int | list[int] | None = None,  # stop exactly on these ids; None = the model's own EOS
+        tensor_parallel_size: int = 1,  # GPUs per engine (reference 32B run: 4)
+        gpu_memory_utilization: float = 0.7,  # fraction of GPU memory vLLM may take (reference 0.7-0.8); unused on CPU
+        enable_chunked_prefill: bool = True,  # split long prefills into chunks batched with decodes
+        dtype: str = "auto",  # "float32" | "bfloat16" | "auto" (the checkpoint's)
+        seed: int = 0,  # seeds vLLM's own stream (requests without a seed)
+        enable_sleep_mode: bool | None = None,  # None: on where vLLM supports it (GPU), off on CPU
+        max_model_len: int | None = None,  # prompt + response tokens at most; None = the model's
+        weight_bucket_bytes: int = 1 << 30,  # load_weights sends about this many bytes per reload call
+        seeded_requests: bool = True,  # forward params.seed as per-prompt seeds (reproducible)
+        **engine_kwargs,  # anything else `vllm.LLM` takes (enforce_eager, ...)
+    ):
+        "Start `vllm.LLM` on `model`."
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+        self.vllm_version = check_reload_api()  # before the expensive start: stop on a vLLM that cannot reload weights
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        if enable_sleep_mode is None:
+            enable_sleep_mode = not on_cpu
+        if enable_sleep_mode and on_cpu:
+            raise ValueError(
+                "enable_sleep_mode=True: vLLM's CPU backend has no sleep mode; leave it None (off on CPU, on on GPUs)"
+            )
+        # the stop ids of every request; public: may change between calls (None = the model's own EOS)
+        self.eos_ids = (
+            None if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        )
+        if self.eos_ids == []:
+            raise ValueError(
+                "eos_token_id: got an empty list; give at least one token id, or None for the model's own EOS"
+            )
+        self.sleep_mode, self.weight_bucket_bytes, self.seeded_requests = (
+            enable_sleep_mode,
+            weight_bucket_bytes,
+            seeded_requests,
+        )
+        self._asleep = self._weights_awake = False
+        # load_format="dummy": random weights until the first load_weights (which must then cover every parameter)
+        self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
+        self._shapes = checkpoint_shapes(model)
+        self.llm = LLM(
+            model=str(model),
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_sleep_mode=enable_sleep_mode,
+            max_model_len=max_model_len,
+            **engine_kwargs,
+        )
+        self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        # the memory order around an update this vLLM can do (`update_order`); say once what it lacks
+        self.update_order, self.missing_steps = update_order(
+            enable_sleep_mode, True, "tags" in inspect.signature(LLM.wake_up).parameters
+        )
+        for note in self.missing_steps:
+            logging.getLogger(__name__).warning("vLLM %s: %s", self.vllm_version, note)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg,  # a `DAPOConfig`
+        model_path: str | Path | None = None,  # the policy's checkpoint; None = cfg.model
+        world: int = 1,  # ranks in the job (external_launcher when > 1)
+        **kwargs,  # overrides (eos_token_id, enforce_eager, ...)
+    ) -> "VLLMRolloutEngine":
+        "An engine configured by `cfg` (`vllm_engine_kwargs`): tensor parallel, memory fraction, chunked prefill, dtype, seed, max_model_len, launcher."
+        return cls(model_path if model_path is not None else cfg.model, **{**vllm_engine_kwargs(cfg, world), **kwargs})
+
+    def generate(
+        self,
+        prompts: list[list[int]],  # P prompts, each a non-empty list of token ids
+        params: SamplingParams,  # n, temperature, top_p, top_k, max_tokens, seed
+        use_tqdm: bool = False,  # vLLM's progress bar
+    ) -> list[Completion]:
         "Sample `params.n` completions per prompt: `len(prompts) * n` of them, the `n` of one prompt contiguous, in prompt order."
         for i, p in enumerate(prompts):
-            if len(p) == 0: raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if self._asleep: raise RuntimeError("generate() on a sleeping engine: call wake() first (after load_weights)")
-        if not self.loaded: raise RuntimeError("generate() before any load_weights: the engine started with "
-                                               "load_format='dummy' (random weights); load the policy's weights first")
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if self._asleep:
+            raise RuntimeError("generate() on a sleeping engine: call wake() first (after load_weights)")
+        if not self.loaded:
+            raise RuntimeError(
+                "generate() before any load_weights: the engine started with "
+                "load_format='dummy' (random weights); load the policy's weights first"
+            )
         from vllm import SamplingParams as VLLMSamplingParams
+
         n = params.n
-        if params.temperature == 0: params = dataclasses.replace(params, n=1)  # vLLM refuses greedy n > 1: one sample, repeated
+        if params.temperature == 0:
+            params = dataclasses.replace(params, n=1)  # vLLM refuses greedy n > 1: one sample, repeated
         if params.seed is not None and self.seeded_requests:
-            sp = [VLLMSamplingParams(**vllm_sampling_kwargs(params, self.eos_ids, s)) for s in prompt_seeds(params.seed, len(prompts))]
+            sp = [
+                VLLMSamplingParams(**vllm_sampling_kwargs(params, self.eos_ids, s))
+                for s in prompt_seeds(params.seed, len(prompts))
+            ]
         else:
             sp = VLLMSamplingParams(**vllm_sampling_kwargs(params, self.eos_ids, None))
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=use_tqdm)
         comps = completions_from_outputs(outs, params.n)
-        if params.n != n: comps = [dataclasses.replace(c, token_ids=list(c.token_ids)) for c in comps for _ in range(n)]
+        if params.n != n:
+            comps = [dataclasses.replace(c, token_ids=list(c.token_ids)) for c in comps for _ in range(n)]
         return comps
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -242,131 +402,98 @@ class VLLMRolloutEngine(RolloutEngine):
         self.loaded = True
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
 
-# %% ../nbs/07a_vllm.ipynb #2f6562fa
-@patch
-def __init__(self: VLLMRolloutEngine,
-             model: str | Path,                        # checkpoint folder (config, safetensors, tokenizer) or hub name
-             eos_token_id: int | list[int] | None = None,  # stop exactly on these ids; None = the model's own EOS
-             tensor_parallel_size: int = 1,            # GPUs per engine (reference 32B run: 4)
-             gpu_memory_utilization: float = 0.7,      # fraction of GPU memory vLLM may take (reference 0.7-0.8); unused on CPU
-             enable_chunked_prefill: bool = True,      # split long prefills into chunks batched with decodes
-             dtype: str = "auto",                      # "float32" | "bfloat16" | "auto" (the checkpoint's)
-             seed: int = 0,                            # seeds vLLM's own stream (requests without a seed)
-             enable_sleep_mode: bool | None = None,    # None: on where vLLM supports it (GPU), off on CPU
-             max_model_len: int | None = None,         # prompt + response tokens at most; None = the model's
-             weight_bucket_bytes: int = 1 << 30,       # load_weights sends about this many bytes per reload call
-             seeded_requests: bool = True,             # forward params.seed as per-prompt seeds (reproducible)
-             **engine_kwargs,                          # anything else `vllm.LLM` takes (enforce_eager, ...)
-            ):
-    "Start `vllm.LLM` on `model` (the interface's two methods are in the class statement above; the constructor is here)."
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
-    self.vllm_version = check_reload_api()  # before the expensive start: stop on a vLLM that cannot reload weights
-    from vllm import LLM
-    from vllm.platforms import current_platform
-    on_cpu = current_platform.is_cpu()
-    if enable_sleep_mode is None: enable_sleep_mode = not on_cpu
-    if enable_sleep_mode and on_cpu:
-        raise ValueError("enable_sleep_mode=True: vLLM's CPU backend has no sleep mode; leave it None (off on CPU, on on GPUs)")
-    # the stop ids of every request; public: may change between calls (None = the model's own EOS)
-    self.eos_ids = None if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-    if self.eos_ids == []: raise ValueError("eos_token_id: got an empty list; give at least one token id, or None for the model's own EOS")
-    self.sleep_mode, self.weight_bucket_bytes, self.seeded_requests = enable_sleep_mode, weight_bucket_bytes, seeded_requests
-    self._asleep = self._weights_awake = False
-    # load_format="dummy": random weights until the first load_weights (which must then cover every parameter)
-    self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
-    self._shapes = checkpoint_shapes(model)
-    self.llm = LLM(model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
-                   gpu_memory_utilization=gpu_memory_utilization, enable_chunked_prefill=enable_chunked_prefill,
-                   enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len, **engine_kwargs)
-    self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
-    # the memory order around an update this vLLM can do (`update_order`); say once what it lacks
-    self.update_order, self.missing_steps = update_order(enable_sleep_mode, True, "tags" in inspect.signature(LLM.wake_up).parameters)
-    for note in self.missing_steps: logging.getLogger(__name__).warning("vLLM %s: %s", self.vllm_version, note)
+    def _stream(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        discarded: bool = False,  # the weights were dropped (sleep level 2): a parameter left out holds no values
+    ) -> None:
+        "The load itself: checked buckets of about `weight_bucket_bytes`, one `reload_weights` call each; warn about parameters no call updated (raise after level 2 or over dummy weights)."
+        calls = 0
+        with _reload_log() as log:
+            for bucket in weight_buckets(named_tensors, self.weight_bucket_bytes):
+                if self._shapes is not None:
+                    check_weights(bucket, self._shapes, self._tied)
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs=dict(weights_iterator=bucket, is_checkpoint_format=True)
+                )
+                calls += 1
+        if (missing := log.never_loaded(calls)) and discarded:
+            raise RuntimeError(
+                f"load_weights: {len(missing)} of vLLM's parameters got no new tensor while holding no "
+                f"policy values (discarded by sleep(level=2), or random from load_format='dummy'): "
+                f"{sorted(missing)[:4]}; send every tensor the engine's model has"
+            )
+        if missing:
+            warnings.warn(
+                f"load_weights: {len(missing)} of vLLM's parameters got no new tensor and keep their old values: "
+                f"{sorted(missing)[:4]}{' ...' if len(missing) > 4 else ''}"
+            )
 
-# %% ../nbs/07a_vllm.ipynb #0e65c6b6
-@patch(cls_method=True)
-def from_config(cls: VLLMRolloutEngine,
-                cfg,                              # a `DAPOConfig`
-                model_path: str | Path | None = None,  # the policy's checkpoint; None = cfg.model
-                world: int = 1,                   # ranks in the job (external_launcher when > 1)
-                **kwargs,                         # overrides (eos_token_id, enforce_eager, ...)
-               ) -> "VLLMRolloutEngine":
-    "An engine configured by `cfg` (`vllm_engine_kwargs`): tensor parallel, memory fraction, chunked prefill, dtype, seed, max_model_len, launcher."
-    return cls(model_path if model_path is not None else cfg.model, **{**vllm_engine_kwargs(cfg, world), **kwargs})
+    def _release(self) -> None:
+        "Return PyTorch's cached device blocks to the device (nothing to return on CPU)."
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
-@patch
-def _stream(self: VLLMRolloutEngine, named_tensors: Iterable[tuple[str, Tensor]],
-            discarded: bool = False,  # the weights were dropped (sleep level 2): a parameter left out holds no values
-           ) -> None:
-    "The load itself: checked buckets of about `weight_bucket_bytes`, one `reload_weights` call each; warn about parameters no call updated (raise after level 2 or over dummy weights)."
-    calls = 0
-    with _reload_log() as log:
-        for bucket in weight_buckets(named_tensors, self.weight_bucket_bytes):
-            if self._shapes is not None: check_weights(bucket, self._shapes, self._tied)
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=bucket, is_checkpoint_format=True))
-            calls += 1
-    if (missing := log.never_loaded(calls)) and discarded:
-        raise RuntimeError(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor while holding no "
-                           f"policy values (discarded by sleep(level=2), or random from load_format='dummy'): "
-                           f"{sorted(missing)[:4]}; send every tensor the engine's model has")
-    if missing:
-        warnings.warn(f"load_weights: {len(missing)} of vLLM's parameters got no new tensor and keep their old values: "
-                      f"{sorted(missing)[:4]}{' ...' if len(missing) > 4 else ''}")
+    def around_update(
+        self,
+        update: Callable,  # the learner's update; its result is returned
+        weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it, streamed
+    ):
+        "Run `update()` and load `weights()` in `self.update_order` (`FULL_ORDER` where vLLM has every step): sleep(2), update, release, wake weights, load, release, wake KV cache, reset prefix cache."
+        out, self._asleep = None, self.sleep_mode
+        for step in self.update_order:
+            if step == "update":
+                out = update()
+            elif step.startswith("sleep"):
+                self.llm.sleep(level=int(step[6]))
+            elif step == "release":
+                self._release()
+            elif step == "wake(weights)":
+                self.llm.wake_up(tags=["weights"])
+            elif step == "wake(kv_cache)":
+                self.llm.wake_up(tags=["kv_cache"])
+            elif step == "wake":
+                self.llm.wake_up()
+            elif step == "load":
+                self._stream(weights(), discarded="sleep(2)" in self.update_order or not self.loaded)
+            elif step == "reset_prefix_cache":
+                self.llm.reset_prefix_cache()
+            else:
+                raise AssertionError(step)
+        self._asleep = self._weights_awake = False
+        self.loaded = True
+        return out
 
-@patch
-def _release(self: VLLMRolloutEngine) -> None:
-    "Return PyTorch's cached device blocks to the device (nothing to return on CPU)."
-    gc.collect()
-    if torch.cuda.is_available(): torch.cuda.empty_cache()
+    def sleep(self, level: int = 1) -> None:
+        "Free the engine's GPU memory for the update: level 1 offloads weights to CPU and drops the KV cache, level 2 drops both. No-op without sleep mode (CPU)."
+        if not self.sleep_mode or self._asleep:
+            return
+        self.llm.sleep(level=level)
+        self._asleep, self._weights_awake = True, False
 
-# %% ../nbs/07a_vllm.ipynb #04301ec2
-@patch
-def around_update(self: VLLMRolloutEngine,
-                  update: Callable,    # the learner's update; its result is returned
-                  weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it, streamed
-                 ):
-    "Run `update()` and load `weights()` in `self.update_order` (`FULL_ORDER` where vLLM has every step): sleep(2), update, release, wake weights, load, release, wake KV cache, reset prefix cache."
-    out, self._asleep = None, self.sleep_mode
-    for step in self.update_order:
-        if step == "update": out = update()
-        elif step.startswith("sleep"): self.llm.sleep(level=int(step[6]))
-        elif step == "release": self._release()
-        elif step == "wake(weights)": self.llm.wake_up(tags=["weights"])
-        elif step == "wake(kv_cache)": self.llm.wake_up(tags=["kv_cache"])
-        elif step == "wake": self.llm.wake_up()
-        elif step == "load": self._stream(weights(), discarded="sleep(2)" in self.update_order or not self.loaded)
-        elif step == "reset_prefix_cache": self.llm.reset_prefix_cache()
-        else: raise AssertionError(step)
-    self._asleep = self._weights_awake = False
-    self.loaded = True
-    return out
+    def wake(self) -> None:
+        "Bring back what `sleep` freed (the KV cache, and the weights unless `load_weights` already did). No-op when awake."
+        if not self._asleep:
+            return
+        self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        self._asleep = self._weights_awake = False
 
-@patch
-def sleep(self: VLLMRolloutEngine, level: int = 1) -> None:
-    "Free the engine's GPU memory for the update: level 1 offloads weights to CPU and drops the KV cache, level 2 drops both. No-op without sleep mode (CPU)."
-    if not self.sleep_mode or self._asleep: return
-    self.llm.sleep(level=level)
-    self._asleep, self._weights_awake = True, False
-
-@patch
-def wake(self: VLLMRolloutEngine) -> None:
-    "Bring back what `sleep` freed (the KV cache, and the weights unless `load_weights` already did). No-op when awake."
-    if not self._asleep: return
-    self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
-    self._asleep = self._weights_awake = False
-
-@patch
-def close(self: VLLMRolloutEngine) -> None:
-    "Shut the engine down and give its memory back, so that the next engine can start in this process (vLLM allows one sleep-mode allocator per process at a time). Idempotent."
-    llm = self.__dict__.pop("llm", None)
-    if llm is None: return
-    client = llm.llm_engine.engine_core
-    core = getattr(client, "engine_core", None)  # the EngineCore itself when it runs in this process
-    if core is None: client.shutdown()  # its own process: its own process groups go with it
-    else:  # not EngineCore.shutdown(): it ends with cleanup_dist_env_and_memory, which destroys torch's default
-        # process group, the one the learner's collectives (DeepSpeed's gathers) run on in this process
-        if (fin := getattr(client, "_finalizer", None)) is not None: fin.detach()  # the same shutdown at collection
-        core.model_executor.shutdown(); core.scheduler.shutdown()
-        gc.unfreeze()  # vLLM froze its start-up objects (weights, KV cache) out of the collector's sight
-    del llm, client, core
-    self._release()
+    def close(self) -> None:
+        "Shut the engine down and give its memory back, so that the next engine can start in this process (vLLM allows one sleep-mode allocator per process at a time). Idempotent."
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        client = llm.llm_engine.engine_core
+        core = getattr(client, "engine_core", None)  # the EngineCore itself when it runs in this process
+        if core is None:
+            client.shutdown()  # its own process: its own process groups go with it
+        else:  # not EngineCore.shutdown(): it ends with cleanup_dist_env_and_memory, which destroys torch's default
+            # process group, the one the learner's collectives (DeepSpeed's gathers) run on in this process
+            if (fin := getattr(client, "_finalizer", None)) is not None:
+                fin.detach()  # the same shutdown at collection
+            core.model_executor.shutdown()
+            core.scheduler.shutdown()
+            gc.unfreeze()  # vLLM froze its start-up objects (weights, KV cache) out of the collector's sight
+        del llm, client, core
+        self._release()

@@ -25,28 +25,42 @@ def _status_kib(field: str) -> int:
     m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
     return int(m.group(1)) if m else 0
 
+
 class PeakRSS:
     "Context manager: `extra` = this process's peak resident bytes inside the block above its resident bytes on entry (Linux)."
+
     def __enter__(self):
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         self.base = _status_kib("VmRSS") * 1024
         return self
+
     def __exit__(self, *exc):
         self.peak = _status_kib("VmHWM") * 1024
         self.extra = self.peak - self.base
 
 # %% ../nbs/08c_zero.ipynb #f2f13260
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
 
+
 @torch.no_grad()
-def read_tensor_into(f,                  # the safetensors file, opened "rb"
-                     entry: dict,        # its header entry: dtype, shape, data_offsets
-                     data_start: int,    # `read_safetensors_header(...)[1]`
-                     out: Tensor,        # full-size destination (a gathered parameter); cast if dtypes differ
-                    ):
+def read_tensor_into(
+    f,  # the safetensors file, opened "rb"
+    entry: dict,  # its header entry: dtype, shape, data_offsets
+    data_start: int,  # `read_safetensors_header(...)[1]`
+    out: Tensor,  # full-size destination (a gathered parameter); cast if dtypes differ
+):
     "Copy one tensor from a safetensors file into `out`, reading its bytes directly (no memory map, one buffer at most)."
     b, e = entry["data_offsets"]
     src_dtype = _ST_DTYPES[entry["dtype"]]
@@ -54,12 +68,15 @@ def read_tensor_into(f,                  # the safetensors file, opened "rb"
     buf = out if direct else torch.empty(entry["shape"], dtype=src_dtype)
     f.seek(data_start + b)
     n = f.readinto(memoryview(buf.reshape(-1).view(torch.uint8).numpy()))
-    if n != e - b: raise ValueError(f"{f.name}: {entry} truncated ({n} of {e - b} bytes); re-download or re-save it")
-    if not direct: out.copy_(buf)
+    if n != e - b:
+        raise ValueError(f"{f.name}: {entry} truncated ({n} of {e - b} bytes); re-download or re-save it")
+    if not direct:
+        out.copy_(buf)
 
 # %% ../nbs/08c_zero.ipynb #82baee27
 class SafetensorsWriter:
     "Write one safetensors file whose tensors arrive one at a time in the order of `layout`."
+
     def __init__(self, path: str | Path, layout: list[tuple[str, tuple, torch.dtype]], metadata: dict | None = None):
         header, off = {}, 0
         for name, shape, dtype in layout:
@@ -71,12 +88,14 @@ class SafetensorsWriter:
         h += b" " * (-len(h) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.order, self.size, self.written, self.n = [name for name, _, _ in layout], off, 0, 0
         self.f = open(path, "wb")
-        self.f.write(struct.pack("<Q", len(h))); self.f.write(h)
+        self.f.write(struct.pack("<Q", len(h)))
+        self.f.write(h)
 
     def write(self, name: str, t: Tensor):
         "Append tensor `name` (the next one in the layout)."
         want = self.order[self.n] if self.n < len(self.order) else None
-        if name != want: raise ValueError(f"tensor {name!r} written out of order (expected {want!r})")
+        if name != want:
+            raise ValueError(f"tensor {name!r} written out of order (expected {want!r})")
         self.n += 1
         t = t.detach().cpu().contiguous()
         self.f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
@@ -84,11 +103,14 @@ class SafetensorsWriter:
 
     def close(self):
         self.f.close()
-        if self.written != self.size: raise ValueError(f"{self.f.name}: wrote {self.written} of {self.size} bytes")
+        if self.written != self.size:
+            raise ValueError(f"{self.f.name}: wrote {self.written} of {self.size} bytes")
+
 
 def _numel(shape) -> int:
     n = 1
-    for s in shape: n *= int(s)
+    for s in shape:
+        n *= int(s)
     return n
 
 # %% ../nbs/08c_zero.ipynb #aa365130
@@ -96,20 +118,26 @@ def zero3_enabled(ds_config: dict | None) -> bool:
     "Whether a DeepSpeed config selects ZeRO stage 3."
     return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0)) == 3
 
-def checkpoint_folder(name_or_path: str | Path,  # local folder or hub name
-                      **hub_kwargs,               # revision, cache_dir, token, local_files_only (as for from_pretrained)
-                     ) -> tuple[Path, dict[str, str]]:
+
+def checkpoint_folder(
+    name_or_path: str | Path,  # local folder or hub name
+    **hub_kwargs,  # revision, cache_dir, token, local_files_only (as for from_pretrained)
+) -> tuple[Path, dict[str, str]]:
     "The model's local folder and its weight map `{tensor name: safetensors file}` (a hub name resolves to its cached snapshot)."
     folder = Path(name_or_path)
     if not folder.is_dir():
         from huggingface_hub import snapshot_download
+
         folder = Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"], **hub_kwargs))
     index = folder / "model.safetensors.index.json"
-    if index.exists(): return folder, json.loads(index.read_text())["weight_map"]
+    if index.exists():
+        return folder, json.loads(index.read_text())["weight_map"]
     if (folder / "model.safetensors").exists():
         return folder, {k: "model.safetensors" for k in read_safetensors_header(folder / "model.safetensors")[0]}
-    raise FileNotFoundError(f"{name_or_path}: no model.safetensors or model.safetensors.index.json in {folder}; "
-                            "partitioned loading reads safetensors only: re-save the model with save_pretrained")
+    raise FileNotFoundError(
+        f"{name_or_path}: no model.safetensors or model.safetensors.index.json in {folder}; "
+        "partitioned loading reads safetensors only: re-save the model with save_pretrained"
+    )
 
 # %% ../nbs/08c_zero.ipynb #71dbcb59
 def module_tensors(model: torch.nn.Module) -> Iterable[tuple[torch.nn.Module, list[tuple[str, Tensor]]]]:
@@ -120,92 +148,128 @@ def module_tensors(model: torch.nn.Module) -> Iterable[tuple[torch.nn.Module, li
         items = []
         for n, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
             key = f"{prefix}.{n}" if prefix else n
-            if id(t) in seen or key not in persistent: continue
-            seen.add(id(t)); items.append((key, t))
-        if items: yield mod, items
+            if id(t) in seen or key not in persistent:
+                continue
+            seen.add(id(t))
+            items.append((key, t))
+        if items:
+            yield mod, items
+
 
 def full_shape(t: Tensor) -> tuple:
     "The shape of a parameter before ZeRO-3 partitioning (its placeholder has 0 elements)."
     return tuple(getattr(t, "ds_shape", t.shape))
 
+
 def gathered(params: list[Tensor], modifier_rank: int | None = None):
     "Gather ZeRO-3 partitioned `params` for the block (`modifier_rank`: whose changes are broadcast on exit); a no-op otherwise."
-    if not any(hasattr(p, "ds_id") for p in params): return contextlib.nullcontext()
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
     import deepspeed
+
     return deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")], modifier_rank=modifier_rank)
-
-
 
 # %% ../nbs/08c_zero.ipynb #047f4d03
 @torch.no_grad()
-def load_checkpoint_streamed(model: torch.nn.Module,   # possibly ZeRO-3 partitioned
-                             folder: str | Path,
-                             weight_map: dict[str, str], # `checkpoint_folder(...)[1]`
-                            ) -> int:
+def load_checkpoint_streamed(
+    model: torch.nn.Module,  # possibly ZeRO-3 partitioned
+    folder: str | Path,
+    weight_map: dict[str, str],  # `checkpoint_folder(...)[1]`
+) -> int:
     "Copy a safetensors checkpoint into `model` one module at a time (rank 0 reads, the gather broadcasts); returns the tensors loaded."
     folder, headers = Path(folder), {}
-    for file in sorted(set(weight_map.values())): headers[file] = read_safetensors_header(folder / file)
+    for file in sorted(set(weight_map.values())):
+        headers[file] = read_safetensors_header(folder / file)
     plan = list(module_tensors(model))
     missing = [k for _, items in plan for k, _ in items if k not in weight_map]
-    if missing: raise ValueError(f"{folder}: {len(missing)} weights of the model are not in the checkpoint "
-                                 f"(first: {missing[:3]}); is it the same architecture as its config.json?")
+    if missing:
+        raise ValueError(
+            f"{folder}: {len(missing)} weights of the model are not in the checkpoint "
+            f"(first: {missing[:3]}); is it the same architecture as its config.json?"
+        )
     for _, items in plan:
         for k, t in items:
             e = headers[weight_map[k]][0][k]
             if tuple(e["shape"]) != full_shape(t):
-                raise ValueError(f"{folder}: {k} has shape {tuple(e['shape'])} in the checkpoint, {full_shape(t)} in the model")
+                raise ValueError(
+                    f"{folder}: {k} has shape {tuple(e['shape'])} in the checkpoint, {full_shape(t)} in the model"
+                )
     files, rank = {}, this_rank()
     try:
         for _, items in plan:
             params = [t for _, t in items if isinstance(t, torch.nn.Parameter)]
             with gathered(params, modifier_rank=0):
                 for k, t in items:
-                    if rank != 0 and hasattr(t, "ds_id"): continue  # rank 0's values are broadcast on exit
+                    if rank != 0 and hasattr(t, "ds_id"):
+                        continue  # rank 0's values are broadcast on exit
                     file = weight_map[k]
-                    if file not in files: files[file] = open(folder / file, "rb")
+                    if file not in files:
+                        files[file] = open(folder / file, "rb")
                     read_tensor_into(files[file], headers[file][0][k], headers[file][1], t.data)
     finally:
-        for f in files.values(): f.close()
+        for f in files.values():
+            f.close()
     return sum(len(items) for _, items in plan)
 
 # %% ../nbs/08c_zero.ipynb #b9dc6696
 @contextlib.contextmanager
 def returned_large_blocks(threshold: int = 2**20):  # bytes; glibc's M_MMAP_THRESHOLD for the block
     "Within the block, glibc returns every freed allocation of `threshold` bytes or more to the system (no-op without glibc)."
-    try: libc = ctypes.CDLL("libc.so.6")
-    except OSError: libc = None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        libc = None
     M_MMAP_THRESHOLD = -3
-    if libc is not None: libc.mallopt(M_MMAP_THRESHOLD, threshold)
-    try: yield
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, threshold)
+    try:
+        yield
     finally:
-        if libc is not None: libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's dynamic maximum on 64-bit
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's dynamic maximum on 64-bit
 
 # %% ../nbs/08c_zero.ipynb #430b85ec
-def from_pretrained_zero3(name_or_path: str | Path,     # local folder or hub name
-                          ds_config: dict | None = None, # the `deepspeed.initialize` config; ZeRO-3 partitions at construction
-                          dtype: torch.dtype = torch.float32,  # the parameters' dtype; with ZeRO-3 it must match ds_config's bf16/fp16
-                          attn_implementation: str = "sdpa",   # transformers' attention name (sdpa, eager, flash_attention_2, ...)
-                          **hub_kwargs,                  # revision, cache_dir, token, local_files_only
-                         ) -> torch.nn.Module:
+def from_pretrained_zero3(
+    name_or_path: str | Path,  # local folder or hub name
+    ds_config: dict | None = None,  # the `deepspeed.initialize` config; ZeRO-3 partitions at construction
+    dtype: torch.dtype = torch.float32,  # the parameters' dtype; with ZeRO-3 it must match ds_config's bf16/fp16
+    attn_implementation: str = "sdpa",  # transformers' attention name (sdpa, eager, flash_attention_2, ...)
+    **hub_kwargs,  # revision, cache_dir, token, local_files_only
+) -> torch.nn.Module:
     "A causal LM from a folder or the hub, built inside ZeRO-3's partitioned init when `ds_config` says stage 3 (never whole on any rank)."
     from transformers import AutoConfig, AutoModelForCausalLM
+
     if not zero3_enabled(ds_config):
-        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs)
-    want = (torch.bfloat16 if (ds_config.get("bf16") or {}).get("enabled") else
-            torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32)
+        return AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs
+        )
+    want = (
+        torch.bfloat16
+        if (ds_config.get("bf16") or {}).get("enabled")
+        else torch.float16
+        if (ds_config.get("fp16") or {}).get("enabled")
+        else torch.float32
+    )
     if dtype != want:
-        raise ValueError(f"dtype {dtype} but the DeepSpeed config's parameters are {want} (bf16/fp16 'enabled'); "
-                         "zero.Init would cast them: make the two agree")
+        raise ValueError(
+            f"dtype {dtype} but the DeepSpeed config's parameters are {want} (bf16/fp16 'enabled'); "
+            "zero.Init would cast them: make the two agree"
+        )
     folder, weight_map = checkpoint_folder(name_or_path, **hub_kwargs)
     from transformers.integrations import HfDeepSpeedConfig
-    hf_ds = HfDeepSpeedConfig(ds_config)   # transformers holds a weak reference: keep it with the model
+
+    hf_ds = HfDeepSpeedConfig(ds_config)  # transformers holds a weak reference: keep it with the model
     config = AutoConfig.from_pretrained(folder)
     with returned_large_blocks():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)  # under zero.Init: partitioned module by module
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )  # under zero.Init: partitioned module by module
         model.hf_ds_config = hf_ds
         load_checkpoint_streamed(model, folder, weight_map)
     from transformers import GenerationConfig
-    if (folder / "generation_config.json").exists(): model.generation_config = GenerationConfig.from_pretrained(folder)
+
+    if (folder / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     return model.eval()
 
 # %% ../nbs/08c_zero.ipynb #f3b6879a
@@ -213,12 +277,17 @@ def from_pretrained_zero3(name_or_path: str | Path,     # local folder or hub na
 def plain_from_pretrained():
     "Inside the block transformers builds models whole (no zero.Init), even while a ZeRO-3 model's `HfDeepSpeedConfig` lives."
     from transformers.integrations import deepspeed as hf_ds
-    ref = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)  # transformers keeps the live config behind a weak reference
+
+    ref = getattr(
+        hf_ds, "_hf_deepspeed_config_weak_ref", None
+    )  # transformers keeps the live config behind a weak reference
     live = ref() if ref is not None else None
     hf_ds.unset_hf_deepspeed_config()
-    try: yield
+    try:
+        yield
     finally:
-        if live is not None: hf_ds.set_hf_deepspeed_config(live)
+        if live is not None:
+            hf_ds.set_hf_deepspeed_config(live)
 
 # %% ../nbs/08c_zero.ipynb #da05611a
 def _shard_layout(plan, shard_bytes: int) -> list[list[tuple[str, tuple, torch.dtype]]]:
@@ -227,68 +296,100 @@ def _shard_layout(plan, shard_bytes: int) -> list[list[tuple[str, tuple, torch.d
     for _, items in plan:
         for k, t in items:
             n = _numel(full_shape(t)) * t.element_size()
-            if cur and size + n > shard_bytes: shards.append(cur); cur, size = [], 0
-            cur.append((k, full_shape(t), t.dtype)); size += n
+            if cur and size + n > shard_bytes:
+                shards.append(cur)
+                cur, size = [], 0
+            cur.append((k, full_shape(t), t.dtype))
+            size += n
     return shards + [cur] if cur else shards
+
 
 def _prepare_dir(out: Path, overwrite: bool):
     if out.exists() and any(out.iterdir()):
-        if not overwrite: raise FileExistsError(f"{out} exists and is not empty; choose a new folder or pass overwrite=True")
-        for p in out.glob("model*.safetensors*"): p.unlink()
+        if not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty; choose a new folder or pass overwrite=True")
+        for p in out.glob("model*.safetensors*"):
+            p.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
 # %% ../nbs/08c_zero.ipynb #32561a46
 @torch.no_grad()
-def save_pretrained_streamed(module: torch.nn.Module,     # a transformers model, ZeRO-3 partitioned or not
-                             out_dir: str | Path,
-                             shard_bytes: int = 5 * 2**30, # at most this many bytes per safetensors file
-                             overwrite: bool = False,      # replace the model files of a non-empty out_dir
-                            ) -> Path | None:
+def save_pretrained_streamed(
+    module: torch.nn.Module,  # a transformers model, ZeRO-3 partitioned or not
+    out_dir: str | Path,
+    shard_bytes: int = 5 * 2**30,  # at most this many bytes per safetensors file
+    overwrite: bool = False,  # replace the model files of a non-empty out_dir
+) -> Path | None:
     "Write `module` as an HF folder, gathering one module at a time; rank 0 writes (a collective: call it on every rank)."
     out, rank = Path(out_dir), this_rank()
     plan = list(module_tensors(module))
     shards = _shard_layout(plan, shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     where = {k: (s, j) for s, layout in enumerate(shards) for j, (k, _, _) in enumerate(layout)}
     err = None
     if rank == 0:
-        try: _prepare_dir(out, overwrite)
-        except FileExistsError as e: err = str(e)
+        try:
+            _prepare_dir(out, overwrite)
+        except FileExistsError as e:
+            err = str(e)
     if dist.is_available() and dist.is_initialized():  # every rank stops on the same error, before any gather
-        err = [err]; dist.broadcast_object_list(err, src=0); err = err[0]
-    if err: raise FileExistsError(err)
+        err = [err]
+        dist.broadcast_object_list(err, src=0)
+        err = err[0]
+    if err:
+        raise FileExistsError(err)
     writer, failed = None, None
     for _, items in plan:
-        with gathered([t for _, t in items if isinstance(t, torch.nn.Parameter)]):  # a collective: every rank, every module
-            if rank != 0 or failed: continue  # after a failed write rank 0 keeps gathering with the others, writing nothing
+        with gathered(
+            [t for _, t in items if isinstance(t, torch.nn.Parameter)]
+        ):  # a collective: every rank, every module
+            if rank != 0 or failed:
+                continue  # after a failed write rank 0 keeps gathering with the others, writing nothing
             try:
                 for k, t in items:
                     s, _ = where[k]
                     if writer is None or writer[0] != s:
-                        if writer: writer[1].close()
+                        if writer:
+                            writer[1].close()
                         writer = (s, SafetensorsWriter(out / names[s], shards[s]))
                     writer[1].write(k, t.data)
-            except OSError as e: failed = e  # a full disk: leaving the loop here would hang the ranks still gathering
+            except OSError as e:
+                failed = e  # a full disk: leaving the loop here would hang the ranks still gathering
     if rank == 0:
         try:
-            if writer: (writer[1].f.close() if failed else writer[1].close())
-            if not failed: _write_configs(module, out, shards, names)
-        except OSError as e: failed = failed or e
+            if writer:
+                (writer[1].f.close() if failed else writer[1].close())
+            if not failed:
+                _write_configs(module, out, shards, names)
+        except OSError as e:
+            failed = failed or e
     msg = f"{type(failed).__name__}: {failed}" if failed else None
     if dist.is_available() and dist.is_initialized():  # rank 0's outcome, to every rank (this is also the barrier)
-        msg = [msg]; dist.broadcast_object_list(msg, src=0); msg = msg[0]
-    if failed: raise failed
-    if msg: raise OSError(f"rank 0 could not write the export to {out}: {msg}")
+        msg = [msg]
+        dist.broadcast_object_list(msg, src=0)
+        msg = msg[0]
+    if failed:
+        raise failed
+    if msg:
+        raise OSError(f"rank 0 could not write the export to {out}: {msg}")
     return out if rank == 0 else None
+
 
 def _write_configs(module, out: Path, shards, names):
     if len(shards) > 1:
         total = sum(_numel(s) * torch.empty(0, dtype=d).element_size() for layout in shards for _, s, d in layout)
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {k: names[i] for i, layout in enumerate(shards) for k, _, _ in layout}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: names[i] for i, layout in enumerate(shards) for k, _, _ in layout},
+        }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     dtypes = [d for layout in shards for _, _, d in layout if d.is_floating_point]
-    if dtypes: module.config.dtype = max(set(dtypes), key=dtypes.count)  # what from_pretrained(dtype="auto") restores
+    if dtypes:
+        module.config.dtype = max(set(dtypes), key=dtypes.count)  # what from_pretrained(dtype="auto") restores
     module.config.save_pretrained(out)
-    if getattr(module, "generation_config", None) is not None: module.generation_config.save_pretrained(out)
+    if getattr(module, "generation_config", None) is not None:
+        module.generation_config.save_pretrained(out)

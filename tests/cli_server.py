@@ -11,18 +11,27 @@ environment); test_bad_input.py still starts every command once as its real cons
 Protocol: one JSON request per line on stdin, {"prog", "argv", "cwd", "env", "stdout", "stderr"}; one JSON reply per
 line on stdout, {"rc"} (a signal: -signum). EOF on stdin ends the server.
 """
+
 import importlib, json, os, signal, sys, traceback
 
-MODULES = {"dapo-train": "dapo_ref.train", "dapo-eval": "dapo_ref.eval", "dapo-plan": "dapo_ref.plan",
-           "dapo-ablate": "dapo_ref.ablation", "dapo-export": "dapo_ref.runs:export_main", "dapo-tiny": "dapo_ref.tiny"}  # module[:function], else main
+MODULES = {
+    "dapo-train": "dapo_ref.train",
+    "dapo-eval": "dapo_ref.eval_cli",
+    "dapo-plan": "dapo_ref.plan",
+    "dapo-ablate": "dapo_ref.ablate",
+    "dapo-export": "dapo_ref.runs:export_main",
+    "dapo-tiny": "dapo_ref.tiny",
+}  # module[:function], else main
 
 
 def child(main, req: dict) -> int:
     "In the forked child: the console script's `sys.exit(main())`, its output in the request's files."
     for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd); os.close(f)
-    os.environ.clear(); os.environ.update(req["env"])
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(req["env"])
     os.chdir(req["cwd"])
     sys.argv = [req["prog"], *req["argv"]]
     try:
@@ -30,10 +39,15 @@ def child(main, req: dict) -> int:
     except SystemExit as e:
         code = e.code
     except BaseException:  # what the interpreter prints for an uncaught exception, and its status
-        traceback.print_exc(); code = 1
-    if code is None: code = 0
-    elif not isinstance(code, int): print(code, file=sys.stderr); code = 1  # sys.exit("message")
-    sys.stdout.flush(); sys.stderr.flush()
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1  # sys.exit("message")
+    sys.stdout.flush()
+    sys.stderr.flush()
     return code
 
 
@@ -44,18 +58,23 @@ def serve():
     for prog, spec in MODULES.items():
         mod, _, fn = spec.partition(":")
         mods[prog] = getattr(importlib.import_module(mod), fn or "main")
-    reply.write(json.dumps({"ready": sorted(mods)}) + "\n"); reply.flush()
+    reply.write(json.dumps({"ready": sorted(mods)}) + "\n")
+    reply.flush()
     for line in sys.stdin:
         req = json.loads(line)
-        sys.stdout.flush(); sys.stderr.flush()  # nothing buffered here is inherited by the child
+        sys.stdout.flush()
+        sys.stderr.flush()  # nothing buffered here is inherited by the child
         pid = os.fork()
         if pid == 0:
             code = 1
-            try: code = child(mods[req["prog"]], req)
-            finally: os._exit(code)
+            try:
+                code = child(mods[req["prog"]], req)
+            finally:
+                os._exit(code)
         _, status = os.waitpid(pid, 0)
         rc = os.waitstatus_to_exitcode(status)
-        reply.write(json.dumps({"rc": rc}) + "\n"); reply.flush()
+        reply.write(json.dumps({"rc": rc}) + "\n")
+        reply.flush()
 
 
 if __name__ == "__main__":

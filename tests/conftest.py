@@ -5,18 +5,25 @@ jobs, a rendered docs site). So a module's tests that use such a fixture form on
 one after another (each fixture once); every other test is spread freely. Fixtures cheap enough to build on each
 worker are listed in `SPREAD`: their tests spread (test_bad_input's 48 command-line cases are a big share of the
 suite). The mark is set as each item is collected, before xdist turns marks into the `@group` it schedules by."""
+
 import pytest
 
 import vllm_shm
 
-SPREAD = {"shared", "cli"}  # test_bad_input: a 2-layer model and a data file (about a second); the command server (its imports, ~6 s)
+SPREAD = {
+    "shared",
+    "cli",
+}  # test_bad_input: a 2-layer model and a data file (about a second); the command server (its imports, ~6 s)
 
 
 def pytest_itemcollected(item):
     info = getattr(item, "_fixtureinfo", None)
-    if info is None: return
-    if any(defs and defs[-1].scope in ("module", "class", "package") and name not in SPREAD
-           for name, defs in info.name2fixturedefs.items()):
+    if info is None:
+        return
+    if any(
+        defs and defs[-1].scope in ("module", "class", "package") and name not in SPREAD
+        for name, defs in info.name2fixturedefs.items()
+    ):
         item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 

@@ -7,6 +7,7 @@ A small Qwen2 (built in code, saved with `save_pretrained`, loaded with `from_pr
 Writes the peak resident bytes of `Learner.update` above its start (`zero.PeakRSS`: the gradients, AdamW's two states
 created at the first step, the activations and the fused log-probs; the weights were resident before) and the model's
 shape for the planner."""
+
 import json, sys, tempfile
 from pathlib import Path
 
@@ -20,17 +21,37 @@ if __name__ == "__main__":
     from dapo_ref.core import DAPOConfig
     from dapo_ref.learner import RolloutBatch, TorchLearner
     from dapo_ref.zero import PeakRSS
+
     folder = Path(tempfile.mkdtemp()) / "qwen2"
     torch.manual_seed(0)
-    c = Qwen2Config(vocab_size=32768, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=T, tie_word_embeddings=True)
+    c = Qwen2Config(
+        vocab_size=32768,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=T,
+        tie_word_embeddings=True,
+    )
     Qwen2ForCausalLM(c).save_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    cfg = DAPOConfig(model=str(folder), dtype="bfloat16", micro_token_budget=T, l_max=T, l_cache=T // 4, warmup_steps=0,
-                     gradient_checkpointing=gc)
+    cfg = DAPOConfig(
+        model=str(folder),
+        dtype="bfloat16",
+        micro_token_budget=T,
+        l_max=T,
+        l_cache=T // 4,
+        warmup_steps=0,
+        gradient_checkpointing=gc,
+    )
     learner = TorchLearner.build(cfg, 0, model=model)
     g = torch.Generator().manual_seed(1)
-    prompt, resp = torch.randint(5, 32768, (64,), generator=g).tolist(), torch.randint(5, 32768, (T - 64,), generator=g).tolist()
+    prompt, resp = (
+        torch.randint(5, 32768, (64,), generator=g).tolist(),
+        torch.randint(5, 32768, (T - 64,), generator=g).tolist(),
+    )
     batch = RolloutBatch([prompt], [resp], torch.ones(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1))
-    with PeakRSS() as m: learner.update(batch, [torch.full((T - 64,), -10.0)])
+    with PeakRSS() as m:
+        learner.update(batch, [torch.full((T - 64,), -10.0)])
     out.write_text(json.dumps(dict(peak=m.extra, config=model.config.to_dict())))

@@ -26,6 +26,7 @@ model/8 bytes into OUT_DIR/export8. Rank 0 writes OUT_DIR/build.pt.
 `build MODEL MODE` (for the record, not the tests; `python tests/scale_worker.py OUT build MODEL MODE` or torchrun):
 `no-heap-fix` constructs without `zero.returned_large_blocks`, `transformers` with transformers' own `from_pretrained`
 under a live `HfDeepSpeedConfig`; compare their `construct_extra` in build.pt with the default's."""
+
 import copy, os, sys
 from pathlib import Path
 
@@ -36,23 +37,42 @@ G, N_GROUPS = 4, 5  # 5 groups of 4, shared over the ranks by tokens (`learner.b
 
 def test_cfg():
     "The tiny recipe with a learning rate that moves the weights visibly, and a small token budget (several micro-batches)."
-    from dapo_ref.core import config_from_dict
-    return config_from_dict(dict(model="tiny", group_size=G, prompts_per_step=N_GROUPS, gen_batch_size=N_GROUPS,
-                                 mini_batch_size=G * N_GROUPS, lr=1e-3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0,
-                                 micro_token_budget=96, zero_stage=0, dtype="float32", l_max=32, l_cache=8))
+    from dapo_ref.cli import config_from_dict
+
+    return config_from_dict(
+        dict(
+            model="tiny",
+            group_size=G,
+            prompts_per_step=N_GROUPS,
+            gen_batch_size=N_GROUPS,
+            mini_batch_size=G * N_GROUPS,
+            lr=1e-3,
+            warmup_steps=0,
+            weight_decay=0.1,
+            grad_clip=1.0,
+            micro_token_budget=96,
+            zero_stage=0,
+            dtype="float32",
+            l_max=32,
+            l_cache=8,
+        )
+    )
 
 
 def fixed_batch(vocab: int = 392, seed: int = 21):
     """N_GROUPS * G responses with random token ids, lengths and advantages (deterministic; no generation). Seed 21:
     the two token-balanced shares pack into 4 and 3 micro-batches (7 on one device), so the padding passes run."""
     from dapo_ref.learner import RolloutBatch
+
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
     for _ in range(N_GROUPS):
         p = torch.randint(1, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
         for _ in range(G):
             prompts.append(p)
-            responses.append(torch.randint(1, vocab, (int(torch.randint(2, 33, (1,), generator=g)),), generator=g).tolist())
+            responses.append(
+                torch.randint(1, vocab, (int(torch.randint(2, 33, (1,), generator=g)),), generator=g).tolist()
+            )
     adv = torch.randn(N_GROUPS * G, generator=g)  # (B,)
     return RolloutBatch(prompts, responses, adv, torch.zeros(N_GROUPS * G, dtype=torch.bool), adv.clone())
 
@@ -62,7 +82,8 @@ ADAM_EPS = 1e-5  # Adam's eps in the update checks (product default 1e-8): g -> 
 
 def set_adam_eps(learner, eps: float = ADAM_EPS):
     "Set eps in the torch optimizer both learners step (TorchLearner's AdamW, the torch AdamW inside DeepSpeed's ZeRO)."
-    for g in learner.sched.optimizer.param_groups: g["eps"] = eps
+    for g in learner.sched.optimizer.param_groups:
+        g["eps"] = eps
 
 
 def capture_grads(learner) -> dict:
@@ -73,6 +94,7 @@ def capture_grads(learner) -> dict:
     grads, inner = {}, learner.optimizer_step
     if type(learner).__name__ == "DeepSpeedLearner":
         from deepspeed.utils import safe_get_full_grad
+
         def step(loss):
             for n, p in learner.model.named_parameters():
                 g = safe_get_full_grad(p)
@@ -80,13 +102,19 @@ def capture_grads(learner) -> dict:
             return inner(loss)
     else:
         from unittest import mock
+
         names, clip = {id(p): n for n, p in learner.model.named_parameters()}, torch.nn.utils.clip_grad_norm_
+
         def clip_and_capture(params, *a, **k):
             params = list(params)
-            for p in params: grads[names[id(p)]] = None if p.grad is None else p.grad.detach().float().cpu().clone()
+            for p in params:
+                grads[names[id(p)]] = None if p.grad is None else p.grad.detach().float().cpu().clone()
             return clip(params, *a, **k)
+
         def step(loss):
-            with mock.patch("torch.nn.utils.clip_grad_norm_", clip_and_capture): return inner(loss)
+            with mock.patch("torch.nn.utils.clip_grad_norm_", clip_and_capture):
+                return inner(loss)
+
     learner.optimizer_step = step
     return grads
 
@@ -98,12 +126,25 @@ def trainer_update(cfg, model, tok, engine=None):
     from dapo_ref.algorithm import train_on
     from dapo_ref.tiny import tiny_splits
     from dapo_ref.trainer import Trainer
-    trainer = Trainer(cfg, train_examples=tiny_splits(8, 1, seed=0)[0], eval_examples=[], model=model, tokenizer=tok,
-                      engine=engine, progress=False, log=None)
+
+    trainer = Trainer(
+        cfg,
+        train_examples=tiny_splits(8, 1, seed=0)[0],
+        eval_examples=[],
+        model=model,
+        tokenizer=tok,
+        engine=engine,
+        progress=False,
+        log=None,
+    )
     full = fixed_batch()  # every rank holds the step's whole batch (the sharded rollout gathers each round)
     from dapo_ref.learner import balanced_share
-    trainer.logprob_indices = balanced_share([len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)],
-                                             cfg.mini_batch_size, *trainer.learner.data_rank())[0]  # as `train_on` shares it
+
+    trainer.logprob_indices = balanced_share(
+        [len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)],
+        cfg.mini_batch_size,
+        *trainer.learner.data_rank(),
+    )[0]  # as `train_on` shares it
     lp_batch = full.select(trainer.logprob_indices)
     n_micro = len(trainer.learner.micro_batches(lp_batch))
     old, _ = trainer.learner.compute_logprobs(lp_batch)
@@ -118,8 +159,11 @@ def run_stage(name: str, out: Path):
     from dapo_ref import dist
     from dapo_ref.learner import load_policy
     from dapo_ref.rollout import HFRolloutEngine
+
     rank, world = dist.rank(), dist.world_size()
-    cfg = test_cfg(); cfg.zero_stage = stage = int(name[0]); cfg.gradient_checkpointing = name.endswith("gc")
+    cfg = test_cfg()
+    cfg.zero_stage = stage = int(name[0])
+    cfg.gradient_checkpointing = name.endswith("gc")
     cfg.gpus_per_node = world
     cfg.sequence_parallel_size = 2 if name.endswith("sp") else 1
     model, tok = load_policy("tiny")
@@ -127,24 +171,48 @@ def run_stage(name: str, out: Path):
     trainer, old, metrics, n_micro, grads = trainer_update(cfg, model, tok, engine)
     learner = trainer.learner
     from transformers.modeling_layers import GradientCheckpointingLayer
-    ckpt = [m.gradient_checkpointing and m.training for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+    ckpt = [
+        m.gradient_checkpointing and m.training for m in model.modules() if isinstance(m, GradientCheckpointingLayer)
+    ]
     learner.end_step()
     streamed = {n: t.clone() for n, t in learner.named_weights()}  # every rank iterates: a collective
     trainer.sync_weights()  # Algorithm 1 line 3
     eng_sd = {n: t.clone() for n, t in engine.model.state_dict().items()}
-    consolidated = (learner.engine._zero3_consolidated_16bit_state_dict() if stage == 3
-                    else {n: t.clone() for n, t in learner.model.state_dict().items()})  # the learner's own weights
+    consolidated = (
+        learner.engine._zero3_consolidated_16bit_state_dict()
+        if stage == 3
+        else {n: t.clone() for n, t in learner.model.state_dict().items()}
+    )  # the learner's own weights
     engines = dist.all_gather(eng_sd)
     olds, n_micros = dist.all_gather(old), dist.all_gather(n_micro)
-    sp = learner.sp and dict(size=learner.sp.size, rank=learner.sp.rank, data_rank=learner.data_rank(), idx=trainer.logprob_indices,
-                             local=learner.sp.attn.local_seq_length, whole=learner.sp.attn.global_seq_length)  # last row's
+    sp = learner.sp and dict(
+        size=learner.sp.size,
+        rank=learner.sp.rank,
+        data_rank=learner.data_rank(),
+        idx=trainer.logprob_indices,
+        local=learner.sp.attn.local_seq_length,
+        whole=learner.sp.attn.global_seq_length,
+    )  # last row's
     sps, idxs = dist.all_gather(sp), dist.all_gather(trainer.logprob_indices)  # collectives: every rank
     if rank == 0:
-        torch.save(dict(streamed=streamed, consolidated=consolidated, engines=engines, old=olds, n_micro=n_micros,
-                        idx=idxs,
-                        metrics=metrics, world=world, checkpointed_layers=ckpt, learner=type(learner).__name__,
-                        grads=grads, sp=sps),
-                   out / f"stage{name}.pt")
+        torch.save(
+            dict(
+                streamed=streamed,
+                consolidated=consolidated,
+                engines=engines,
+                old=olds,
+                n_micro=n_micros,
+                idx=idxs,
+                metrics=metrics,
+                world=world,
+                checkpointed_layers=ckpt,
+                learner=type(learner).__name__,
+                grads=grads,
+                sp=sps,
+            ),
+            out / f"stage{name}.pt",
+        )
     dist.barrier()
 
 
@@ -153,13 +221,15 @@ def matches_checkpoint(model, name) -> bool:
     from safetensors import safe_open
     from dapo_ref import dist
     from dapo_ref.zero import checkpoint_folder, gathered, module_tensors
+
     folder, wm = checkpoint_folder(name)
     ok = True
     for _, items in module_tensors(model):
         with gathered([t for _, t in items]):
             if dist.is_main():
                 for k, t in items:
-                    with safe_open(folder / wm[k], "pt") as f: ok &= torch.equal(f.get_tensor(k), t.data)
+                    with safe_open(folder / wm[k], "pt") as f:
+                        ok &= torch.equal(f.get_tensor(k), t.data)
     return ok
 
 
@@ -174,33 +244,50 @@ def run_build(model_name: str, out: Path, mode: str = "ours"):
     from dapo_ref.learner import load_tokenizer
     import dapo_ref.zero
     from dapo_ref.zero import PeakRSS, save_pretrained_streamed
+
     rank, world = dist.rank(), dist.world_size()
-    cfg = test_cfg(); cfg.model, cfg.zero_stage, cfg.gpus_per_node, cfg.lr = model_name, 3, world, LR_BUILD
+    cfg = test_cfg()
+    cfg.model, cfg.zero_stage, cfg.gpus_per_node, cfg.lr = model_name, 3, world, LR_BUILD
     tok = load_tokenizer("tiny")
     if mode == "no-heap-fix":
-        import contextlib; dapo_ref.zero.returned_large_blocks = contextlib.nullcontext
+        import contextlib
+
+        dapo_ref.zero.returned_large_blocks = contextlib.nullcontext
     if mode == "transformers":  # DeepSpeed's comm over the process group, which build_model sets up itself
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
     with PeakRSS() as m:
         if mode == "transformers":
             from transformers import AutoModelForCausalLM
             from dapo_ref.scale import deepspeed_config
+
             keep = HfDeepSpeedConfig(deepspeed_config(cfg, world))
             model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
             model.hf_ds_config = keep
         else:
             model = DeepSpeedLearner.build_model(cfg)
     params = list(model.parameters())
-    res = dict(rank=rank, construct_extra=m.extra, construct_base=m.base,
-               linear_after_build=torch.nn.functional.linear is torch._C._nn.linear,  # zero.Init left F.linear as it was
-               all_partitioned=all(p.numel() == 0 and hasattr(p, "ds_id") for p in params),
-               full_numel=sum(p.ds_numel for p in params), local_numel=sum(p.ds_tensor.numel() for p in params),
-               model_bytes=sum(p.ds_numel * p.element_size() for p in params),
-               hf_ds_config_alive=getattr(model, "hf_ds_config", None) is not None)
+    res = dict(
+        rank=rank,
+        construct_extra=m.extra,
+        construct_base=m.base,
+        linear_after_build=torch.nn.functional.linear is torch._C._nn.linear,  # zero.Init left F.linear as it was
+        all_partitioned=all(p.numel() == 0 and hasattr(p, "ds_id") for p in params),
+        full_numel=sum(p.ds_numel for p in params),
+        local_numel=sum(p.ds_tensor.numel() for p in params),
+        model_bytes=sum(p.ds_numel * p.element_size() for p in params),
+        hf_ds_config_alive=getattr(model, "hf_ds_config", None) is not None,
+    )
     res["matches_checkpoint"] = matches_checkpoint(model, model_name)  # a collective; rank 0's answer counts
     with PeakRSS() as m:  # deepspeed.initialize (optimizer partitions) and the transformers engine's whole copy
-        trainer = Trainer(cfg, train_examples=tiny_splits(8, 1, seed=0)[0], eval_examples=[], model=model,
-                          tokenizer=tok, progress=False, log=None)
+        trainer = Trainer(
+            cfg,
+            train_examples=tiny_splits(8, 1, seed=0)[0],
+            eval_examples=[],
+            model=model,
+            tokenizer=tok,
+            progress=False,
+            log=None,
+        )
     res["trainer_extra"] = m.extra
     res["linear_after_initialize"] = torch.nn.functional.linear is torch._C._nn.linear  # and deepspeed.initialize too
     learner = trainer.learner
@@ -208,11 +295,14 @@ def run_build(model_name: str, out: Path, mode: str = "ours"):
     grads = capture_grads(learner)
     res["engine_partitioned"] = any(hasattr(p, "ds_id") for p in trainer.engine.model.parameters())
     trained, update = [], learner.update
+
     def recording_update(mini, old):  # what this rank's learner trains: the balanced share
         trained.append([len(r) for r in mini.response_ids])
         return update(mini, old)
+
     learner.update = recording_update
     from dapo_ref.algorithm import train_on
+
     updates, _ = train_on(learner, fixed_batch(), cfg.mini_batch_size)  # every rank holds the whole batch
     res.update(trained=trained, metrics=updates)
     learner.end_step()
@@ -225,7 +315,8 @@ def run_build(model_name: str, out: Path, mode: str = "ours"):
     res["export_extra"] = m.extra
     save_pretrained_streamed(learner.model, out / "export8", shard_bytes=res["model_bytes"] // 8)  # several shards
     every = dist.all_gather(res)
-    if rank == 0: torch.save(dict(ranks=every, weights=weights, grads=grads), out / "build.pt")
+    if rank == 0:
+        torch.save(dict(ranks=every, weights=weights, grads=grads), out / "build.pt")
     dist.barrier()
 
 
@@ -237,14 +328,20 @@ if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dapo_ref import dist
+
     dist.init_distributed()
-    out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-    if sys.argv[2:3] == ["build"]: run_build(sys.argv[3], out, *sys.argv[4:5])
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    if sys.argv[2:3] == ["build"]:
+        run_build(sys.argv[3], out, *sys.argv[4:5])
     else:
-        for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc", "0", "3sp"]): run_stage(s, out)
+        for s in sys.argv[2].split(",") if len(sys.argv) > 2 else ["3", "2", "3gc", "0", "3sp"]:
+            run_stage(s, out)
     import torch.distributed
+
     torch.distributed.destroy_process_group()
     # several DeepSpeed engines were built in this process: leave without the interpreter's teardown, where a native
     # thread of one can abort the process after the results are saved (seen once in test_trainer's guard worker)
-    sys.stdout.flush(); sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)

@@ -1,10 +1,12 @@
 "Ablation (dapo-ablate) end to end on the --quick base: the table, per-run caching, resuming an interrupted ablation."
+
 import json, os, re, shutil, subprocess, sys, time
 from pathlib import Path
 
 import pytest
 
-from dapo_ref.ablation import COLUMNS, ROWS, main, row_switches
+from dapo_ref.ablation import COLUMNS, ROWS, row_switches
+from dapo_ref.ablate import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -12,7 +14,7 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _cmd(out, *extra):
-    return [PY, "-m", "dapo_ref.ablation", "--quick", "--seeds", "0", "--out", str(out), *extra]
+    return [PY, "-m", "dapo_ref.ablate", "--quick", "--seeds", "0", "--out", str(out), *extra]
 
 
 def _snapshot(d: Path) -> dict:
@@ -25,12 +27,15 @@ def _meta(out):
 
 
 def test_cli_errors(capsys):
-    for argv, msg in [(["--rows", "3-clip-hihger"], "rows are: 1-grpo"),
-                      (["--base", "recipes/no-such.yaml"], "no recipe file at recipes/no-such.yaml"),
-                      (["--threads", "-1"], "--threads -1 is out of range: allowed >= 1"),
-                      (["--target", "nan"], "--target nan is out of range"),
-                      (["lr=inf"], "lr = inf is not a finite number")]:
-        with pytest.raises(SystemExit) as e: main(argv)
+    for argv, msg in [
+        (["--rows", "3-clip-hihger"], "rows are: 1-grpo"),
+        (["--base", "recipes/no-such.yaml"], "no recipe file at recipes/no-such.yaml"),
+        (["--threads", "-1"], "--threads -1 is out of range: allowed >= 1"),
+        (["--target", "nan"], "--target nan is out of range"),
+        (["lr=inf"], "lr = inf is not a finite number"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("dapo-ablate: error: ") and msg in err and err.count("\n") == 1, err
 
@@ -38,13 +43,14 @@ def test_cli_errors(capsys):
 def test_default_base_from_another_directory(tmp_path, monkeypatch, capsys):
     "The default --base resolves in the checkout, not the working directory (a bad flag stops the command after it loaded)."
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit): main(["--jobs", "0"])
+    with pytest.raises(SystemExit):
+        main(["--jobs", "0"])
     assert "--jobs 0 is out of range" in capsys.readouterr().err  # the base loaded; the flag is what failed
     assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_python_m_help():
-    r = subprocess.run([PY, "-m", "dapo_ref.ablation", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    r = subprocess.run([PY, "-m", "dapo_ref.ablate", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert r.returncode == 0 and "--quick" in r.stdout and "--seeds" in r.stdout
 
 
@@ -53,9 +59,11 @@ def test_clip_higher_testbed_clips_bind(monkeypatch):
     tokens are up-clipped in several updates of the first step; with the Table 1 base's 2 updates, none are."""
     import torch
     from dataclasses import replace
-    from dapo_ref.core import load_config
-    from dapo_ref.ablation import STUDIES, clip_probe
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu"); torch.set_num_threads(1)
+    from dapo_ref.cli import load_config
+    from dapo_ref.studies import STUDIES, clip_probe
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(1)
     base = replace(load_config(STUDIES["clip-higher"]["base"]), eps_high=0.2, seed=0)
     p16, p2 = clip_probe(base), clip_probe(replace(base, mini_batch_size=64))  # 128 responses / 64 = 2 updates
     assert (p16["updates"], p2["updates"]) == (16, 2)
@@ -66,10 +74,14 @@ def test_clip_higher_testbed_clips_bind(monkeypatch):
     assert p16["updates_clipping"] >= 3 and p16["up_clipped_tokens"] >= 5, p16  # not one update's accident
     assert p2["clipfrac_high"] < p16["clipfrac_high"] / 10, (p2, p16)
 
+
 def test_study_cli_errors(capsys):
-    for argv, msg in [(["--study", "clip-hihger"], "--study clip-hihger is not a study; studies are: clip-higher"),
-                      (["--study", "clip-higher", "--rows", "1-grpo"], "give one or the other")]:
-        with pytest.raises(SystemExit) as e: main(argv)
+    for argv, msg in [
+        (["--study", "clip-hihger"], "--study clip-hihger is not a study; studies are: clip-higher"),
+        (["--study", "clip-higher", "--rows", "1-grpo"], "give one or the other"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("dapo-ablate: error: ") and msg in err and err.count("\n") == 1, err
 
@@ -81,18 +93,29 @@ def _testbed_samples(n_problems=64, k=4, l_max=64, seed=0):
     from dapo_ref.testbeds import testbed_model
     from dapo_ref.data import prompt_token_ids
     from dapo_ref.trainer import load_splits
-    from dapo_ref.core import load_config
+    from dapo_ref.cli import load_config
+
     path = testbed_model(log=None)
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok, model = (
+        AutoTokenizer.from_pretrained(path),
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+    )
     torch.manual_seed(seed)
     out = []
     for ex in load_splits(load_config(ROOT / "recipes/ablation-testbed.yaml"))[1][:n_problems]:
         p = torch.tensor([prompt_token_ids(ex, tok)] * k)
         with torch.no_grad():
-            o = model.generate(p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0, top_p=1.0,
-                               max_new_tokens=l_max, pad_token_id=tok.eos_token_id)
-        for row in o[:, p.shape[1]:].tolist():
-            ids = row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+            o = model.generate(
+                p,
+                attention_mask=torch.ones_like(p),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                max_new_tokens=l_max,
+                pad_token_id=tok.eos_token_id,
+            )
+        for row in o[:, p.shape[1] :].tolist():
+            ids = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
             out.append((ids, tok.decode(ids, skip_special_tokens=True), ex))
     return out, tok.eos_token_id
 
@@ -101,21 +124,29 @@ def test_testbed_has_what_the_length_studies_act_on():
     """The token-loss and overlong studies rely on the testbed policy producing, at L_max = 64, runaway responses (loops
     and runaway working: long, wrong, never ending) and correct restated solutions cut while still correct."""
     import torch
-    from dapo_ref.core import load_config
+    from dapo_ref.cli import load_config
     from dapo_ref.tiny import _APPLY
+
     torch.set_num_threads(1)
     cfg = load_config(ROOT / "recipes/ablation-testbed.yaml")
     assert (cfg.model, cfg.l_max) == ("tiny-testbed", 64)
     samples, eos = _testbed_samples(l_max=cfg.l_max)
+
     def lines_ok(lines):  # every line of working "a<op>b=c" is correct arithmetic
         ms = [re.fullmatch(r"(\d+)([-+*])(\d+)=(\d+)", l) for l in lines]
         return all(m and _APPLY[m[2]](int(m[1]), int(m[3])) == int(m[4]) for m in ms)
+
     cut = [(ids, t) for ids, t, _ in samples if eos not in ids]
     assert all(len(ids) == cfg.l_max for ids, _ in cut)
     lines = [t.strip().split("\n") for _, t in cut]
     loops = sum(any(a == b for a, b in zip(ls, ls[1:])) for ls in lines)
-    restated_ok = sum(ls[0].startswith("Start at") and len(ls) > 2 and lines_ok(ls[1:-1]) and
-                      not any(a == b for a, b in zip(ls, ls[1:])) for ls in lines)
+    restated_ok = sum(
+        ls[0].startswith("Start at")
+        and len(ls) > 2
+        and lines_ok(ls[1:-1])
+        and not any(a == b for a, b in zip(ls, ls[1:]))
+        for ls in lines
+    )
     finished = [(ids, t) for ids, t, _ in samples if eos in ids]
     n = len(samples)
     print(f"{n} samples: {loops} loops, {restated_ok} correct restated cut, {len(finished)} finished")
@@ -125,9 +156,9 @@ def test_testbed_has_what_the_length_studies_act_on():
     # se = sqrt(p (1 - p) / 256): cut 0.28 (se 0.028): 0.15 is 4.6 se below; loops 0.086 (se 0.0175): 0.015 is 4.1 se
     # below; finished 0.72 (se 0.028): 0.6 is 4.2 se below. restated_ok >= 1 (measured 2) is a presence check: the
     # mechanism exists in this policy (P(0 | rate 2/256) = (1 - 2/256)^256 = 0.13 on fresh draws: seed-dependent).
-    assert len(cut) / n > 0.15, (len(cut), n)      # long responses for the token-level loss and the filter to act on
-    assert loops / n > 0.015, (loops, n)           # among them, exact repetition
-    assert restated_ok >= 1, (restated_ok, n)      # and correct solutions cut while still correct: the noisy -1
+    assert len(cut) / n > 0.15, (len(cut), n)  # long responses for the token-level loss and the filter to act on
+    assert loops / n > 0.015, (loops, n)  # among them, exact repetition
+    assert restated_ok >= 1, (restated_ok, n)  # and correct solutions cut while still correct: the noisy -1
     assert len(finished) / n > 0.6
 
 
@@ -138,10 +169,15 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
     every table, study, figure and mechanisms.md written; (2) a third invocation of a part reuses every run, for the
     table from its run folders and for a study from study.json alone; (3) another base config is trained again.
     One --all launch and its resume answer what three launches did (a Table 1 ablation, a study, --all)."""
-    from dapo_ref.ablation import ALL, MECHANISMS, STUDY_FIGURES, FIGURES, TESTBED_TARGET
+    from dapo_ref.ablation import FIGURES
+    from dapo_ref.ablate import ALL, MECHANISMS, TESTBED_TARGET
+    from dapo_ref.studies import STUDY_FIGURES
+
     out = tmp_path / "abl"
-    cmd = [PY, "-m", "dapo_ref.ablation", "--all", "--quick", "--out", str(out)]
-    table_dir = out / next(folder for kind, _, _, folder in ALL if kind == "table")  # the first part: the testbed's Table 1
+    cmd = [PY, "-m", "dapo_ref.ablate", "--all", "--quick", "--out", str(out)]
+    table_dir = out / next(
+        folder for kind, _, _, folder in ALL if kind == "table"
+    )  # the first part: the testbed's Table 1
     # 1. interrupted after its first two runs finished
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0 = time.time()
@@ -152,7 +188,8 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
             assert time.time() - t0 < 600, "no run finished within 600 s"
             time.sleep(0.2)
     finally:
-        p.kill(); p.wait()
+        p.kill()
+        p.wait()
     finished = len(list(table_dir.glob("runs/*/seed-0/result.json")))
     assert 2 <= finished < 6
 
@@ -166,9 +203,11 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
             cfg = next(iter(next(iter(j["runs"].values())).values()))["key"]["config"]
             assert (cfg["model"] == "tiny") == (name == "dynamic-sampling"), cfg["model"]
             assert name == "dynamic-sampling" or "testbed-v1-" in cfg["model"]
-            for f, *_ in STUDY_FIGURES[name]: assert (out / folder / f).stat().st_size > 1000, (folder, f)
+            for f, *_ in STUDY_FIGURES[name]:
+                assert (out / folder / f).stat().st_size > 1000, (folder, f)
     md = (out / "mechanisms.md").read_text()
-    for tech, *_ in MECHANISMS: assert tech in md
+    for tech, *_ in MECHANISMS:
+        assert tech in md
     assert "reproduced" in md and "dapo-ablate --all --quick" in md
     # the table part: resumed, whole, its figures
     m = _meta(table_dir)
@@ -183,7 +222,8 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
     assert md[0].count("|") == len(COLUMNS) + 1 and len(md) == 2 + 6
     for c in ("held-out avg@k end", "updates to", "entropy", "resp len", "truncated", "gen rounds/step"):
         assert c in md[0]
-    for f in FIGURES: assert (table_dir / f).stat().st_size > 1000, f
+    for f in FIGURES:
+        assert (table_dir / f).stat().st_size > 1000, f
     for row, _, _ in ROWS:  # every run keeps its metrics and config, and no weights or checkpoints
         d = table_dir / "runs" / row / "seed-0"
         assert (d / "metrics.jsonl").exists() and (d / "config.yaml").exists()
@@ -192,7 +232,12 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
         assert {k: cfg[k] for k in row_switches(row)} == row_switches(row)
     # a study part: its arms, the --quick overrides, its updates
     s = json.loads((out / "clip-higher-testbed" / "study.json").read_text())
-    assert s["meta"]["runs"] == 2 and s["meta"]["cached_runs"] == 0 and s["meta"]["date"] and "--all" in s["meta"]["command"]
+    assert (
+        s["meta"]["runs"] == 2
+        and s["meta"]["cached_runs"] == 0
+        and s["meta"]["date"]
+        and "--all" in s["meta"]["command"]
+    )
     assert [a[0] for a in s["arms"]] == ["eps-high-0.20", "eps-high-0.28"]
     for arm, eps in (("eps-high-0.20", 0.2), ("eps-high-0.28", 0.28)):
         cfg = s["runs"][arm]["0"]["key"]["config"]
@@ -204,18 +249,37 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
     # 3. a third invocation of the table part reuses every run: none is trained again. A trained run rewrites its folder
     # (key.json, lock, metrics.jsonl, result.json with new timings), so every file under runs/ unchanged, bytes and
     # mtime, proves reuse without timing anything
-    table_argv = ["--quick", "--seeds", "0", "--out", str(table_dir), "--base", "recipes/ablation-testbed.yaml",
-                  "--target", str(TESTBED_TARGET), "--no-figures"]
+    table_argv = [
+        "--quick",
+        "--seeds",
+        "0",
+        "--out",
+        str(table_dir),
+        "--base",
+        "recipes/ablation-testbed.yaml",
+        "--target",
+        str(TESTBED_TARGET),
+        "--no-figures",
+    ]
     before = _snapshot(table_dir / "runs")
     assert main(table_argv) == 0
     m3 = _meta(table_dir)
     assert m3["cached_runs"] == 6 and m3["runs"] == 6
     after = _snapshot(table_dir / "runs")
-    assert after.keys() == before.keys() and all(after[k] == before[k] for k in before), \
-        sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert after.keys() == before.keys() and all(after[k] == before[k] for k in before), sorted(
+        k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
+    )
     # the study reuses its runs from study.json alone (the committed cache keeps only that file)
-    study_argv = ["--quick", "--study", "clip-higher-testbed", "--seeds", "0", "--out", str(out / "clip-higher-testbed"),
-                  "--no-figures"]
+    study_argv = [
+        "--quick",
+        "--study",
+        "clip-higher-testbed",
+        "--seeds",
+        "0",
+        "--out",
+        str(out / "clip-higher-testbed"),
+        "--no-figures",
+    ]
     shutil.rmtree(out / "clip-higher-testbed" / "runs")
     assert main(study_argv) == 0
     s2 = json.loads((out / "clip-higher-testbed" / "study.json").read_text())
@@ -229,5 +293,6 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
 
 
 def test_all_refuses_a_part(capsys):
-    with pytest.raises(SystemExit) as e: main(["--all", "--study", "overlong"])
+    with pytest.raises(SystemExit) as e:
+        main(["--all", "--study", "overlong"])
     assert e.value.code == 2 and "--all runs every part" in capsys.readouterr().err

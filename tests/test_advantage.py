@@ -1,4 +1,5 @@
 "Property tests for dapo_ref.advantage: a float64 Python-loop reference and hypothesis properties."
+
 import math, statistics
 
 import pytest
@@ -23,7 +24,8 @@ def adv_tol(G: int, u: float) -> float:
     <= (G + 2)(1 + k^2)/2 u sigma. Quotient: one more rounding u |adv|.
     So |d adv| <= [(G + 3) k + a (sqrt(2) k + (G + 2)(1 + k^2)/2 + 1)] u; a group of one is r / (1 + eps): <= 3 u |r|,
     |r| <= 2. For G = 9 in float32: 315 u = 1.9e-5."""
-    if G == 1: return 6 * u
+    if G == 1:
+        return 6 * u
     k, a = math.sqrt(2 * (G - 1)), (G - 1) / math.sqrt(G)
     return ((G + 3) * k + a * (math.sqrt(2) * k + (G + 2) * (1 + k * k) / 2 + 1)) * u
 
@@ -31,13 +33,17 @@ def adv_tol(G: int, u: float) -> float:
 def loop_reference(rewards, ids, eps=EPS):
     "Float64, one group at a time: collect members by id, then statistics.mean / statistics.stdev (N - 1)."
     members = {}
-    for i, g in enumerate(ids): members.setdefault(g, []).append(i)
+    for i, g in enumerate(ids):
+        members.setdefault(g, []).append(i)
     out = [0.0] * len(rewards)
     for idx in members.values():
         vals = [float(rewards[i]) for i in idx]
-        if len(vals) == 1: mu, sd = 0.0, 1.0
-        else: mu, sd = statistics.mean(vals), statistics.stdev(vals)
-        for i in idx: out[i] = (float(rewards[i]) - mu) / (sd + eps)
+        if len(vals) == 1:
+            mu, sd = 0.0, 1.0
+        else:
+            mu, sd = statistics.mean(vals), statistics.stdev(vals)
+        for i in idx:
+            out[i] = (float(rewards[i]) - mu) / (sd + eps)
     return torch.tensor(out, dtype=torch.float64)
 
 
@@ -47,7 +53,8 @@ def ref_tol(vals, eps=EPS) -> float:
     sd + eps (sd correctly rounded, one addition, one division: <= 3 u64 relative) adds <= 3 u64 |adv| + u64 |adv|.
     So <= u64 (max|r| + R) / (sd + eps) + 4 u64 a, a = (G - 1) / sqrt(G) >= |adv|."""
     G = len(vals)
-    if G == 1: return 2 * U64 * max(abs(v) for v in vals)   # r / (1 + eps): two roundings
+    if G == 1:
+        return 2 * U64 * max(abs(v) for v in vals)  # r / (1 + eps): two roundings
     R, sd = max(vals) - min(vals), statistics.stdev(vals)
     return U64 * (max(abs(v) for v in vals) + R) / (sd + eps) + 4 * U64 * (G - 1) / math.sqrt(G)
 
@@ -62,14 +69,16 @@ def check_groups(got, rewards, ids, impl_tol):
 
 
 # rewards as the trainer produces them: +-1 from Eq. 7 plus an overlong penalty in [-1, 0] (Eq. 13), or +-1 only
-reward = st.one_of(st.sampled_from([-1.0, 1.0]),
-                   st.builds(lambda s, p: s - p, st.sampled_from([-1.0, 1.0]), st.floats(0, 1)))
+reward = st.one_of(
+    st.sampled_from([-1.0, 1.0]), st.builds(lambda s, p: s - p, st.sampled_from([-1.0, 1.0]), st.floats(0, 1))
+)
 group_size = st.integers(1, 9)
 
 
 @st.composite
 def grouped(draw):
-    G = draw(group_size); P = draw(st.integers(0, 6))
+    G = draw(group_size)
+    P = draw(st.integers(0, 6))
     return draw(st.lists(reward, min_size=P * G, max_size=P * G)), G
 
 
@@ -79,7 +88,7 @@ def test_matches_float64_loop(data):
     r, G = data
     ids = [i // G for i in range(len(r))]
     test64 = group_advantages(torch.tensor(r, dtype=torch.float64), G)
-    check_groups(test64, r, ids, lambda G: adv_tol(G, U64))   # implementation and reference errors, both derived
+    check_groups(test64, r, ids, lambda G: adv_tol(G, U64))  # implementation and reference errors, both derived
     test32 = group_advantages(torch.tensor(r), G)
     assert test32.dtype == torch.float32
     # the float32 run sees the float32 rounding of the rewards: give the reference the same inputs, so only the float32
@@ -114,7 +123,8 @@ def test_equal_rewards_give_exactly_zero(v, G, P, dtype):
 def test_by_id_agrees_with_contiguous_under_permutation(data, rnd):
     r, G = data
     B = len(r)
-    perm = list(range(B)); rnd.shuffle(perm)
+    perm = list(range(B))
+    rnd.shuffle(perm)
     ids = [f"prompt-{i // G}" for i in range(B)]
     r = torch.tensor(r, dtype=torch.float64)
     want = group_advantages(r, G)[perm]
@@ -129,7 +139,8 @@ def test_by_id_agrees_with_contiguous_under_permutation(data, rnd):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), reward), min_size=1, max_size=40))
 def test_by_id_uneven_groups_match_loop(pairs):
-    ids = [g for g, _ in pairs]; r = [v for _, v in pairs]
+    ids = [g for g, _ in pairs]
+    r = [v for _, v in pairs]
     got = group_advantages_by_id(torch.tensor(r, dtype=torch.float64), torch.tensor(ids))
     check_groups(got, r, ids, lambda G: adv_tol(G, U64))
 
@@ -138,7 +149,8 @@ def test_by_id_uneven_groups_match_loop(pairs):
 @given(grouped(), st.floats(-5, 5), st.floats(0.1, 10))
 def test_invariant_to_shift_and_positive_scale(data, shift, scale):
     r, G = data
-    if G == 1: return  # mean 0, std 1 by convention: not normalised, so not invariant
+    if G == 1:
+        return  # mean 0, std 1 by convention: not normalised, so not invariant
     r = torch.tensor(r, dtype=torch.float64)
     a = group_advantages(r, G, eps=0.0)
     b = group_advantages(r * scale + shift, G, eps=0.0)
@@ -148,10 +160,11 @@ def test_invariant_to_shift_and_positive_scale(data, shift, scale):
     a_max = (G - 1) / math.sqrt(G)
     delta = 2 * U64 * (scale * float(r.abs().amax()) + abs(shift)) if len(r) else 0.0
     for i in range(0, len(r), G):
-        sigma = float(r[i:i + G].std())
-        if sigma == 0: continue  # eps = 0: an all-equal group is 0 / 0
+        sigma = float(r[i : i + G].std())
+        if sigma == 0:
+            continue  # eps = 0: an all-equal group is 0 / 0
         tol = 2 * adv_tol(G, U64) + (2 + math.sqrt(2) * a_max) * delta / (scale * sigma)
-        assert ((a[i:i + G] - b[i:i + G]).abs() <= tol).all(), (tol, a[i:i + G], b[i:i + G])
+        assert ((a[i : i + G] - b[i : i + G]).abs() <= tol).all(), (tol, a[i : i + G], b[i : i + G])
 
 
 def test_all_equal_is_zero_even_where_the_literal_formula_is_not():
@@ -174,16 +187,20 @@ def test_empty_batch():
     assert group_advantages_by_id(torch.zeros(0), []).shape == (0,)
 
 
-@pytest.mark.parametrize("call,msg", [
-    (lambda: group_advantages(torch.ones(6), 4), "not a multiple of group_size = 4"),
-    (lambda: group_advantages(torch.ones(6), 0), "group_size = 0 is out of range"),
-    (lambda: group_advantages(torch.ones(6), 2.0), "group_size = 2.0 is out of range"),
-    (lambda: group_advantages(torch.ones(6), True), "group_size = True is out of range"),
-    (lambda: group_advantages(torch.ones(3, 2), 2), "1-D tensor of shape (B,)"),
-    (lambda: group_advantages(torch.ones(4), 2, eps=float("nan")), "eps = nan is out of range"),
-    (lambda: group_advantages_by_id(torch.ones(3), [0, 1]), "group_ids has 2 entries but rewards has 3"),
-    (lambda: group_advantages_by_id(torch.ones(3), [0, 1, 1], eps=-1), "eps = -1 is out of range"),
-])
+@pytest.mark.parametrize(
+    "call,msg",
+    [
+        (lambda: group_advantages(torch.ones(6), 4), "not a multiple of group_size = 4"),
+        (lambda: group_advantages(torch.ones(6), 0), "group_size = 0 is out of range"),
+        (lambda: group_advantages(torch.ones(6), 2.0), "group_size = 2.0 is out of range"),
+        (lambda: group_advantages(torch.ones(6), True), "group_size = True is out of range"),
+        (lambda: group_advantages(torch.ones(3, 2), 2), "1-D tensor of shape (B,)"),
+        (lambda: group_advantages(torch.ones(4), 2, eps=float("nan")), "eps = nan is out of range"),
+        (lambda: group_advantages_by_id(torch.ones(3), [0, 1]), "group_ids has 2 entries but rewards has 3"),
+        (lambda: group_advantages_by_id(torch.ones(3), [0, 1, 1], eps=-1), "eps = -1 is out of range"),
+    ],
+)
 def test_errors(call, msg):
-    with pytest.raises(ValueError) as e: call()
+    with pytest.raises(ValueError) as e:
+        call()
     assert msg in str(e.value)

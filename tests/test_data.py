@@ -1,4 +1,5 @@
 "Tests of dapo_ref.data beyond the notebook: round trips, every kind of bad row, dedup counts, a property test."
+
 import json
 from pathlib import Path
 
@@ -7,43 +8,71 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from dapo_ref.data import (PROMPT_TEMPLATE, MathExample, dedup_examples, example_from_row, example_to_row,
-                           load_math_dataset, make_example, prompt_token_ids, save_math_dataset)
+from dapo_ref.data import (
+    PROMPT_TEMPLATE,
+    MathExample,
+    dedup_examples,
+    example_from_row,
+    load_math_dataset,
+    make_example,
+    prompt_token_ids,
+    save_math_dataset,
+)
 
 FORMATS = ["parquet", "jsonl"]
 
 
 def find_shared(name):
     for d in [Path(__file__).resolve().parent, *Path(__file__).resolve().parents, Path.cwd(), *Path.cwd().parents]:
-        if (d / "shared" / "data" / name).is_file(): return d / "shared" / "data" / name
+        if (d / "shared" / "data" / name).is_file():
+            return d / "shared" / "data" / name
 
 
 AIME = find_shared("aime-2024.parquet")
 
 
 def good_row(i=0, gt="7"):
-    return {"data_source": "math_dapo", "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"p{i}")}],
-            "ability": "MATH", "reward_model": {"ground_truth": gt, "style": "rule-lighteval/MATH_v2"},
-            "extra_info": {"index": i}}
+    return {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"p{i}")}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": gt, "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": i},
+    }
 
 
 def write_rows(rows, path):
     "Write raw rows (possibly malformed) without going through save_math_dataset."
     path = Path(path)
-    if path.suffix == ".jsonl": path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    else: pq.write_table(pa.Table.from_pylist(rows), path)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
 
 # ---------------------------------------------------------------- round trips
 
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip(tmp_path, fmt):
-    exs = [make_example("What is $\\frac{1}{2}$ of {x}?", "1/2", index=0, tag="a"),
-           make_example("Ünïcödé − minus\nnewline", 42, data_source="other", index=1, tag="b"),
-           MathExample([{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
-                        {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}], "-3",
-                       data_source="s", ability="OTHER", extra_info={"index": 2, "tag": "c"}, style="rule")]
+    exs = [
+        make_example("What is $\\frac{1}{2}$ of {x}?", "1/2", index=0, tag="a"),
+        make_example("Ünïcödé − minus\nnewline", 42, data_source="other", index=1, tag="b"),
+        MathExample(
+            [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"},
+                {"role": "user", "content": "q2"},
+            ],
+            "-3",
+            data_source="s",
+            ability="OTHER",
+            extra_info={"index": 2, "tag": "c"},
+            style="rule",
+        ),
+    ]
     p = save_math_dataset(exs, tmp_path / "sub" / f"d.{fmt}")
     assert p == tmp_path / "sub" / f"d.{fmt}" and p.is_file()
     back = load_math_dataset(p, dedup=False, verbose=False)
@@ -107,15 +136,21 @@ def test_extra_columns_ignored(tmp_path):
 
 def test_jsonl_blank_lines_and_row_numbers(tmp_path):
     p = tmp_path / "d.jsonl"
-    p.write_text(json.dumps(good_row(0)) + "\n\n   \n" + json.dumps(good_row(1)) + "\n" + json.dumps({"prompt": []}) + "\n")
+    p.write_text(
+        json.dumps(good_row(0)) + "\n\n   \n" + json.dumps(good_row(1)) + "\n" + json.dumps({"prompt": []}) + "\n"
+    )
     with pytest.raises(ValueError, match=r"row 2 of d\.jsonl: prompt is an empty list"):
         load_math_dataset(p)
 
 
 # ---------------------------------------------------------------- bad rows
 
+
 def _mut(f):
-    r = good_row(0); f(r); return r
+    r = good_row(0)
+    f(r)
+    return r
+
 
 BAD = [  # (row, message fragment)
     (_mut(lambda r: r.pop("prompt")), "prompt missing"),
@@ -126,11 +161,20 @@ BAD = [  # (row, message fragment)
     (_mut(lambda r: r.update(prompt="text")), "prompt is str, expected a list"),
     (_mut(lambda r: r.update(prompt={"role": "user", "content": "q"})), "prompt is dict, expected a list"),
     (_mut(lambda r: r.update(prompt=[])), "prompt is an empty list"),
-    (_mut(lambda r: r.update(prompt=[{"role": "assistant", "content": "q"}])), "prompt has no message with role 'user'"),
-    (_mut(lambda r: r.update(prompt=[{"role": "user", "content": 5}])), "prompt[0].content is int (5), expected a string"),
+    (
+        _mut(lambda r: r.update(prompt=[{"role": "assistant", "content": "q"}])),
+        "prompt has no message with role 'user'",
+    ),
+    (
+        _mut(lambda r: r.update(prompt=[{"role": "user", "content": 5}])),
+        "prompt[0].content is int (5), expected a string",
+    ),
     (_mut(lambda r: r.update(prompt=[{"role": "user", "content": ["a"]}])), "prompt[0].content is list"),
     (_mut(lambda r: r.update(prompt=[{"role": "user"}])), "prompt[0].content missing"),
-    (_mut(lambda r: r.update(prompt=[{"role": "user", "content": "q"}, {"role": 1, "content": "a"}])), "prompt[1].role is int"),
+    (
+        _mut(lambda r: r.update(prompt=[{"role": "user", "content": "q"}, {"role": 1, "content": "a"}])),
+        "prompt[1].role is int",
+    ),
     (_mut(lambda r: r.update(prompt=[["user", "q"]])), "prompt[0] is list, expected a {role, content} dict"),
     (_mut(lambda r: r["reward_model"].update(ground_truth=1.5)), "reward_model.ground_truth is float (1.5)"),
     (_mut(lambda r: r["reward_model"].update(ground_truth=False)), "reward_model.ground_truth is bool"),
@@ -220,6 +264,7 @@ def test_save_validates_before_writing(tmp_path):
 
 # ---------------------------------------------------------------- dedup
 
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dedup_counts(tmp_path, fmt, capsys):
     # 4 distinct prompts; prompt i repeated i + 1 times -> 1 + 2 + 3 + 4 = 10 rows, 10 - 4 = 6 dropped
@@ -241,7 +286,7 @@ def test_dedup_key_is_all_messages():
     u = {"role": "user", "content": "q"}
     a = MathExample([u], "1")
     b = MathExample([{"role": "system", "content": "s"}, u], "1")  # same question, different prompt
-    c = MathExample([u], "1", data_source="other")                 # same prompt, other metadata: a duplicate
+    c = MathExample([u], "1", data_source="other")  # same prompt, other metadata: a duplicate
     kept, dropped = dedup_examples([a, b, c])
     assert kept == [a, b] and dropped == 1
 
@@ -254,19 +299,22 @@ def test_dedup_conflicting_answers_warns():
 
 # ---------------------------------------------------------------- the real AIME-2024 file
 
+
 @pytest.mark.skipif(AIME is None, reason="shared/data/aime-2024.parquet not present")
 def test_aime_2024(capsys):
     full = load_math_dataset(AIME, dedup=False, verbose=False)
     assert len(full) == 960
     aime = load_math_dataset(AIME)
-    assert capsys.readouterr().out.strip() == ("aime-2024.parquet: 960 rows, 30 unique prompts; "
-                                               "dropped 930 duplicate rows (dedup=False keeps them)")
+    assert capsys.readouterr().out.strip() == (
+        "aime-2024.parquet: 960 rows, 30 unique prompts; dropped 930 duplicate rows (dedup=False keeps them)"
+    )
     assert len(aime) == 30 and len({e.question for e in aime}) == 30
     assert all(str(int(e.ground_truth)) == e.ground_truth for e in aime)  # integers, no padding or spaces
     assert all(e.question == PROMPT_TEMPLATE.format(problem=e.extra_info["raw_problem"]) for e in aime)
     assert {e.data_source for e in aime} == {"math_dapo"}
     # every copy of a problem carries the same answer (dedup warns otherwise)
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dedup_examples(full)
@@ -281,12 +329,15 @@ def test_aime_round_trip(tmp_path, fmt):
 
 # ---------------------------------------------------------------- prompt_token_ids
 
+
 @pytest.fixture(scope="module")
 def byte_tok():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    for s in ["<s>", "</s>"]: vocab[s] = len(vocab)
+    for s in ["<s>", "</s>"]:
+        vocab[s] = len(vocab)
     t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
@@ -299,8 +350,10 @@ def test_prompt_token_ids_bytes(byte_tok):
     ids = prompt_token_ids(ex, byte_tok)
     assert len(ids) == len(ex.question.encode("utf-8"))  # byte-level, no merges: one token per byte, no BOS
     assert byte_tok.decode(ids) == ex.question
-    byte_tok.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}" \
-                             "{% if add_generation_prompt %}[assistant]{% endif %}"
+    byte_tok.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     ids = prompt_token_ids(ex, byte_tok)
     assert byte_tok.decode(ids) == "[user]" + ex.question + "[assistant]"
     byte_tok.chat_template = None
@@ -309,7 +362,9 @@ def test_prompt_token_ids_bytes(byte_tok):
 # ---------------------------------------------------------------- property: round trip
 
 _text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
-_msg = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=40)})
+_msg = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=40)}
+)
 
 
 @st.composite
@@ -319,10 +374,18 @@ def _examples(draw):
     out = []
     for i in range(n):
         prompt = draw(st.lists(_msg, max_size=3)) + [{"role": "user", "content": draw(_text)}]
-        gt = draw(st.one_of(_text.filter(str.strip), st.integers(-10**6, 10**6).map(str)))
+        gt = draw(st.one_of(_text.filter(str.strip), st.integers(-(10**6), 10**6).map(str)))
         extra = {k: (i if k == "index" else draw(st.one_of(st.none(), _text))) for k in keys}
-        out.append(MathExample(prompt, gt, data_source=draw(st.text(max_size=10)), ability=draw(st.text(max_size=5)),
-                               extra_info=extra, style=draw(st.text(max_size=10))))
+        out.append(
+            MathExample(
+                prompt,
+                gt,
+                data_source=draw(st.text(max_size=10)),
+                ability=draw(st.text(max_size=5)),
+                extra_info=extra,
+                style=draw(st.text(max_size=10)),
+            )
+        )
     return out
 
 
@@ -345,7 +408,8 @@ from dapo_ref.data import check_prompt_lengths
 
 @pytest.mark.parametrize("content", [b"", b"PAR1", b"data_source,prompt\nx,y\n", b'{"prompt": []}\n'])
 def test_not_a_parquet_file(tmp_path, content):
-    p = tmp_path / "d.parquet"; p.write_bytes(content)
+    p = tmp_path / "d.parquet"
+    p.write_bytes(content)
     with pytest.raises(ValueError, match=r"d\.parquet: not a readable parquet file \(.*\); write it with pyarrow") as e:
         load_math_dataset(p)
     assert str(p) in str(e.value) and "\n" not in str(e.value)
@@ -353,16 +417,18 @@ def test_not_a_parquet_file(tmp_path, content):
 
 def test_truncated_parquet(tmp_path):
     p = write_rows([good_row(i) for i in range(50)], tmp_path / "d.parquet")
-    data = p.read_bytes(); p.write_bytes(data[:len(data) // 2])  # the footer is gone
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])  # the footer is gone
     with pytest.raises(ValueError, match="not a readable parquet file"):
         load_math_dataset(p)
 
 
-@pytest.mark.parametrize("bad,byte", [(b"caf\xe9", 0xe9), (b"\xff\xfe", 0xff), (b"\xc3", 0xc3)])
+@pytest.mark.parametrize("bad,byte", [(b"caf\xe9", 0xE9), (b"\xff\xfe", 0xFF), (b"\xc3", 0xC3)])
 def test_jsonl_invalid_utf8_names_file_row_and_line(tmp_path, bad, byte):
     p = tmp_path / "d.jsonl"
     p.write_bytes((json.dumps(good_row(0)) + "\n\n").encode() + b'{"prompt": "' + bad + b'"}\n')
-    with pytest.raises(ValueError) as e: load_math_dataset(p)
+    with pytest.raises(ValueError) as e:
+        load_math_dataset(p)
     msg = str(e.value)
     col = len('{"prompt": "') + bad.index(bytes([byte])) + 1  # 1-based column of the first bad byte
     assert msg.startswith(f"row 1 of d.jsonl (line 3): not valid UTF-8 (byte 0x{byte:02x} at column {col})")
@@ -370,13 +436,15 @@ def test_jsonl_invalid_utf8_names_file_row_and_line(tmp_path, bad, byte):
 
 
 def test_jsonl_utf16_file(tmp_path):
-    p = tmp_path / "d.jsonl"; p.write_bytes((json.dumps(good_row(0)) + "\n").encode("utf-16"))
+    p = tmp_path / "d.jsonl"
+    p.write_bytes((json.dumps(good_row(0)) + "\n").encode("utf-16"))
     with pytest.raises(ValueError, match=r"row 0 of d\.jsonl \(line 1\): not valid UTF-8"):
         load_math_dataset(p)
 
 
 def test_jsonl_byte_order_mark_accepted(tmp_path):
-    p = tmp_path / "d.jsonl"; p.write_bytes(b"\xef\xbb\xbf" + (json.dumps(good_row(0)) + "\n").encode())
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (json.dumps(good_row(0)) + "\n").encode())
     assert load_math_dataset(p, verbose=False) == [example_from_row(good_row(0))]
 
 
@@ -404,9 +472,12 @@ def test_check_prompt_lengths_names_file_row(tmp_path):
     n0, n2 = len(ids[0]), len(ids[2])
     assert n2 == n0 + 50
     check_prompt_lengths(exs, ids, n2)
-    with pytest.raises(InputError) as e: check_prompt_lengths(exs, ids, n2 - 1, "--max-prompt-length")
-    assert str(e.value) == (f"--max-prompt-length = {n2 - 1}: 1 of 3 prompts are longer (first: row 3 of d.jsonl, "
-                            f"{n2} tokens; longest: {n2}); raise --max-prompt-length or drop those rows")
+    with pytest.raises(InputError) as e:
+        check_prompt_lengths(exs, ids, n2 - 1, "--max-prompt-length")
+    assert str(e.value) == (
+        f"--max-prompt-length = {n2 - 1}: 1 of 3 prompts are longer (first: row 3 of d.jsonl, "
+        f"{n2} tokens; longest: {n2}); raise --max-prompt-length or drop those rows"
+    )
     with pytest.raises(InputError, match=r"3 of 3 prompts are longer \(first: row 0 of d.jsonl"):
         check_prompt_lengths(exs, ids, n0 - 1)
     with pytest.raises(InputError, match=r"first: example 1,"):  # examples built in code have no file row

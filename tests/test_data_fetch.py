@@ -1,6 +1,7 @@
 """`dapo-data` offline: a small fake hub cache made here (the layout huggingface_hub reads with HF_HUB_OFFLINE=1), holding
 DAPO-Math-17k- and AIME-2024-shaped parquet files with repeated rows; the command fetches, deduplicates, writes the files
 the recipes name and prints counts and checksums; an existing file is refused; a missing dataset is one line."""
+
 import hashlib, os, subprocess, sys
 from pathlib import Path
 
@@ -17,31 +18,52 @@ def fake_dataset(cache: Path, name: str, examples: list) -> Path:
     repo_id, fname = HUB_DATASETS[name]
     repo = cache / f"datasets--{repo_id.replace('/', '--')}"
     f = save_math_dataset(examples, repo / "snapshots" / SHA / fname)
-    (repo / "refs").mkdir(parents=True, exist_ok=True); (repo / "refs" / "main").write_text(SHA)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(SHA)
     return f
 
 
 def problem(i: int) -> MathExample:
-    return MathExample([{"role": "user", "content": f"Solve: what is {i} + {i}? Remember to put your answer on its own line after \"Answer:\""}],
-                       str(2 * i), extra_info={"index": i})
+    return MathExample(
+        [
+            {
+                "role": "user",
+                "content": f'Solve: what is {i} + {i}? Remember to put your answer on its own line after "Answer:"',
+            }
+        ],
+        str(2 * i),
+        extra_info={"index": i},
+    )
 
 
 @pytest.fixture()
 def hub(tmp_path):
     cache = tmp_path / "hub"
-    math = [problem(i) for _ in range(5) for i in range(40)]  # 40 problems, each 5 times (the published file: ~100 times)
+    math = [
+        problem(i) for _ in range(5) for i in range(40)
+    ]  # 40 problems, each 5 times (the published file: ~100 times)
     aime = [problem(1000 + i) for i in range(6) for _ in range(4)]  # 6 problems, each 4 times in a row
-    srcs = {"dapo-math-17k": fake_dataset(cache, "dapo-math-17k", math), "aime-2024": fake_dataset(cache, "aime-2024", aime)}
+    srcs = {
+        "dapo-math-17k": fake_dataset(cache, "dapo-math-17k", math),
+        "aime-2024": fake_dataset(cache, "aime-2024", aime),
+    }
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     return env, srcs
 
 
 def run(args, env):
-    return subprocess.run([sys.executable, "-c", "import sys; from dapo_ref.data import main; sys.exit(main())", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from dapo_ref.data import main; sys.exit(main())", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-def sha(p: Path) -> str: return hashlib.sha256(p.read_bytes()).hexdigest()
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def test_dapo_data_writes_deduplicated_files_with_checksums(hub, tmp_path):
@@ -56,14 +78,18 @@ def test_dapo_data_writes_deduplicated_files_with_checksums(hub, tmp_path):
         assert f"{unique} unique prompts -> {out} (sha256 {sha(out)})" in line
         got = load_math_dataset(out, verbose=False)
         want = load_math_dataset(srcs[name], verbose=False)  # the first row of each prompt, in file order
-        assert [(e.prompt, e.ground_truth, e.extra_info) for e in got] == [(e.prompt, e.ground_truth, e.extra_info) for e in want]
+        assert [(e.prompt, e.ground_truth, e.extra_info) for e in got] == [
+            (e.prompt, e.ground_truth, e.extra_info) for e in want
+        ]
         assert len(got) == unique
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["aime-2024.parquet", "dapo-math-17k.parquet"]
 
 
 def test_existing_file_is_refused_and_kept(hub, tmp_path):
     env, _ = hub
-    mine = tmp_path / "data" / "aime-2024.parquet"; mine.parent.mkdir(); mine.write_bytes(b"my own file")
+    mine = tmp_path / "data" / "aime-2024.parquet"
+    mine.parent.mkdir()
+    mine.write_bytes(b"my own file")
     p = run(["--out", str(tmp_path / "data")], env)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "aime-2024.parquet exists; pass --overwrite" in p.stderr
     assert mine.read_bytes() == b"my own file" and not (tmp_path / "data" / "dapo-math-17k.parquet").exists()

@@ -5,6 +5,7 @@ Chromium is installed) walked with the real browser check (search, sidebar, ever
 `$$`, a broken image, a broken link or anchor, a literal TeX macro, a console error and a request to another host
 each fail, with a message naming it.
 """
+
 import base64, json, struct, sys, zlib
 from pathlib import Path
 
@@ -23,8 +24,12 @@ def _png(w=2, h=2):
     "A valid w x h grey PNG, built by hand."
     raw = b"".join(b"\x00" + b"\x80" * w for _ in range(h))
     chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _nb(*cells, title="# page\n\n> a test page"):
@@ -45,22 +50,31 @@ def _problems(nb, tmp_path, name="p.ipynb"):
 
 # --- static checks (no browser) ---
 
+
 def test_static_good_page_passes(tmp_path):
     (tmp_path / "other.ipynb").write_text("{}")
     (tmp_path / "fig.png").write_bytes(_png())
-    nb = _nb(new_markdown_cell("Some text:\n\n- a list\n- after a blank line\n\n$$x^2$$ and `$$` in code\n\n"
-                               "[other](other.ipynb#sec) ![fig](fig.png) [web](https://example.org)"),
-             new_code_cell("#| default_exp mod"), new_code_cell("#| export\ndef f(): pass"))
+    nb = _nb(
+        new_markdown_cell(
+            "Some text:\n\n- a list\n- after a blank line\n\n$$x^2$$ and `$$` in code\n\n"
+            "[other](other.ipynb#sec) ![fig](fig.png) [web](https://example.org)"
+        ),
+        new_code_cell("#| default_exp mod"),
+        new_code_cell("#| export\ndef f(): pass"),
+    )
     assert _problems(nb, tmp_path) == []
 
 
-@pytest.mark.parametrize("md, expected", [
-    ("Display: $$x^2", "unbalanced $$"),
-    ("Options:\n- one\n- two", "markdown list needs a blank line above it"),
-    ("![plot](missing.png)", "link to missing image missing.png"),
-    ('<img src="figs/nope.png">', "link to missing image figs/nope.png"),
-    ("see [the loss](99_nothere.ipynb)", "link to missing notebook 99_nothere.ipynb"),
-])
+@pytest.mark.parametrize(
+    "md, expected",
+    [
+        ("Display: $$x^2", "unbalanced $$"),
+        ("Options:\n- one\n- two", "markdown list needs a blank line above it"),
+        ("![plot](missing.png)", "link to missing image missing.png"),
+        ('<img src="figs/nope.png">', "link to missing image figs/nope.png"),
+        ("see [the loss](99_nothere.ipynb)", "link to missing notebook 99_nothere.ipynb"),
+    ],
+)
 def test_static_checks_flag(tmp_path, md, expected):
     probs = _problems(_nb(new_markdown_cell(md)), tmp_path)
     assert any(expected in p for p in probs), probs
@@ -72,13 +86,20 @@ def test_list_inside_display_math_is_not_a_list(tmp_path):
 
 def test_collapsed_callout_across_cells(tmp_path):
     "A Quarto callout opened in one markdown cell and closed by a ':::' cell: one <details> holding the cells between."
-    box = [new_markdown_cell('::: {.callout-note collapse="true"}\n## The pool, `verify_pairs`\n\nHow it works.'),
-           new_code_cell("x = 1"), new_markdown_cell(":::")]
+    box = [
+        new_markdown_cell('::: {.callout-note collapse="true"}\n## The pool, `verify_pairs`\n\nHow it works.'),
+        new_code_cell("x = 1"),
+        new_markdown_cell(":::"),
+    ]
     nb = _nb(*box, new_markdown_cell("After the box."))
     assert _problems(nb, tmp_path) == []
     md, _, _ = check_docs.notebook_markdown(tmp_path / "p.ipynb", nb, "dapo_ref")
     inside = md.split('<details class="note" markdown>')[1].split("</details>")[0]
-    assert "<summary>The pool, <code>verify_pairs</code></summary>" in inside and "How it works." in inside and "x = 1" in inside
+    assert (
+        "<summary>The pool, <code>verify_pairs</code></summary>" in inside
+        and "How it works." in inside
+        and "x = 1" in inside
+    )
     assert "## The pool" not in md and "After the box." in md.split("</details>")[1]
     assert any("never closed" in p for p in _problems(_nb(*box[:2]), tmp_path))
     assert any("closes no callout" in p for p in _problems(_nb(new_markdown_cell(":::")), tmp_path))
@@ -95,8 +116,10 @@ def test_title_and_export_rules(tmp_path):
 
 def test_sidebar_entries(tmp_path):
     y = tmp_path / "_quarto.yml"
-    y.write_text("website:\n  sidebar:\n    contents:\n      - index.ipynb\n      - section: A\n        contents:\n"
-                 "          - 01_a.ipynb\n          - section: B\n            contents: [02_b.ipynb]\n")
+    y.write_text(
+        "website:\n  sidebar:\n    contents:\n      - index.ipynb\n      - section: A\n        contents:\n"
+        "          - 01_a.ipynb\n          - section: B\n            contents: [02_b.ipynb]\n"
+    )
     assert check_docs.sidebar_entries(y) == [(None, "index.ipynb"), ("A", "01_a.ipynb"), ("B", "02_b.ipynb")]
 
 
@@ -109,14 +132,16 @@ def test_api_names_and_entry():
     src = "from x import y\ndef public(a): pass\ndef _private(): pass\nclass Thing: pass\n@patch\ndef step(self: Thing): pass\n"
     assert check_docs._api_names(src) == ["public", "Thing", "Thing.step"]
     from dapo_ref.tiny import tiny_splits
+
     md = check_docs.api_entry(tiny_splits, "tiny_splits")
-    assert "### tiny_splits" in md and "n_train:int, # training prompts" in md      # nbdev's signature with docments
-    assert "Distinct train and held-out tiny problems" in md                         # the docstring
-    assert "| n_eval | int |  | held-out prompts |" in md                            # the docments table
+    assert "### tiny_splits" in md and "n_train:int, # training prompts" in md  # nbdev's signature with docments
+    assert "Distinct train and held-out tiny problems" in md  # the docstring
+    assert "| n_eval | int |  | held-out prompts |" in md  # the docments table
     assert "[source]" not in md
 
 
 # --- rendering and the browser ---
+
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
@@ -129,11 +154,18 @@ def site(tmp_path_factory):
     png_out = new_code_cell("plot()")
     png_out.outputs = [new_output("display_data", data={"image/png": img, "text/plain": "<Figure>"})]
     pages = {
-        "index": _nb(new_markdown_cell("Welcome: start with [the good page](good.ipynb)."), title="# home\n\n> the home page"),
-        "good": _nb(new_markdown_cell("## Section one\n\nInline $\\varepsilon_{\\text{high}} = 0.28$ and\n\n"
-                                      "$$\\frac{1}{\\sum_i |o_i|}\\sum_i \\hat{A}_{i}$$\n\n"
-                                      "![fig](fig.png) [again](#section-one) [self](good.ipynb#section-one) "
-                                      "[other](other.ipynb)\n\n```python\nx = 1\n```"), png_out),
+        "index": _nb(
+            new_markdown_cell("Welcome: start with [the good page](good.ipynb)."), title="# home\n\n> the home page"
+        ),
+        "good": _nb(
+            new_markdown_cell(
+                "## Section one\n\nInline $\\varepsilon_{\\text{high}} = 0.28$ and\n\n"
+                "$$\\frac{1}{\\sum_i |o_i|}\\sum_i \\hat{A}_{i}$$\n\n"
+                "![fig](fig.png) [again](#section-one) [self](good.ipynb#section-one) "
+                "[other](other.ipynb)\n\n```python\nx = 1\n```"
+            ),
+            png_out,
+        ),
         "other": _nb(new_markdown_cell("Back [home](good.ipynb).")),
         "raw_dollars": _nb(new_markdown_cell("It costs $$ 5 per token.")),
         "broken_image": _nb(new_markdown_cell("![gone](gone.png)")),
@@ -143,7 +175,8 @@ def site(tmp_path_factory):
         "console_error": _nb(_html_output("<script>console.error('boom from the page')</script><p>x</p>")),
         "external_request": _nb(_html_output('<img src="http://127.0.0.2:9/x.png" alt="remote">')),
     }
-    for name, nb in pages.items(): nbformat.write(nb, nbs / f"{name}.ipynb")
+    for name, nb in pages.items():
+        nbformat.write(nb, nbs / f"{name}.ipynb")
     logs = []
     failed = check_docs.render_all(nbs, docs, None, log=logs.append)
     return docs, failed, logs
@@ -158,13 +191,14 @@ def test_render_offline_assets(site):
     assert len(mk) == 3 and any("'good.md#no-such-heading'" in l for l in mk), mk
     assert failed == 6
     html = (docs / "good.html").read_text()
-    assert (docs / "mathjax" / "MathJax.js").is_file() and 'mathjax/MathJax.js?config=' in html
+    assert (docs / "mathjax" / "MathJax.js").is_file() and "mathjax/MathJax.js?config=" in html
     import re
+
     remote = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(https?://[^"]+)"', html)
     assert remote == [], remote  # no CDN, no web fonts: the pages must work offline
     assert 'href="other.html"' in html and "fig.png" in html and (docs / "fig.png").is_file()
-    assert 'class="arithmatex"' in html                           # math handed to MathJax
-    assert "good_files/output_" in html                           # the saved figure output
+    assert 'class="arithmatex"' in html  # math handed to MathJax
+    assert "good_files/output_" in html  # the saved figure output
     index = json.loads((docs / "search" / "search_index.json").read_text())
     assert any("Section one" in d["title"] for d in index["docs"])  # searchable offline, per section
 
@@ -173,8 +207,9 @@ def test_render_offline_assets(site):
 def test_browser_check_catches_each_defect(site, tmp_path):
     docs, _, _ = site
     logs = []
-    problems, shots = browser_check.run_check(docs, None, shots=("good",), search=("Section one", "good.html"),
-                                               log=logs.append)
+    problems, shots = browser_check.run_check(
+        docs, None, shots=("good",), search=("Section one", "good.html"), log=logs.append
+    )
     text = "\n".join(logs)
     assert problems["good.html"] == [], text
     assert problems["other.html"] == [] and problems["index.html"] == [], text
@@ -205,7 +240,8 @@ def test_browser_check_skips_without_chromium(monkeypatch, capsys):
 
 
 def test_sidebar_entry_missing_fails(tmp_path):
-    nbs = tmp_path / "nbs"; nbs.mkdir()
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
     nbformat.write(_nb(new_markdown_cell("Hello.")), nbs / "index.ipynb")
     y = tmp_path / "_quarto.yml"
     y.write_text("website:\n  sidebar:\n    contents:\n      - index.ipynb\n      - 07_gone.ipynb\n")
@@ -220,4 +256,7 @@ def test_sidebar_order_comes_from_quarto_yml(tmp_path):
     entries = [(None, "index.ipynb"), ("Part", "02_b.ipynb"), ("Part", "01_a.ipynb"), (None, "03_c.ipynb")]
     titles = {"index": "home", "01_a": "a", "02_b": "b", "03_c": "c"}
     assert check_docs.nav_from_sidebar(entries, titles) == [
-        {"Home": "index.md"}, {"Part": [{"b": "02_b.md"}, {"a": "01_a.md"}]}, {"c": "03_c.md"}]
+        {"Home": "index.md"},
+        {"Part": [{"b": "02_b.md"}, {"a": "01_a.md"}]},
+        {"c": "03_c.md"},
+    ]

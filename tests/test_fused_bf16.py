@@ -5,6 +5,7 @@ Summed in bf16 that is one bf16 rounding of the whole (V, H) sum per chunk (187 
 float32 it is one, at the end. The reference is float64 from the kernel's own bf16 logits, so the test sees the
 backward's arithmetic alone.
 """
+
 import math
 
 import pytest
@@ -48,21 +49,21 @@ def test_fused_weight_grad_bf16_is_one_rounding_of_an_fp32_sum(tau):
 def fused_grad_ratio(tau: float, M: int = 16384, V: int = 128, H: int = 64, c: int = 128, device: str = "cpu") -> float:
     "max over (v, h) of |gw - g64| / bound for bf16 inputs on `device` (the test's derivation; benchmarks/gpu_check.py runs it on a GPU)."
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(M, H, generator=g).bfloat16().to(device)                   # (M, H)
+    h = torch.randn(M, H, generator=g).bfloat16().to(device)  # (M, H)
     w = (torch.randn(V, H, generator=g) / math.sqrt(H)).bfloat16().to(device)  # (V, H) logits ~ N(0, 1)
-    labels = torch.randint(0, V, (M,), generator=g).to(device)                 # (M,)
-    g_logp = ((torch.rand(M, generator=g) + 0.5) / M).to(device)               # (M,) a token-mean's weights, one sign
+    labels = torch.randint(0, V, (M,), generator=g).to(device)  # (M,)
+    g_logp = ((torch.rand(M, generator=g) + 0.5) / M).to(device)  # (M,) a token-mean's weights, one sign
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     logp, _ = fused_token_logprobs(hh, ww, labels, tau, chunk_rows=c)
     logp.backward(g_logp)
     assert ww.grad.dtype == torch.bfloat16 and hh.grad.dtype == torch.bfloat16
 
-    z = torch.cat([h[s:s + c] @ w.T for s in range(0, M, c)]).double() / tau  # (M, V) the kernel's bf16 logits, / tau
-    p = torch.softmax(z, -1)                                                   # (M, V)
-    gr = g_logp.double() / tau                                                 # (M,)
-    gz = (torch.nn.functional.one_hot(labels, V).double() - p) * gr[:, None]   # (M, V) dL/dz
-    g64 = gz.T @ h.double()                                                    # (V, H)
-    A = (gz.abs() + p * gr.abs()[:, None]).T @ h.double().abs()                # (V, H)
+    z = torch.cat([h[s : s + c] @ w.T for s in range(0, M, c)]).double() / tau  # (M, V) the kernel's bf16 logits, / tau
+    p = torch.softmax(z, -1)  # (M, V)
+    gr = g_logp.double() / tau  # (M,)
+    gz = (torch.nn.functional.one_hot(labels, V).double() - p) * gr[:, None]  # (M, V) dL/dz
+    g64 = gz.T @ h.double()  # (V, H)
+    A = (gz.abs() + p * gr.abs()[:, None]).T @ h.double().abs()  # (V, H)
     Y = z.abs().max().item()
     n_p, n_acc = V + 3 + 7 * Y + 4 * math.log(V), c + M // c
     bound = UB * g64.abs() + (1 + UB) * gamma(n_acc + n_p) * A

@@ -4,6 +4,7 @@ References are float64 python loops written from the case analysis of the clippe
 (A >= 0: objective A*min(r, 1+eps_high); A < 0: A*min(max(r, 1-eps_low), c)), not from the
 vectorised code.
 """
+
 import math
 
 import pytest
@@ -29,15 +30,17 @@ def agg_tol(mask, scale: float, u: float = U64) -> float:
 @st.composite
 def batches(draw, min_b=1, max_b=6, max_t=8, per_token_adv=None):
     "A random (logp, old_logp, adv, mask) float64 batch; lengths 0..T per row, some rows possibly empty."
-    B = draw(st.integers(min_b, max_b)); T = draw(st.integers(1, max_t))
+    B = draw(st.integers(min_b, max_b))
+    T = draw(st.integers(1, max_t))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 4 - 0.01           # log probs in (-4, 0)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 4 - 0.01  # log probs in (-4, 0)
     delta = torch.randn(B, T, generator=g, dtype=torch.float64) * draw(st.sampled_from([0.05, 0.3, 1.5]))
     logp = old + delta
     lens = torch.tensor(draw(st.lists(st.integers(0, T), min_size=B, max_size=B)))
-    mask = torch.arange(T)[None, :] < lens[:, None]                                # (B, T) bool
-    if per_token_adv is None: per_token_adv = draw(st.booleans())
+    mask = torch.arange(T)[None, :] < lens[:, None]  # (B, T) bool
+    if per_token_adv is None:
+        per_token_adv = draw(st.booleans())
     adv = torch.randn((B, T) if per_token_adv else (B,), generator=g, dtype=torch.float64)
     return logp, old, adv, mask
 
@@ -48,13 +51,17 @@ def loop_losses(logp, old, adv, mask, eps_low, eps_high, clip_c):
     for i in range(len(mask)):
         row = []
         for t in range(len(mask[i])):
-            if not mask[i][t]: row.append(None); continue
+            if not mask[i][t]:
+                row.append(None)
+                continue
             a = adv[i][t] if isinstance(adv[i], list) else adv[i]
             r = math.exp(logp[i][t] - old[i][t])
-            if a >= 0: obj = a * min(r, 1 + eps_high)
+            if a >= 0:
+                obj = a * min(r, 1 + eps_high)
             else:
                 b = max(r, 1 - eps_low)
-                if clip_c is not None: b = min(b, clip_c)
+                if clip_c is not None:
+                    b = min(b, clip_c)
                 obj = a * b
             row.append(-obj)
         out.append(row)
@@ -64,18 +71,24 @@ def loop_losses(logp, old, adv, mask, eps_low, eps_high, clip_c):
 def loop_agg(rows, agg, T):
     "Aggregate per-token python losses by `agg`; rows without a loss token are not sequences of any mean."
     toks = [x for r in rows for x in r if x is not None]
-    if agg == "token-mean": return sum(toks) / max(len(toks), 1)
+    if agg == "token-mean":
+        return sum(toks) / max(len(toks), 1)
     if agg == "seq-mean-token-mean":
         means = [sum(x for x in r if x is not None) / n for r in rows if (n := sum(x is not None for x in r))]
         return sum(means) / len(means) if means else 0.0
     sums = [sum(x for x in r if x is not None) for r in rows if any(x is not None for x in r)]  # rows with a token
-    if agg == "seq-mean-token-sum": return sum(sums) / max(len(sums), 1)
+    if agg == "seq-mean-token-sum":
+        return sum(sums) / max(len(sums), 1)
     return sum(sums) / (max(len(sums), 1) * T)
 
 
 @settings(**SETTINGS)
-@given(batches(), st.sampled_from(LOSS_AGGS), st.sampled_from([None, 3.0, 10.0]),
-       st.sampled_from([(0.2, 0.28), (0.2, 0.2), (0.1, 0.5)]))
+@given(
+    batches(),
+    st.sampled_from(LOSS_AGGS),
+    st.sampled_from([None, 3.0, 10.0]),
+    st.sampled_from([(0.2, 0.28), (0.2, 0.2), (0.1, 0.5)]),
+)
 def test_policy_loss_matches_python_loop(batch, agg, clip_c, eps):
     logp, old, adv, mask = batch
     loss, m = policy_loss(logp, old, adv, mask, eps_low=eps[0], eps_high=eps[1], clip_c=clip_c, agg=agg)
@@ -100,7 +113,8 @@ def test_micro_batches_with_num_tokens_equal_full_batch_gradient(batch, data):
     total = 0.0
     for rows in splits:
         l, _ = policy_loss(acc[rows], old[rows], adv[rows], mask[rows], clip_c=10.0, num_tokens=n)
-        l.backward(); total += l.item()
+        l.backward()
+        total += l.item()
     r = (logp - old).exp()
     scale = agg_loss(clipped_token_loss(r, adv if adv.dim() == 2 else adv[:, None], 0.2, 0.28, 10.0).abs(), mask).item()
     assert abs(total - policy_loss(logp, old, adv, mask, clip_c=10.0)[0].item()) <= agg_tol(mask, scale)
@@ -113,17 +127,19 @@ def test_per_micro_token_mean_weighted_by_sequences_is_not_token_mean():
     # unequal token counts per micro-batch: 1+1 = 2 tokens vs 6+6 = 12 tokens
     g = torch.Generator().manual_seed(1)
     old = -torch.rand(4, 6, generator=g, dtype=torch.float64)
-    logp = (old + 0.05 * torch.randn(4, 6, generator=g, dtype=torch.float64))
+    logp = old + 0.05 * torch.randn(4, 6, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1] * 6, [1] * 6]).bool()
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2], dtype=torch.float64)
-    full = logp.clone().requires_grad_(); policy_loss(full, old, adv, mask)[0].backward()
-    verl = logp.clone().requires_grad_(); fixed = logp.clone().requires_grad_()
+    full = logp.clone().requires_grad_()
+    policy_loss(full, old, adv, mask)[0].backward()
+    verl = logp.clone().requires_grad_()
+    fixed = logp.clone().requires_grad_()
     for rows in ([0, 1], [2, 3]):
         (policy_loss(verl[rows], old[rows], adv[rows], mask[rows])[0] * (len(rows) / 4)).backward()
         policy_loss(fixed[rows], old[rows], adv[rows], mask[rows], num_tokens=int(mask.sum()))[0].backward()
     rel = lambda g: ((g - full.grad).norm() / full.grad.norm()).item()
-    assert rel(fixed.grad) <= 10 * U64   # elementwise <= 10 u |g| (see above), so normwise too
-    assert rel(verl.grad) > 0.1          # a discrimination on this fixed batch: token weights 1/4 vs 1/14 (below)
+    assert rel(fixed.grad) <= 10 * U64  # elementwise <= 10 u |g| (see above), so normwise too
+    assert rel(verl.grad) > 0.1  # a discrimination on this fixed batch: token weights 1/4 vs 1/14 (below)
     # token (0, 0): full batch weight 1/14; per-micro x seq share: 1/2 * 1/2 = 1/4. Python's exp and torch's are each
     # within 1 ulp (2u), then <= 3 roundings per side: rel 10 u
     r00 = math.exp(logp[0, 0] - old[0, 0])
@@ -138,8 +154,10 @@ def test_symmetric_eps_without_dual_clip_is_ppo(batch, eps, agg):
     loss, _ = policy_loss(logp, old, adv, mask, eps_low=eps, eps_high=eps, clip_c=None, agg=agg)
     r = (logp - old).exp()
     a = adv if adv.dim() == 2 else adv[:, None]
-    ppo_tok = -torch.minimum(r * a, torch.clamp(r, 1 - eps, 1 + eps) * a)        # Eq. 1, negated
-    assert abs(loss.item() - agg_loss(ppo_tok, mask, agg).item()) <= agg_tol(mask, agg_loss(ppo_tok.abs(), mask, agg).item())
+    ppo_tok = -torch.minimum(r * a, torch.clamp(r, 1 - eps, 1 + eps) * a)  # Eq. 1, negated
+    assert abs(loss.item() - agg_loss(ppo_tok, mask, agg).item()) <= agg_tol(
+        mask, agg_loss(ppo_tok.abs(), mask, agg).item()
+    )
 
 
 @settings(**SETTINGS)
@@ -158,8 +176,12 @@ def test_dual_clip_never_increases_loss(batch, c, agg):
 
 
 @settings(**SETTINGS)
-@given(batches(), st.sampled_from(LOSS_AGGS), st.sampled_from([None, 10.0]),
-       st.sampled_from([0.0, 1e6, -1e6, float("inf"), float("nan")]))
+@given(
+    batches(),
+    st.sampled_from(LOSS_AGGS),
+    st.sampled_from([None, 10.0]),
+    st.sampled_from([0.0, 1e6, -1e6, float("inf"), float("nan")]),
+)
 def test_masked_tokens_get_exactly_zero_gradient(batch, agg, clip_c, junk):
     logp, old, adv, mask = batch
     logp = logp.where(mask, torch.tensor(junk, dtype=torch.float64)).requires_grad_()
@@ -181,12 +203,20 @@ def test_metrics_match_loop(batch):
     up, low, dual, kl, ratios, up_p, probs = 0, 0, 0, 0.0, [], [], []
     for i in range(len(M)):
         for t in range(len(M[i])):
-            if not M[i][t]: continue
+            if not M[i][t]:
+                continue
             a = A[i][t] if isinstance(A[i], list) else A[i]
-            r = math.exp(L[i][t] - O[i][t]); ratios.append(r); kl += O[i][t] - L[i][t]; probs.append(math.exp(L[i][t]))
-            if a > 0 and r > 1.28: up += 1; up_p.append(math.exp(O[i][t]))
-            if a < 0 and r < 0.8: low += 1
-            if a < 0 and r > 3.0: dual += 1
+            r = math.exp(L[i][t] - O[i][t])
+            ratios.append(r)
+            kl += O[i][t] - L[i][t]
+            probs.append(math.exp(L[i][t]))
+            if a > 0 and r > 1.28:
+                up += 1
+                up_p.append(math.exp(O[i][t]))
+            if a < 0 and r < 0.8:
+                low += 1
+            if a < 0 and r > 3.0:
+                dual += 1
     n = len(ratios)
     # clip fractions: an exact integer sum divided once in float64 on both sides, so equal. The others are float64
     # means of n terms summed in another order, plus exp (torch vs math, each <= 1 ulp): <= (n + 4) u64 times the mean
@@ -194,27 +224,52 @@ def test_metrics_match_loop(batch):
     if n == 0:
         assert m["clipfrac_high"] == m["clipfrac_low"] == m["approx_kl"] == 0.0 and m["ratio_min"] == 1.0
         return
-    exp = dict(clipfrac_high=up / n, clipfrac_low=low / n, clipfrac_dual=dual / n, approx_kl=kl / n,
-               ratio_min=min(ratios), ratio_max=max(ratios), up_clipped_prob=sum(up_p) / len(up_p) if up_p else 0.0,
-               up_clipped_prob_max=max(up_p, default=0.0),
-               prob_mean=sum(probs) / n)
-    mag = dict(approx_kl=sum(abs(o - l) for r_o, r_l, r_m in zip(O, L, M) for o, l, mm in zip(r_o, r_l, r_m) if mm) / n,
-               ratio_min=min(ratios), ratio_max=max(ratios), up_clipped_prob=exp["up_clipped_prob"],
-               up_clipped_prob_max=exp["up_clipped_prob_max"], prob_mean=exp["prob_mean"])
+    exp = dict(
+        clipfrac_high=up / n,
+        clipfrac_low=low / n,
+        clipfrac_dual=dual / n,
+        approx_kl=kl / n,
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        up_clipped_prob=sum(up_p) / len(up_p) if up_p else 0.0,
+        up_clipped_prob_max=max(up_p, default=0.0),
+        prob_mean=sum(probs) / n,
+    )
+    mag = dict(
+        approx_kl=sum(abs(o - l) for r_o, r_l, r_m in zip(O, L, M) for o, l, mm in zip(r_o, r_l, r_m) if mm) / n,
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        up_clipped_prob=exp["up_clipped_prob"],
+        up_clipped_prob_max=exp["up_clipped_prob_max"],
+        prob_mean=exp["prob_mean"],
+    )
     for k, v in exp.items():
-        if k.startswith("clipfrac"): assert m[k] == v, k
-        else: assert abs(m[k] - v) <= (n + 4) * U64 * mag[k], k
+        if k.startswith("clipfrac"):
+            assert m[k] == v, k
+        else:
+            assert abs(m[k] - v) <= (n + 4) * U64 * mag[k], k
 
 
 @settings(**SETTINGS)
-@given(st.integers(1, 3), st.integers(1, 5), st.integers(2, 40), st.integers(0, 2**31 - 1),
-       st.sampled_from([0.3, 3.0, 30.0]), st.sampled_from([None, 1, 3]))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.integers(2, 40),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([0.3, 3.0, 30.0]),
+    st.sampled_from([None, 1, 3]),
+)
 def test_token_entropy_matches_float64_reference(B, T, V, seed, scale, chunk):
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(B, T, V, generator=g) * scale
     H = token_entropy(z, chunk_rows=chunk)
-    ref = torch.tensor([[-sum(p * math.log(p) for p in torch.softmax(z[b, t].double(), -1).tolist() if p > 0)
-                         for t in range(T)] for b in range(B)], dtype=torch.float64)
+    ref = torch.tensor(
+        [
+            [-sum(p * math.log(p) for p in torch.softmax(z[b, t].double(), -1).tolist() if p > 0) for t in range(T)]
+            for b in range(B)
+        ],
+        dtype=torch.float64,
+    )
     assert H.shape == (B, T) and H.dtype == torch.float32
     # Derived per position, first order in u = 2^-24 (same float32 inputs on both sides; the float64 reference's error is
     # ~1e-9 of this). zs = z - max z (error <= u |zs|), lse = logsumexp(zs) in [0, log V], E = E_p[-zs] = H - lse:
@@ -231,8 +286,14 @@ def test_token_entropy_matches_float64_reference(B, T, V, seed, scale, chunk):
 
 
 @settings(**SETTINGS)
-@given(st.integers(1, 3), st.integers(1, 5), st.integers(2, 40), st.integers(0, 2**31 - 1),
-       st.sampled_from([0.5, 1.0, 1.7]), st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.integers(2, 40),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([0.5, 1.0, 1.7]),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+)
 def test_token_logprobs_matches_log_softmax_gather(B, T, V, seed, tau, dtype):
     g = torch.Generator().manual_seed(seed)
     z = (torch.randn(B, T, V, generator=g) * 4).to(dtype)
@@ -257,8 +318,10 @@ def test_token_logprobs_gradient_matches_log_softmax():
     labels = torch.randint(0, 11, (2, 3), generator=g)
     a, b = z.clone().requires_grad_(), z.clone().requires_grad_()
     (token_logprobs(a, labels, 0.8) * torch.arange(6.0, dtype=torch.float64).view(2, 3)).sum().backward()
-    (torch.log_softmax(b / 0.8, -1).gather(-1, labels[..., None])[..., 0]
-     * torch.arange(6.0, dtype=torch.float64).view(2, 3)).sum().backward()
+    (
+        torch.log_softmax(b / 0.8, -1).gather(-1, labels[..., None])[..., 0]
+        * torch.arange(6.0, dtype=torch.float64).view(2, 3)
+    ).sum().backward()
     # float64: d/dz = w / tau (onehot - p); p's relative error <= (V + 4) u + u max|z / tau| (<= 2 u ... 8 u here), so
     # |d grad| <= (w / tau)(V + 13) u64 with w <= 5, tau = 0.8, V = 11: 6.25 * 24 u64 = 1.7e-14
     assert torch.allclose(a.grad, b.grad, rtol=0, atol=5 / 0.8 * (11 + 13) * U64)
@@ -266,8 +329,11 @@ def test_token_logprobs_gradient_matches_log_softmax():
 
 def test_errors_name_the_problem():
     x = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=r"agg = 'mean' is not a loss aggregation; allowed values: token-mean, "
-                                         r"seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"):
+    with pytest.raises(
+        ValueError,
+        match=r"agg = 'mean' is not a loss aggregation; allowed values: token-mean, "
+        r"seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm",
+    ):
         policy_loss(x, x, torch.zeros(2), x, agg="mean")
     with pytest.raises(ValueError, match="clip_c = 0.5 must be > 1"):
         policy_loss(x, x, torch.zeros(2), x, clip_c=0.5)

@@ -9,6 +9,7 @@ losses into it, and the ranks' gradients are summed (an all-reduce SUM; a framew
 ranks must multiply the loss by the world size once). Each micro-batch is cut to its own padded length
 plus random extra padding, as a collate function does, so a padding-dependent normaliser would show.
 """
+
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -44,12 +45,13 @@ GRAD_TOL = 10 * U
 @st.composite
 def mini_batches(draw):
     "A float32 mini-batch (logp, old_logp, adv, mask) and its truncation flags; some rows may have no tokens."
-    B = draw(st.integers(1, 8)); T = draw(st.integers(1, 7))
+    B = draw(st.integers(1, 8))
+    T = draw(st.integers(1, 7))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    old = -torch.rand(B, T, generator=g) * 4 - 0.01                               # (B, T) log-probs in (-4, 0)
+    old = -torch.rand(B, T, generator=g) * 4 - 0.01  # (B, T) log-probs in (-4, 0)
     logp = old + torch.randn(B, T, generator=g) * draw(st.sampled_from([0.05, 0.5]))
     lens = torch.tensor(draw(st.lists(st.integers(0, T), min_size=B, max_size=B)))  # (B,) 0 = empty response
-    mask = torch.arange(T)[None, :] < lens[:, None]                                 # (B, T) bool
+    mask = torch.arange(T)[None, :] < lens[:, None]  # (B, T) bool
     adv = torch.randn((B, T) if draw(st.booleans()) else (B,), generator=g)
     truncated = torch.tensor(draw(st.lists(st.booleans(), min_size=B, max_size=B)))
     return logp, old, adv, mask, truncated
@@ -70,7 +72,8 @@ def splits(draw, B):
 def cut(x: torch.Tensor, rows: list[int], width: int, fill: float = 0.0) -> torch.Tensor:
     "Rows `rows` of (B, T) `x` re-padded to `width` columns (dropping or adding padding), differentiably."
     x = x[rows]
-    if width <= x.shape[1]: return x[:, :width]
+    if width <= x.shape[1]:
+        return x[:, :width]
     return torch.cat([x, x.new_full((len(rows), width - x.shape[1]), fill)], dim=1)
 
 
@@ -82,17 +85,28 @@ def split_loss_and_grad(logp, old, adv, mask, split, agg, max_len):
     per_rank = [[0, 0] for _ in range(world)]
     for rows, w, r in zip(micro, widths, ranks):
         n_tok, n_seq = loss_counts(cut(mask, rows, w, False))
-        per_rank[r][0] += n_tok; per_rank[r][1] += n_seq
+        per_rank[r][0] += n_tok
+        per_rank[r][1] += n_seq
     num_tokens, num_seqs = sum(c[0] for c in per_rank), sum(c[1] for c in per_rank)
-    assert (num_tokens, num_seqs) == loss_counts(mask)                        # the same as counting the whole mini-batch
-    leaves = [logp.detach().clone().requires_grad_() for _ in range(world)]   # each rank's own weights
+    assert (num_tokens, num_seqs) == loss_counts(mask)  # the same as counting the whole mini-batch
+    leaves = [logp.detach().clone().requires_grad_() for _ in range(world)]  # each rank's own weights
     total = 0.0
     for rows, w, r in zip(micro, widths, ranks):
         a = adv[rows] if adv.dim() == 1 else cut(adv, rows, w)
-        loss, _ = policy_loss(cut(leaves[r], rows, w, -1.0), cut(old, rows, w, -1.0), a, cut(mask, rows, w, False),
-                              clip_c=10.0, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
-        assert loss.grad_fn is not None          # every micro-batch can be backpropagated, empty or not
-        if not bool(cut(mask, rows, w, False).any()): assert loss.item() == 0.0
+        loss, _ = policy_loss(
+            cut(leaves[r], rows, w, -1.0),
+            cut(old, rows, w, -1.0),
+            a,
+            cut(mask, rows, w, False),
+            clip_c=10.0,
+            agg=agg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_len=max_len,
+        )
+        assert loss.grad_fn is not None  # every micro-batch can be backpropagated, empty or not
+        if not bool(cut(mask, rows, w, False).any()):
+            assert loss.item() == 0.0
         loss.backward()
         total += loss.item()
     grads = [l.grad if l.grad is not None else torch.zeros_like(l) for l in leaves]
@@ -103,8 +117,9 @@ def split_loss_and_grad(logp, old, adv, mask, split, agg, max_len):
 @given(mini_batches(), st.data(), st.sampled_from(LOSS_AGGS), st.booleans(), st.integers(0, 5))
 def test_any_split_over_micro_batches_and_ranks_gives_the_full_batch_loss_and_gradient(batch, data, agg, filt, extra):
     logp, old, adv, mask, truncated = batch
-    if filt: mask = overlong_filter(mask, truncated)                # truncated rows: no loss tokens
-    max_len = mask.shape[1] + extra                                  # the config's l_max >= any response
+    if filt:
+        mask = overlong_filter(mask, truncated)  # truncated rows: no loss tokens
+    max_len = mask.shape[1] + extra  # the config's l_max >= any response
     full = logp.detach().clone().requires_grad_()
     ref, _ = policy_loss(full, old, adv, mask, clip_c=10.0, agg=agg, max_len=max_len)  # one call, whole mini-batch
     ref.backward()
@@ -114,17 +129,20 @@ def test_any_split_over_micro_batches_and_ranks_gives_the_full_batch_loss_and_gr
     tok = clipped_token_loss(r, adv if adv.dim() == 2 else adv[:, None], 0.2, 0.28, 10.0).abs()
     scale = agg_loss(tok, mask, agg, max_len=max_len).item()
     B, T = mask.shape
-    assert abs(total - ref.item()) <= loss_tol(B, T) * scale          # derived in `loss_tol`; exact 0 == 0 when scale = 0
-    assert bool(((grad - full.grad).abs() <= GRAD_TOL * full.grad.abs()).all())  # elementwise, see GRAD_TOL; zeros exact
-    assert bool((grad[~mask] == 0).all())                           # padding and filtered rows: exactly zero
+    assert abs(total - ref.item()) <= loss_tol(B, T) * scale  # derived in `loss_tol`; exact 0 == 0 when scale = 0
+    assert bool(
+        ((grad - full.grad).abs() <= GRAD_TOL * full.grad.abs()).all()
+    )  # elementwise, see GRAD_TOL; zeros exact
+    assert bool((grad[~mask] == 0).all())  # padding and filtered rows: exactly zero
 
 
 def test_a_mini_batch_without_loss_tokens_gives_an_exact_zero_that_backpropagates():
     logp = torch.randn(3, 4, requires_grad=True)
     mask = overlong_filter(torch.ones(3, 4, dtype=torch.bool), torch.ones(3, dtype=torch.bool))  # all truncated
     for agg in LOSS_AGGS:
-        loss, m = policy_loss(logp, logp.detach() - 0.1, torch.ones(3), mask, agg=agg, num_tokens=0, num_seqs=0,
-                              max_len=8)
+        loss, m = policy_loss(
+            logp, logp.detach() - 0.1, torch.ones(3), mask, agg=agg, num_tokens=0, num_seqs=0, max_len=8
+        )
         assert loss.item() == 0.0 and loss.grad_fn is not None
         loss.backward()
         assert bool((logp.grad == 0).all())
@@ -133,14 +151,15 @@ def test_a_mini_batch_without_loss_tokens_gives_an_exact_zero_that_backpropagate
 
 def test_per_micro_batch_rescale_depends_on_the_split():
     "The weighting this replaces: each micro-batch's own seq mean times its share of rows, len(idx)/len(batch)."
-    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 1, 1]]).bool()   # rows 1, 2 overlong-filtered
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 1, 1]]).bool()  # rows 1, 2 overlong-filtered
     L = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
     # the hand values below are dyadic rationals, exact in float32, so every sum and quotient is exact: compare with ==
-    full = agg_loss(L, mask, "seq-mean-token-mean")                           # (1 + 2) / 2 rows = 1.5
+    full = agg_loss(L, mask, "seq-mean-token-mean")  # (1 + 2) / 2 rows = 1.5
     assert full.item() == 1.5
     old = lambda parts: sum(agg_loss(L[p], mask[p], "seq-mean-token-mean") * len(p) / 4 for p in parts).item()
-    assert old([[0, 1], [2, 3]]) == 1 * 2 / 4 + 2 * 2 / 4                      # 1.5: happens to agree
-    assert old([[0, 1, 2], [3]]) == 1 * 3 / 4 + 2 * 1 / 4                      # 1.25
-    assert old([[0], [1, 2, 3]]) == 1 * 1 / 4 + 2 * 3 / 4                      # 1.75
+    assert old([[0, 1], [2, 3]]) == 1 * 2 / 4 + 2 * 2 / 4  # 1.5: happens to agree
+    assert old([[0, 1, 2], [3]]) == 1 * 3 / 4 + 2 * 1 / 4  # 1.25
+    assert old([[0], [1, 2, 3]]) == 1 * 1 / 4 + 2 * 3 / 4  # 1.75
     new = lambda parts: sum(agg_loss(L[p], mask[p], "seq-mean-token-mean", num_seqs=2) for p in parts).item()
-    for parts in ([[0, 1], [2, 3]], [[0, 1, 2], [3]], [[0], [1, 2, 3]]): assert new(parts) == 1.5
+    for parts in ([[0, 1], [2, 3]], [[0, 1, 2], [3]], [[0], [1, 2, 3]]):
+        assert new(parts) == 1.5

@@ -1,5 +1,6 @@
 """The notebook output check (`.ci/nbcheck.py`, run by `make nbtest` on every notebook): a copy of nbs/03_advantage.ipynb
 passes as saved, and fails when a saved output is deleted or a printed number is changed by hand."""
+
 import json, subprocess, sys
 from pathlib import Path
 
@@ -14,8 +15,13 @@ CELL = 8  # `adv`: tensor([ 1.5000, -0.5000, ...]) of the worked example
 
 
 def check(nb: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / ".ci" / "nbcheck.py"), str(nb)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "nbcheck.py"), str(nb)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture()
@@ -46,7 +52,9 @@ def test_a_number_changed_by_hand_fails(copy):
     out["text/plain"] = ["".join(out["text/plain"]).replace("1.5000", "1.5001", 1)]
     path.write_text(json.dumps(d))
     p = check(path)
-    assert p.returncode == 1 and f"cell {CELL} shows other output than is saved" in p.stdout and "1.5001" in p.stdout, p.stdout
+    assert p.returncode == 1 and f"cell {CELL} shows other output than is saved" in p.stdout and "1.5001" in p.stdout, (
+        p.stdout
+    )
 
 
 def test_number_rule():

@@ -1,20 +1,23 @@
-"""Packed micro-batches (`learner.pack`) and the fused log-prob give what the padded layout (`learner.collate`) gives.
+"""Packed micro-batches (`packing.pack`) and the fused log-prob give what the padded layout (`packing.collate`) gives.
 
 Float64 throughout, so the only differences are rounding (about 1e-16 relative): the padded layout computes attention
 over padding it masks and its logits whole, the packed one attends within each sequence and never forms the logits.
 """
+
 import pytest
 import torch
 
 from dapo_ref import learner as L
 from dapo_ref.core import LOSS_AGGS, DAPOConfig
-from dapo_ref.learner import RolloutBatch, TorchLearner, collate, forward_logprobs, pack, pack_micro_batches
+from dapo_ref.learner import RolloutBatch, TorchLearner
+from dapo_ref.packing import collate, forward_logprobs, pack, pack_micro_batches
 from dapo_ref.tiny import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny64():
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float64)
 
 
@@ -33,23 +36,39 @@ def grads(tiny64, cfg, b, layout, monkeypatch, old, undo=True):
     lrn = TorchLearner.build(cfg, 0, model=model)
     if layout == "padded":
         monkeypatch.setattr(L, "pack", lambda p, r: collate(p, r, pad_id=0))
-        monkeypatch.setattr(lrn, "micro_batches", lambda bt: pack_micro_batches(
-            [(len(p), len(r)) for p, r in zip(bt.prompt_ids, bt.response_ids)], cfg.micro_token_budget, padded=True))
+        monkeypatch.setattr(
+            lrn,
+            "micro_batches",
+            lambda bt: pack_micro_batches(
+                [(len(p), len(r)) for p, r in zip(bt.prompt_ids, bt.response_ids)], cfg.micro_token_budget, padded=True
+            ),
+        )
     mbs, _ = lrn.passes(b)
     total = 0.0
     for loss, _, _ in lrn.micro_losses(b, old, mbs, *lrn.denominators(b)):
-        loss.backward(); total += float(loss.detach())
-    if undo: monkeypatch.undo()
+        loss.backward()
+        total += float(loss.detach())
+    if undo:
+        monkeypatch.undo()
     return total, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
 @pytest.mark.parametrize("agg", LOSS_AGGS)
 @pytest.mark.parametrize("overlong_filter", [False, True])
 def test_packed_loss_and_gradient_equal_padded(tiny64, monkeypatch, agg, overlong_filter):
-    cfg = DAPOConfig(model="tiny", loss_agg=agg, overlong_filter=overlong_filter, micro_token_budget=40, l_max=64,
-                     l_cache=16, clip_c=3.0)
+    cfg = DAPOConfig(
+        model="tiny",
+        loss_agg=agg,
+        overlong_filter=overlong_filter,
+        micro_token_budget=40,
+        l_max=64,
+        l_cache=16,
+        clip_c=3.0,
+    )
     b = batch()
-    g = torch.Generator().manual_seed(1)  # old log-probs near the policy's, so ratios spread on both sides of the clip range
+    g = torch.Generator().manual_seed(
+        1
+    )  # old log-probs near the policy's, so ratios spread on both sides of the clip range
     old = [-3 + 0.3 * torch.randn(len(r), generator=g) for r in b.response_ids]
     lp, gp = grads(tiny64, cfg, b, "packed", monkeypatch, old)
     ld, gd = grads(tiny64, cfg, b, "padded", monkeypatch, old)
@@ -60,12 +79,16 @@ def test_packed_loss_and_gradient_equal_padded(tiny64, monkeypatch, agg, overlon
 @pytest.mark.parametrize("ckpt,loop_from", [(False, 0), (False, 10), (True, 10), (False, 10**9)])
 def test_learner_attends_per_sequence_with_and_without_checkpointing(tiny64, monkeypatch, ckpt, loop_from):
     "The learner's model attends per packed sequence (`varlen_sdpa`: long ones one by one, short ones together); recomputed layers do the same."
-    monkeypatch.setattr(L, "VARLEN_LOOP_FROM", loop_from)  # 0: every sequence alone; 10: both kinds; 10**9: all together
+    monkeypatch.setattr(
+        L, "VARLEN_LOOP_FROM", loop_from
+    )  # 0: every sequence alone; 10: both kinds; 10**9: all together
     cfg = DAPOConfig(model="tiny", micro_token_budget=40, l_max=64, l_cache=16, gradient_checkpointing=ckpt)
     b, g = batch(2), torch.Generator().manual_seed(3)
     old = [-3 + 0.3 * torch.randn(len(r), generator=g) for r in b.response_ids]
     lp, gp = grads(tiny64, cfg, b, "packed", monkeypatch, old, undo=False)
-    ld, gd = grads(tiny64, DAPOConfig(model="tiny", micro_token_budget=40, l_max=64, l_cache=16), b, "padded", monkeypatch, old)
+    ld, gd = grads(
+        tiny64, DAPOConfig(model="tiny", micro_token_budget=40, l_max=64, l_cache=16), b, "padded", monkeypatch, old
+    )
     assert abs(lp - ld) <= 1e-10 * max(1.0, abs(ld)) and (gp - gd).abs().max() <= 1e-10 * max(1.0, gd.abs().max())
 
 
@@ -87,7 +110,10 @@ def test_micro_batches_respect_the_budget_and_cover_every_sequence():
     g = torch.Generator().manual_seed(2)
     for trial in range(50):
         n = int(torch.randint(1, 40, (1,), generator=g))
-        lens = [(int(torch.randint(1, 50, (1,), generator=g)), int(torch.randint(0, 200, (1,), generator=g))) for _ in range(n)]
+        lens = [
+            (int(torch.randint(1, 50, (1,), generator=g)), int(torch.randint(0, 200, (1,), generator=g)))
+            for _ in range(n)
+        ]
         budget = int(torch.randint(20, 400, (1,), generator=g))
         mbs = pack_micro_batches(lens, budget)
         assert sorted(i for mb in mbs for i in mb) == list(range(n))
@@ -98,21 +124,44 @@ def test_micro_batches_respect_the_budget_and_cover_every_sequence():
         assert len(mbs) <= 11 / 9 * opt_lb + 1 + sum(1 for x in lens if sum(x) > budget)
 
 
-def flash_varlen_stand_in(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                          softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                          deterministic=False, return_attn_probs=False, block_table=None):
+def flash_varlen_stand_in(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """`flash_attn.flash_attn_varlen_func` as its contract reads (flash-attn 2, csrc/flash_attn/flash_api.cpp, mha_varlen_fwd:
     `cu_seqlens_q must have dtype int32`; max_seqlen an int; q (total, heads, d), k/v (total, kv_heads, d)), computed with
     torch's sdpa one sequence at a time: what transformers' flash_attention_2 path hands the kernel, checked on a CPU."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu.dtype != torch.int32: raise RuntimeError(f"{name} must have dtype int32")
-    if not (isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)): raise TypeError("max_seqlen must be an int")
+        if cu.dtype != torch.int32:
+            raise RuntimeError(f"{name} must have dtype int32")
+    if not (isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)):
+        raise TypeError("max_seqlen must be an int")
     assert torch.equal(cu_seqlens_q, cu_seqlens_k) and dropout_p == 0.0 and q.dim() == 3
     rep, out, cu = q.shape[1] // k.shape[1], torch.empty_like(q), cu_seqlens_q.tolist()
     assert max_seqlen_q == max(e - s for s, e in zip(cu[:-1], cu[1:]))
     for s, e in zip(cu[:-1], cu[1:]):
-        qs, ks, vs = q[s:e].transpose(0, 1), k[s:e].repeat_interleave(rep, 1).transpose(0, 1), v[s:e].repeat_interleave(rep, 1).transpose(0, 1)
-        out[s:e] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=softmax_scale).transpose(0, 1)
+        qs, ks, vs = (
+            q[s:e].transpose(0, 1),
+            k[s:e].repeat_interleave(rep, 1).transpose(0, 1),
+            v[s:e].repeat_interleave(rep, 1).transpose(0, 1),
+        )
+        out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=causal, scale=softmax_scale
+        ).transpose(0, 1)
     return out
 
 
@@ -120,6 +169,7 @@ def flash_varlen_stand_in(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 def flash_stand_in(monkeypatch):
     "transformers' flash_attention_2 path with `flash_varlen_stand_in` as its loaded kernel (flash-attn itself needs CUDA)."
     import transformers.modeling_flash_attention_utils as fau
+
     monkeypatch.setattr(fau, "_loaded_implementation", "flash_attention_2")
     monkeypatch.setattr(fau, "_flash_varlen_fn", flash_varlen_stand_in)
     monkeypatch.setattr(fau, "_process_flash_kwargs_fn", fau._lazy_define_process_function(flash_varlen_stand_in))
@@ -150,7 +200,8 @@ def test_flash_attention_path_gets_int32_offsets_and_equals_padded(tiny64, flash
     lp = forward_logprobs(net, pack(b.prompt_ids, b.response_ids), 0.9)[0]
     lr = forward_logprobs(ref, collate(b.prompt_ids, b.response_ids, pad_id=0), 0.9)[0]
     m = collate(b.prompt_ids, b.response_ids, pad_id=0)["response_mask"]
-    lp[m].sum().backward(); lr[m].sum().backward()
+    lp[m].sum().backward()
+    lr[m].sum().backward()
     gp = torch.cat([p.grad.flatten() for p in net.parameters()])
     gr = torch.cat([p.grad.flatten() for p in ref.parameters()])
     assert (lp - lr)[m].abs().max() <= 1e-10 and (gp - gr).abs().max() <= 1e-10 * max(1.0, gr.abs().max())

@@ -1,7 +1,8 @@
 """Tests of dapo_ref.reward that do not belong in the lesson: the dapo-strict case table, properties, fuzzing,
 adversarial inputs, math-verify in threads, daemonic workers and torchrun ranks, and `score_batch` under load.
 The dapo-reference (default) case table is in tests/test_reward_reference.py."""
-import math, multiprocessing as mp, os, re, signal, subprocess, sys, time
+
+import multiprocessing as mp, os, re, signal, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -61,7 +62,7 @@ CASES = [
     ("x" * 1000 + "\nAnswer: 9", "9", 1, "long response, answer inside the window"),
     ("Answer: -5", "-5", 1, "negative number"),
     (f"Answer: {MINUS}5", "-5", 1, "U+2212 minus == ASCII minus (ours)"),
-    (f"Answer: -5", f"{MINUS}5", 1, "U+2212 in the ground truth"),
+    ("Answer: -5", f"{MINUS}5", 1, "U+2212 in the ground truth"),
     ("Answer: -5", "5", -1, "sign matters"),
     ("Answer: 5", "-5", -1, "sign matters"),
     ("Answer: \\frac{1}{2}", "\\frac{1}{2}", 1, "same fraction"),
@@ -83,13 +84,17 @@ CASES = [
     ("Answer: 42", 42, 1, "integer ground truth"),
 ]
 
+
 @pytest.mark.parametrize("response,gt,expected,why", CASES, ids=[c[3] for c in CASES])
 def test_case_table(response, gt, expected, why):
     d = score_response(response, gt, mode="dapo-strict")
     assert d["score"] == float(expected) and d["acc"] == (expected == 1), (why, d)
     assert isinstance(d["pred"], str)
 
-def test_table_size(): assert len(CASES) >= 40
+
+def test_table_size():
+    assert len(CASES) >= 40
+
 
 def test_invalid_pred():
     for mode in STRING_MODES:
@@ -97,18 +102,26 @@ def test_invalid_pred():
         assert score_response("Answer: 7", "[INVALID]", mode=mode)["score"] == -1.0
     assert score_response("no answer", "[INVALID]", mode="dapo-strict")["score"] == -1.0  # the reference: +1
 
+
 def test_strict_only_merges():
     "dapo-strict accepts every pair dapo-reference accepts whose marker lies on one line with its answer."
     for r, gt, *_ in CASES:
         if score_response(r, gt)["acc"] and extract_answer(r[-300:]) is not None:
             assert score_response(r, gt, mode="dapo-strict")["acc"], (r, gt)
 
+
 def test_unknown_mode():
-    with pytest.raises(ValueError, match="reward mode = 'exact'"): score_response("Answer: 1", "1", mode="exact")
-    with pytest.raises(ValueError, match="reward mode = 'exact'"): score_batch(["Answer: 1"], ["1"], mode="exact")
+    with pytest.raises(ValueError, match="reward mode = 'exact'"):
+        score_response("Answer: 1", "1", mode="exact")
+    with pytest.raises(ValueError, match="reward mode = 'exact'"):
+        score_batch(["Answer: 1"], ["1"], mode="exact")
+
 
 # ---- the linear scans agree with the reference rules written as regular expressions ----
-_tokens = st.lists(st.sampled_from(["$", "a", "1", "{", "}", "\n", " ", "\\text{", "\\boxed{", "\\textbf{"]), max_size=30)
+_tokens = st.lists(
+    st.sampled_from(["$", "a", "1", "{", "}", "\n", " ", "\\text{", "\\boxed{", "\\textbf{"]), max_size=30
+)
+
 
 @settings(max_examples=300, deadline=None)
 @given(_tokens)
@@ -118,6 +131,7 @@ def test_scans_match_regex_rules(toks):
     assert R._per_line(s, R._unwrap_to_first, "\\text{") == re.sub(r"(\\text\{)(.*?)(\})", "\\2", s)
     assert R._per_line(s, R._unwrap_boxed) == re.sub(r"(\\boxed\{)(.*)(\})", "\\2", s)
 
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(max_size=400))
 def test_score_never_raises(text):
@@ -126,11 +140,14 @@ def test_score_never_raises(text):
         assert d["score"] in (1.0, -1.0) and isinstance(d["pred"], str)
     assert isinstance(normalize_answer(text), str)
 
+
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet=st.characters(blacklist_characters="\n\r", blacklist_categories=("Cs",)), max_size=50))
 def test_extract_roundtrip(t):
-    if "answer" in t.lower() or not t.strip(): return
+    if "answer" in t.lower() or not t.strip():
+        return
     assert extract_answer("reasoning...\nAnswer: " + t) == t.strip()
+
 
 # ---- Eq. 13 properties ----
 @st.composite
@@ -140,6 +157,7 @@ def _eq13(draw):
     Ls = draw(st.lists(st.integers(0, 2 * l_max + 10), min_size=1, max_size=50))
     return l_max, l_cache, Ls
 
+
 @settings(max_examples=300, deadline=None)
 @given(_eq13())
 def test_overlong_properties(args):
@@ -148,21 +166,25 @@ def test_overlong_properties(args):
     p = overlong_penalty(Ls, l_max, l_cache).double()
     assert p.dtype == torch.float64 and ((p >= -1) & (p <= 0)).all()
     for L, v in zip(Ls, p.tolist()):
-        if L <= l_max - l_cache: assert v == 0.0
-        if L > l_max: assert v == -1.0
-        if l_cache > 0 and L == l_max: assert v == -1.0           # (l_max - l_cache - l_max) / l_cache = -1
+        if L <= l_max - l_cache:
+            assert v == 0.0
+        if L > l_max:
+            assert v == -1.0
+        if l_cache > 0 and L == l_max:
+            assert v == -1.0  # (l_max - l_cache - l_max) / l_cache = -1
         if l_cache > 0 and l_max - l_cache < L <= l_max:
             # overlong_penalty divides in float64 (integers: the same correctly rounded quotient as Python's) and casts
             # once to float32: exactly the float32 rounding of Python's quotient (within 2^-25 of the real value)
             want = (l_max - l_cache - L) / l_cache
             assert v == torch.tensor(want, dtype=torch.float64).float().item()
             assert abs(v - want) <= 2.0**-25
-    assert (p[1:] <= p[:-1]).all()                                    # monotone non-increasing in L
+    assert (p[1:] <= p[:-1]).all()  # monotone non-increasing in L
     if l_cache > 0:  # continuous: Lipschitz with constant 1 / l_cache, up to the float32 cast of each value
         grid = torch.arange(0, 2 * l_max + 10, dtype=torch.float64)
         q = overlong_penalty(grid, l_max, l_cache).double()
         # each value is within 2^-25 (half a float32 ulp below 1) + 2^-53 (the float64 division) of the real one
         assert ((q[:-1] - q[1:]).abs() <= 1 / l_cache + 2 * (2.0**-25 + 2.0**-53)).all()
+
 
 @settings(max_examples=100, deadline=None)
 @given(st.floats(0, 50, allow_nan=False), st.floats(0, 1e-3))
@@ -172,11 +194,17 @@ def test_overlong_continuous_reals(L, h):
     # 2^-25 + 2^-53 of its real value (float64 division, one float32 cast)
     assert b <= a and a - b <= h / 7 + 2.0**-47 / 7 + 2 * (2.0**-25 + 2.0**-53)
 
+
 def test_overlong_validation():
-    for kw, msg in [(dict(l_max=10, l_cache=10), "l_cache = 10"), (dict(l_max=10, l_cache=-1), "l_cache = -1"),
-                    (dict(l_max=0, l_cache=0), "l_max = 0")]:
-        with pytest.raises(ValueError, match=msg): overlong_penalty([1], **kw)
+    for kw, msg in [
+        (dict(l_max=10, l_cache=10), "l_cache = 10"),
+        (dict(l_max=10, l_cache=-1), "l_cache = -1"),
+        (dict(l_max=0, l_cache=0), "l_max = 0"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            overlong_penalty([1], **kw)
     assert overlong_penalty(torch.tensor([3, 5]), 10, 2).shape == (2,)
+
 
 # ---- adversarial inputs: they finish (score -1, no exception) ----
 # HANG_S is a hang guard, not a speed claim: linear-time scoring of these inputs takes well under 1 s and catastrophic
@@ -184,8 +212,12 @@ def test_overlong_validation():
 # (or an exponential blow-up) and no machine is too slow for it.
 HANG_S = 120
 
+
 def _timed(f):
-    t = time.monotonic(); out = f(); return out, time.monotonic() - t
+    t = time.monotonic()
+    out = f()
+    return out, time.monotonic() - t
+
 
 def test_adversarial_100k_characters():
     big = "Answer: 1 " + "$" + "\\text{a" * 14000 + "x" * 1000  # a single $ and unclosed \text{: quadratic for regexes
@@ -199,6 +231,7 @@ def test_adversarial_100k_characters():
         d, dt = _timed(lambda: score_response("Answer: 7", big, mode=mode))
         assert d["score"] == -1.0 and dt < HANG_S
 
+
 def test_adversarial_nested_braces():
     nested = "{" * 10_000 + "1" + "}" * 10_000
     for resp, gt in [("Answer: " + nested, "1"), ("Answer: \\boxed" + nested, "1"), ("Answer: 1", nested)]:
@@ -206,34 +239,49 @@ def test_adversarial_nested_braces():
             d, dt = _timed(lambda: score_response(resp, gt, mode=mode))
             assert d["score"] == -1.0 and dt < HANG_S
 
+
 def test_math_verify_pathological_bounded():
     R.math_verify_equal("1", "1")  # start a worker outside the timing
     # the property: the power tower never finishes in sympy, so the 2 s per-call limit is what ends it
     assert R.verify_pairs([("$1$", "$9^{9^{9^{9}}}$")], 2, workers=1) == ["timeout"]
-    for resp, gt in [("Answer: 9^{9^{9^{9}}}", "1"),                        # a power tower sympy tries to evaluate
-                     ("Answer: " + "{" * 10_000 + "1" + "}" * 10_000, "2"),
-                     ("Answer: 1", "{" * 10_000 + "1" + "}" * 10_000 + "+1")]:
+    for resp, gt in [
+        ("Answer: 9^{9^{9^{9}}}", "1"),  # a power tower sympy tries to evaluate
+        ("Answer: " + "{" * 10_000 + "1" + "}" * 10_000, "2"),
+        ("Answer: 1", "{" * 10_000 + "1" + "}" * 10_000 + "+1"),
+    ]:
         d, dt = _timed(lambda: score_response(resp, gt, use_math_verify=True, timeout_s=2))
         assert d["score"] == -1.0 and dt < HANG_S, (resp[:30], dt)  # hang guard: the 2 s limit, kill and respawn
     d = score_response("Answer: 0.5", "\\frac{1}{2}", use_math_verify=True)  # a fresh worker replaced the killed one
     assert d["score"] == 1.0
 
+
 # The 2-3 s per-call limits used with these cases bound calls that take milliseconds (0.5 = 1/2, x+1 = 1+x; measured
 # 1-20 ms here, so the limit is > 100x the work, not a speed claim); only the power tower reaches its limit, by design.
-MV_CASES = [("Answer: 0.5", "\\frac{1}{2}", 1), ("Answer: 1/2", "\\frac12", 1), ("Answer: 2\\sqrt{2}", "\\sqrt{8}", 1),
-            ("Answer: 0.6", "\\frac{1}{2}", -1), ("Answer: x+1", "1+x", 1), ("Answer: 9^{9^{9^{9}}}", "1", -1)]
+MV_CASES = [
+    ("Answer: 0.5", "\\frac{1}{2}", 1),
+    ("Answer: 1/2", "\\frac12", 1),
+    ("Answer: 2\\sqrt{2}", "\\sqrt{8}", 1),
+    ("Answer: 0.6", "\\frac{1}{2}", -1),
+    ("Answer: x+1", "1+x", 1),
+    ("Answer: 9^{9^{9^{9}}}", "1", -1),
+]
+
 
 def test_math_verify_in_threads():
     with ThreadPoolExecutor(3) as ex:
         res = list(ex.map(lambda c: score_response(c[0], c[1], use_math_verify=True, timeout_s=3)["score"], MV_CASES))
     assert res == [float(c[2]) for c in MV_CASES]
 
-def _score_mv(c): return score_response(c[0], c[1], use_math_verify=True, timeout_s=3)["score"]
+
+def _score_mv(c):
+    return score_response(c[0], c[1], use_math_verify=True, timeout_s=3)["score"]
+
 
 def test_math_verify_in_daemonic_pool_workers():
     with mp.get_context("spawn").Pool(1) as pool:  # Pool workers are daemonic: no multiprocessing children allowed
         res = pool.map(_score_mv, MV_CASES[:2] + MV_CASES[-1:])
     assert res == [1.0, 1.0, -1.0]
+
 
 def test_math_verify_in_forked_workers_do_not_share_parent_pipes():
     R.math_verify_equal("1", "1")  # the parent now holds an idle worker; a forked child must start its own
@@ -242,52 +290,79 @@ def test_math_verify_in_forked_workers_do_not_share_parent_pipes():
     assert res == [1.0] * 4
     assert R.math_verify_equal("2", "4/2")  # the parent's worker still answers correctly
 
+
 def test_server_start_failures(monkeypatch, tmp_path):
     with pytest.raises(TimeoutError, match="did not start within"):
         R._VerifyPool(start_timeout=0.001)  # no interpreter starts and imports math-verify in 1 ms, on any machine
-    (tmp_path / "math_verify").mkdir()  # a math_verify ahead of the installed one that fails to import, as a missing one
+    (
+        tmp_path / "math_verify"
+    ).mkdir()  # a math_verify ahead of the installed one that fails to import, as a missing one
     (tmp_path / "math_verify" / "__init__.py").write_text("raise ImportError('No module named math_verify')\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="pip install math-verify"):
         R._VerifyPool()
 
+
 # ---- score_batch ----
-_MIX = ["Answer: 42", "Answer:\n42", "Answer: \\dfrac{84}{2}", "Answer: 0.5", "Answer: 41", "no answer", "Answer: 2\\sqrt{3}",
-        f"Answer: {MINUS}7", "The Answer: is Answer: 42", "Answer: \\frac{1}{2}", "Answer: x=42", "Answer: (A)"]
+_MIX = [
+    "Answer: 42",
+    "Answer:\n42",
+    "Answer: \\dfrac{84}{2}",
+    "Answer: 0.5",
+    "Answer: 41",
+    "no answer",
+    "Answer: 2\\sqrt{3}",
+    f"Answer: {MINUS}7",
+    "The Answer: is Answer: 42",
+    "Answer: \\frac{1}{2}",
+    "Answer: x=42",
+    "Answer: (A)",
+]
 _TRUTHS = ["42", "\\frac{1}{2}", "\\sqrt{12}", "-7", "A"]
+
 
 @pytest.mark.parametrize("mode", ["dapo-reference", "dapo-strict", "math-verify"])
 def test_batch_equals_one_by_one(mode):
     pairs = [(r, g) for r in _MIX for g in _TRUTHS]
     # a limit no call comes near even on a crowded machine: this test is about verdicts, not time
-    scores, accs, metrics, preds = score_batch([p[0] for p in pairs], [p[1] for p in pairs], mode=mode, timeout=120,
-                                               return_preds=True)
+    scores, accs, metrics, preds = score_batch(
+        [p[0] for p in pairs], [p[1] for p in pairs], mode=mode, timeout=120, return_preds=True
+    )
     one = [score_response(r, g, mode=mode, timeout_s=120) for r, g in pairs]
     assert scores.tolist() == [d["score"] for d in one] and accs.tolist() == [d["acc"] for d in one]
     assert preds == [d["pred"] for d in one] and scores.dtype == torch.float32 and accs.dtype == torch.bool
     assert metrics["reward_timeouts"] == metrics["reward_errors"] == 0, metrics
     if mode == "math-verify":  # math-verify found more equal pairs than strings do: 0.5 = 1/2, 2sqrt3 = sqrt12, (A) = A
         assert accs.sum() > score_batch([p[0] for p in pairs], [p[1] for p in pairs], mode="dapo-strict")[1].sum()
-    else: assert metrics["reward_math_verify_calls"] == 0
+    else:
+        assert metrics["reward_math_verify_calls"] == 0
+
 
 def _round(n=1024, n_adv=16, seed=0):
     "A generation round of `n` short solutions, 40% right; every n // n_adv-th answer is a distinct pathological one."
     import random
+
     rng, resp, gts = random.Random(seed), [], []
     for i in range(n):
         gt = str(rng.randint(0, 999))
-        resp.append(f"Add the two numbers.\nThen subtract.\nAnswer: {gt if rng.random() < 0.4 else rng.randint(0, 999)}")
+        resp.append(
+            f"Add the two numbers.\nThen subtract.\nAnswer: {gt if rng.random() < 0.4 else rng.randint(0, 999)}"
+        )
         gts.append(gt)
     adv = [i * (n // n_adv) for i in range(n_adv)] if n_adv else []
-    for k, i in enumerate(adv): resp[i] = f"Answer: 9^{{9^{{9^{{9^{{{k + 2}}}}}}}}}"  # a power tower: sympy never finishes
+    for k, i in enumerate(adv):
+        resp[i] = f"Answer: 9^{{9^{{9^{{9^{{{k + 2}}}}}}}}}"  # a power tower: sympy never finishes
     return resp, gts, adv
+
 
 def test_batch_1024_with_16_pathological():
     """1024 responses, 16 pathological: each of the 16 is cut by its own per-call limit (counted as a timeout), none
     takes a worker down (no errors), and every other verdict agrees with the strings."""
     timeout = 4.0
     resp, gts, adv = _round()
-    t = time.monotonic(); scores, accs, m = score_batch(resp, gts, mode="math-verify", timeout=timeout); dt = time.monotonic() - t
+    t = time.monotonic()
+    scores, accs, m = score_batch(resp, gts, mode="math-verify", timeout=timeout)
+    dt = time.monotonic() - t
     assert m["reward_timeouts"] == 16 and m["reward_errors"] == 0
     assert scores[adv].tolist() == [-1.0] * 16
     ref = score_batch(resp, gts, mode="dapo-strict")[0]
@@ -296,18 +371,27 @@ def test_batch_1024_with_16_pathological():
     # the ordinary calls (a few s) stay far below it; only a call that never ends reaches it
     assert dt < 16 * timeout + HANG_S, dt
 
+
 def _descendants(pid):
     out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split()
     kids = {}
-    for p, pp in zip(out[::2], out[1::2]): kids.setdefault(int(pp), []).append(int(p))
+    for p, pp in zip(out[::2], out[1::2]):
+        kids.setdefault(int(pp), []).append(int(p))
     todo, seen = [pid], []
-    while todo: seen += kids.get(todo.pop(), []); todo += kids.get(seen[-1], []) if seen else []
+    while todo:
+        seen += kids.get(todo.pop(), [])
+        todo += kids.get(seen[-1], []) if seen else []
     return set(seen)
 
+
 def _alive(pid):
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return False
-    with open(f"/proc/{pid}/stat") as f: return f.read().split(")")[-1].split()[0] != "Z"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
 
 def test_shutdown_leaves_no_process():
     score_batch(["Answer: 0.5"], ["\\frac12"], mode="math-verify")
@@ -318,6 +402,7 @@ def test_shutdown_leaves_no_process():
     assert R._POOL["pools"] == {} and not any(_alive(p) for p in procs)
     assert score_batch(["Answer: 0.5"], ["\\frac12"], mode="math-verify")[0].tolist() == [1.0]  # starts again
 
+
 _CLIENT = """
 import os, sys, time
 from dapo_ref.reward import score_batch, _POOL
@@ -326,17 +411,21 @@ print(_POOL["pools"]["math-verify"].proc.pid, flush=True)
 score_batch(["Answer: 9^{9^{9^{9}}}"], ["1"], mode="math-verify", timeout=600)  # killed in the middle of this
 """
 
+
 def test_killed_client_leaves_no_process():
     p = subprocess.Popen([sys.executable, "-c", _CLIENT], stdout=subprocess.PIPE, text=True)
     server = int(p.stdout.readline())
     time.sleep(1.0)
     procs = _descendants(server) | {server}
     assert len(procs) >= 2
-    p.send_signal(signal.SIGKILL); p.wait()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
     t = time.monotonic()
     # a hang guard, not a speed claim: the server notices its closed stdin at once; 60 s only bounds the wait
-    while any(_alive(q) for q in procs) and time.monotonic() - t < 60: time.sleep(0.2)
+    while any(_alive(q) for q in procs) and time.monotonic() - t < 60:
+        time.sleep(0.2)
     assert not any(_alive(q) for q in procs)
+
 
 _RANK = """
 import os, torch.distributed as dist
@@ -348,11 +437,18 @@ print("RANK", r, s.tolist(), m["reward_timeouts"], default_workers(), flush=True
 dist.destroy_process_group()
 """
 
+
 def test_in_torchrun_workers(tmp_path):
     (tmp_path / "rank.py").write_text(_RANK)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "rank.py")],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "rank.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     lines = sorted(l for l in out.stdout.splitlines() if l.startswith("RANK"))
     cpus = max(1, len(os.sched_getaffinity(0)) // 2)
     assert lines == [f"RANK {r} [1.0, -1.0, -1.0] 1 {cpus}" for r in (0, 1)], out.stdout + out.stderr[-2000:]

@@ -1,5 +1,6 @@
 """A reward plug-in (`reward: package.module:function`) written here: one that scores, one that hangs, one that raises;
 in the bounded worker pool through `score_batch`, and through `dapo-train` (counted, never fatal; a bad name refused)."""
+
 import json, os, re, subprocess, sys
 from pathlib import Path
 
@@ -10,9 +11,20 @@ from dapo_ref.reward import check_plugin, score_batch, score_response
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
-SMALL = ["prompts_per_step=2", "gen_batch_size=4", "group_size=4", "mini_batch_size=8", "l_max=48", "l_cache=8",
-         "dynamic_sampling=false", "warmup_steps=0", "eval_every=0", "eval_k=1", "save_every=0"]
-PLUGIN = '''
+SMALL = [
+    "prompts_per_step=2",
+    "gen_batch_size=4",
+    "group_size=4",
+    "mini_batch_size=8",
+    "l_max=48",
+    "l_cache=8",
+    "dynamic_sampling=false",
+    "warmup_steps=0",
+    "eval_every=0",
+    "eval_k=1",
+    "save_every=0",
+]
+PLUGIN = """
 import os, time
 from dapo_ref.reward import score_response
 def exact(response, ground_truth, **kw):
@@ -26,14 +38,16 @@ def hang(response, ground_truth, **kw):
 def crash(response, ground_truth, **kw):
     if len(response) % 2 == 1: raise RuntimeError("plug-in bug")
     return float("nan") if len(response) % 4 == 0 else -0.5
-'''
+"""
 
 
 @pytest.fixture()
 def plugins(tmp_path, monkeypatch):
     (tmp_path / "test_plugins_mod.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # the server's path too
+    monkeypatch.setenv(
+        "PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    )  # the server's path too
     return tmp_path
 
 
@@ -44,7 +58,11 @@ TRUTHS = ["12", "8", "1", "12", "3", "12"]
 def test_plugin_scores_like_the_builtin_mode(plugins):
     s, a, m = score_batch(RESPONSES, TRUTHS, "test_plugins_mod:exact", timeout=30.0)
     ref, ref_acc, _ = score_batch(RESPONSES, TRUTHS, "dapo-reference")
-    assert s.tolist() == ref.tolist() and a.tolist() == ref_acc.tolist() and m["reward_timeouts"] == m["reward_errors"] == 0
+    assert (
+        s.tolist() == ref.tolist()
+        and a.tolist() == ref_acc.tolist()
+        and m["reward_timeouts"] == m["reward_errors"] == 0
+    )
     assert score_response("Answer: 12", "12", mode="test_plugins_mod:exact")["score"] == 1.0
     assert score_batch(RESPONSES[:2], TRUTHS[:2], "test_plugins_mod:as_dict")[0].tolist() == [0.25, 0.25]
 
@@ -64,20 +82,33 @@ def test_raising_plugin_scores_minus_one_and_is_counted(plugins):
 
 def test_bad_plugins_are_refused_by_name(plugins):
     (plugins / "test_plugins_bad.py").write_text("judge = 3\ndef one(response): return 1.0\n")
-    for spec, words in [("test_plugins_nosuch:f", "cannot load it"), ("test_plugins_mod:nosuch", "cannot load it"),
-                        ("test_plugins_bad:judge", "not a function"), ("test_plugins_bad:one", "cannot be called as one(response, ground_truth)")]:
-        with pytest.raises(InputError, match=re.escape(words)): check_plugin(spec)
+    for spec, words in [
+        ("test_plugins_nosuch:f", "cannot load it"),
+        ("test_plugins_mod:nosuch", "cannot load it"),
+        ("test_plugins_bad:judge", "not a function"),
+        ("test_plugins_bad:one", "cannot be called as one(response, ground_truth)"),
+    ]:
+        with pytest.raises(InputError, match=re.escape(words)):
+            check_plugin(spec)
 
 
 def _train(args, env):
-    return subprocess.run([sys.executable, "-m", "dapo_ref.train", "--config", str(RECIPE), "--threads", "1", "--quiet", *SMALL, *args],
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "dapo_ref.train", "--config", str(RECIPE), "--threads", "1", "--quiet", *SMALL, *args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_training_with_a_hanging_plugin_goes_on(plugins, tmp_path):
     "Two steps scored by a plug-in that hangs on about half of the responses (limit 0.5 s): the run ends, every timeout counted."
-    p = _train(["total_steps=2", "reward=test_plugins_mod:hang", "reward_timeout=0.5", f"output_dir={tmp_path / 'run'}"],
-               {"PYTHONPATH": os.environ["PYTHONPATH"]})
+    p = _train(
+        ["total_steps=2", "reward=test_plugins_mod:hang", "reward_timeout=0.5", f"output_dir={tmp_path / 'run'}"],
+        {"PYTHONPATH": os.environ["PYTHONPATH"]},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]

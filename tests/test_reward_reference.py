@@ -3,6 +3,7 @@
 `(?i)Answer\\s*:\\s*([^\\n]+)` (no match: the string "[INVALID]"), normalise it and the ground truth with
 `normalize_final_answer`, compare the strings. Each expected verdict below was worked out by hand from those
 rules; the rule that decides it is written beside it."""
+
 import re
 
 import pytest
@@ -100,7 +101,10 @@ CASES = [
     ("x" * 10_000 + "\nAnswer: \\boxed{" + "{" * 100 + "7", "7", -1, "unbalanced boxed: not unwrapped"),
 ]
 
-def test_case_count(): assert len(CASES) >= 60
+
+def test_case_count():
+    assert len(CASES) >= 60
+
 
 @pytest.mark.parametrize("response,gt,expected,rule", CASES, ids=[f"{i}:{c[3][:40]}" for i, c in enumerate(CASES)])
 def test_reference_verdicts(response, gt, expected, rule):
@@ -108,31 +112,71 @@ def test_reference_verdicts(response, gt, expected, rule):
     assert (d["score"], d["acc"]) == (float(expected), expected == 1), (rule, d)
     assert d == score_response(response, gt, mode="dapo-reference")
 
+
 def test_reference_verdicts_in_a_batch():
     scores, accs, metrics = score_batch([c[0] for c in CASES], [c[1] for c in CASES])
     assert scores.tolist() == [float(c[2]) for c in CASES] and accs.tolist() == [c[2] == 1 for c in CASES]
     assert metrics["reward_timeouts"] == 0 and metrics["reward_math_verify_calls"] == 0
 
+
 # ---- an oracle written with the reference's regular expressions, against the linear implementation ----
 def _oracle_normalize(s):
     "normalize_final_answer from the published rules, with its backtracking regexes (fine on short strings)."
     from dapo_ref.reward import _SUBSTITUTIONS, _REMOVED  # the two tables are data, copied from the reference
+
     s = s.split("=")[-1]
-    for a, b in _SUBSTITUTIONS: s = s.replace(a, b)
-    for e in _REMOVED: s = s.replace(e, "")
+    for a, b in _SUBSTITUTIONS:
+        s = s.replace(a, b)
+    for e in _REMOVED:
+        s = s.replace(e, "")
     s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", s)
-    for cmd in (r"\\text\{", r"\\textbf\{", r"\\overline\{"): s = re.sub(f"({cmd})(.*?)(\\}})", "\\2", s)
+    for cmd in (r"\\text\{", r"\\textbf\{", r"\\overline\{"):
+        s = re.sub(f"({cmd})(.*?)(\\}})", "\\2", s)
     s = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", s)
     s = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", s)).replace("$", "")
-    if s.replace(",", "").isdigit(): s = s.replace(",", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
     return s.strip()
+
 
 def _oracle_score(response, gt):
     m = re.findall(r"(?i)Answer\s*:\s*([^\n]+)", response[-300:])
     return 1.0 if _oracle_normalize(m[-1] if m else "[INVALID]") == _oracle_normalize(gt) else -1.0
 
-_ATOMS = ["Answer", "answer", "ANSWER", ":", " ", "\n", "\r", "\t", NBSP, "$", "{", "}", "=", ",", ".", "1", "2",
-          "42", "\\boxed{", "\\text{", "\\frac", "\\dfrac", "12", "sqrt", "\\,", "\\!", MINUS, "a ", "cm", "[INVALID]"]
+
+_ATOMS = [
+    "Answer",
+    "answer",
+    "ANSWER",
+    ":",
+    " ",
+    "\n",
+    "\r",
+    "\t",
+    NBSP,
+    "$",
+    "{",
+    "}",
+    "=",
+    ",",
+    ".",
+    "1",
+    "2",
+    "42",
+    "\\boxed{",
+    "\\text{",
+    "\\frac",
+    "\\dfrac",
+    "12",
+    "sqrt",
+    "\\,",
+    "\\!",
+    MINUS,
+    "a ",
+    "cm",
+    "[INVALID]",
+]
+
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from(_ATOMS), max_size=40), st.lists(st.sampled_from(_ATOMS), max_size=8))
@@ -141,10 +185,12 @@ def test_matches_the_regex_oracle(resp, gt):
     assert score_response(resp, gt)["score"] == _oracle_score(resp, gt), (resp, gt)
     assert normalize_reference(gt) == _oracle_normalize(gt)
 
+
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=120), st.text(max_size=20))
 def test_matches_the_regex_oracle_on_any_text(resp, gt):
     assert score_response(resp, gt)["score"] == _oracle_score(resp, gt)
+
 
 def test_extract_reference_is_the_last_findall():
     assert extract_answer_reference("Answer: 1\nAnswer:\n\n2\nAnswer:") == "2"

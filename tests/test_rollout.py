@@ -1,5 +1,6 @@
 """Tests of dapo_ref.rollout beyond the notebook's lesson: randomized shapes and chunking against a naive
 reference, two-step sampling distributions through the KV cache, tied weights, streaming weight loads."""
+
 import copy, math, random
 
 import pytest
@@ -7,17 +8,34 @@ import torch
 from hypothesis import given, settings, strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from dapo_ref.core import DAPOConfig, config_from_dict
-from dapo_ref.rollout import (Completion, HFRolloutEngine, RolloutEngine, SamplingParams, sample_next,
-                              sampling_params_from_config, top_k_filter, top_p_filter)
+from dapo_ref.cli import config_from_dict
+from dapo_ref.rollout import (
+    Completion,
+    HFRolloutEngine,
+    RolloutEngine,
+    SamplingParams,
+    sample_next,
+    sampling_params_from_config,
+    top_k_filter,
+    top_p_filter,
+)
 
 PAD, EOS = 0, 1
 
 
 def tiny_qwen2(seed=0, vocab=48, tie=False, dtype=torch.float32):
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-                      initializer_range=0.2, tie_word_embeddings=tie)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg).to(dtype).eval()
 
@@ -32,12 +50,15 @@ def naive_greedy(model, prompt, max_tokens, eos_ids=()):
     seq, out = list(prompt), []
     for _ in range(max_tokens):
         nxt = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
-        out.append(nxt); seq.append(nxt)
-        if nxt in eos_ids: break
+        out.append(nxt)
+        seq.append(nxt)
+        if nxt in eos_ids:
+            break
     return out
 
 
-def ids(cs): return [c.token_ids for c in cs]
+def ids(cs):
+    return [c.token_ids for c in cs]
 
 
 # ---------------------------------------------------------------- greedy vs naive, random shapes and chunking
@@ -101,17 +122,22 @@ def _python_filtered_probs(z, tau, top_k, top_p):
     "float64 python reference: temperature, keep top_k, renormalise, keep smallest prefix with mass >= top_p."
     z = [float(v) / tau for v in z]
     order = sorted(range(len(z)), key=lambda v: -z[v])
-    if top_k != -1: order = order[:top_k]
+    if top_k != -1:
+        order = order[:top_k]
     m = max(z[v] for v in order)
     w = {v: pow(2.718281828459045, z[v] - m) for v in order}
-    s = sum(w.values()); pr = {v: w[v] / s for v in order}
+    s = sum(w.values())
+    pr = {v: w[v] / s for v in order}
     keep, mass = [], 0.0
     for v in order:
-        if mass >= top_p: break
-        keep.append(v); mass += pr[v]
+        if mass >= top_p:
+            break
+        keep.append(v)
+        mass += pr[v]
     s = sum(pr[v] for v in keep)
     out = [0.0] * len(z)
-    for v in keep: out[v] = pr[v] / s
+    for v in keep:
+        out[v] = pr[v] / s
     return torch.tensor(out, dtype=torch.float64)
 
 
@@ -128,7 +154,8 @@ def tv_bound(q, N: int, delta: float = 1e-6) -> float:
 def test_one_step_frequencies_topk_topp(model):
     N, tau, k, p = 20000, 1.3, 8, 0.85
     prompt = [3, 4, 5, 6]
-    with torch.no_grad(): z = model(input_ids=torch.tensor([prompt])).logits[0, -1].double()
+    with torch.no_grad():
+        z = model(input_ids=torch.tensor([prompt])).logits[0, -1].double()
     want = _python_filtered_probs(z.tolist(), tau, k, p)
     eng = HFRolloutEngine(model, EOS, PAD, max_batch_size=N)
     cs = eng.generate([prompt], SamplingParams(n=N, temperature=tau, top_k=k, top_p=p, max_tokens=1, seed=5))
@@ -156,7 +183,8 @@ def test_two_step_joint_through_cache_and_padding(model):
             for b in torch.nonzero(p2).flatten().tolist():
                 want[(a, b)] = float(p1[a] * p2[b])
     counts = {}
-    for c in cs: counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
+    for c in cs:
+        counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
     assert set(counts) <= set(want), set(counts) - set(want)
     tv = 0.5 * sum(abs(counts.get(o, 0) / N - q) for o, q in want.items())
     bound = tv_bound(want.values(), N)
@@ -222,7 +250,9 @@ def test_load_weights_errors(model):
     eng = HFRolloutEngine(copy.deepcopy(model), EOS, PAD)
     with pytest.raises(KeyError, match="unknown parameter name 'lm_head.bias'"):
         eng.load_weights([("lm_head.bias", torch.zeros(48))])
-    with pytest.raises(ValueError, match=r"shape mismatch for 'lm_head.weight': got \(64, 48\), the engine's model has \(48, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"shape mismatch for 'lm_head.weight': got \(64, 48\), the engine's model has \(48, 64\)"
+    ):
         eng.load_weights([("lm_head.weight", torch.zeros(64, 48))])
 
 
@@ -233,19 +263,32 @@ def test_abstract_interface():
 
     class Echo(RolloutEngine):
         "A toy backend: repeats the prompt's last token, to show the interface needs no transformers type."
+
         def generate(self, prompts, params, use_tqdm=False):
-            return [Completion(i, [p[-1]] * params.max_tokens, "length") for i, p in enumerate(prompts) for _ in range(params.n)]
-        def load_weights(self, named_tensors): pass
+            return [
+                Completion(i, [p[-1]] * params.max_tokens, "length")
+                for i, p in enumerate(prompts)
+                for _ in range(params.n)
+            ]
+
+        def load_weights(self, named_tensors):
+            pass
 
     e = Echo()
-    e.sleep(); e.wake()
+    e.sleep()
+    e.wake()
     out = e.generate([[1, 2], [3]], SamplingParams(n=2, max_tokens=2))
-    assert [(c.prompt_index, c.token_ids, c.truncated) for c in out] == [(0, [2, 2], True), (0, [2, 2], True),
-                                                                         (1, [3, 3], True), (1, [3, 3], True)]
+    assert [(c.prompt_index, c.token_ids, c.truncated) for c in out] == [
+        (0, [2, 2], True),
+        (0, [2, 2], True),
+        (1, [3, 3], True),
+        (1, [3, 3], True),
+    ]
 
 
 def test_sampling_params_from_validated_config():
     cfg = config_from_dict({"group_size": 8, "l_max": 128, "l_cache": 32, "top_k": 50, "eval_top_p": 0.6, "eval_k": 4})
     assert sampling_params_from_config(cfg) == SamplingParams(n=8, temperature=1.0, top_p=1.0, top_k=50, max_tokens=128)
-    assert sampling_params_from_config(cfg, eval=True, seed=9) == SamplingParams(n=4, temperature=1.0, top_p=0.6,
-                                                                                  top_k=-1, max_tokens=128, seed=9)
+    assert sampling_params_from_config(cfg, eval=True, seed=9) == SamplingParams(
+        n=4, temperature=1.0, top_p=0.6, top_k=-1, max_tokens=128, seed=9
+    )

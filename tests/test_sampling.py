@@ -1,4 +1,5 @@
 "Tests for dapo_ref.sampling beyond the lesson: buffer bookkeeping, the round bound, disabled mode, errors, properties."
+
 import statistics
 
 import pytest
@@ -18,8 +19,10 @@ def round_of(patterns, start=0):
 
 def ref_keep(acc, group_size):
     "The reference recipe's rule: np.std(group) > 0 or len(group) == 1, as a float64 loop."
-    return [statistics.pstdev([float(v) for v in acc[i:i + group_size]]) > 0 or group_size == 1
-            for i in range(0, len(acc), group_size)]
+    return [
+        statistics.pstdev([float(v) for v in acc[i : i + group_size]]) > 0 or group_size == 1
+        for i in range(0, len(acc), group_size)
+    ]
 
 
 @settings(max_examples=300, deadline=None)
@@ -27,7 +30,11 @@ def ref_keep(acc, group_size):
 def test_informative_matches_recipe_rule(g, p, data):
     # floats 0 or of magnitude >= 1e-100: the reference's np.std of values closer than ~1e-154 underflows to 0 (their
     # squared deviation is below the smallest float64), where "all equal" is the exact comparison; rewards are ±1
-    values = st.sampled_from([0, 1]) | st.sampled_from([-1.0, 1.0]) | st.floats(-2, 2).filter(lambda x: x == 0 or abs(x) >= 1e-100)
+    values = (
+        st.sampled_from([0, 1])
+        | st.sampled_from([-1.0, 1.0])
+        | st.floats(-2, 2).filter(lambda x: x == 0 or abs(x) >= 1e-100)
+    )
     acc = data.draw(st.lists(values, min_size=p * g, max_size=p * g))
     got = informative_groups(torch.tensor(acc, dtype=torch.float64), g)
     assert got.dtype == torch.bool and got.shape == (p,)
@@ -43,17 +50,18 @@ def test_informative_accepts_bool_int_float_and_empty():
 
 def test_surplus_dropped_order_preserved_and_counters():
     buf = DynamicSamplingBuffer(prompts_per_step=5, group_size=G, max_num_gen_batches=0)
-    assert buf.add(*round_of([MIXED, ALL1, MIXED, ALL0], 0)) == 2           # g0 g2
+    assert buf.add(*round_of([MIXED, ALL1, MIXED, ALL0], 0)) == 2  # g0 g2
     assert not buf.full and len(buf) == 2 and buf.rounds == 1
-    assert buf.add(*round_of([ALL1, ALL1, MIXED, ALL0], 4)) == 1            # g6
-    assert buf.add(*round_of([MIXED, MIXED, MIXED, MIXED], 8)) == 4         # g8..g11, 7 in all
+    assert buf.add(*round_of([ALL1, ALL1, MIXED, ALL0], 4)) == 1  # g6
+    assert buf.add(*round_of([MIXED, MIXED, MIXED, MIXED], 8)) == 4  # g8..g11, 7 in all
     assert buf.full and len(buf) == 7 and buf.rounds == 3
-    assert buf.take() == ["g0", "g2", "g6", "g8", "g9"]                     # first 5 in insertion order
+    assert buf.take() == ["g0", "g2", "g6", "g8", "g9"]  # first 5 in insertion order
     assert (buf.n_seen, buf.n_kept, buf.n_dropped) == (12, 7, 2)
     assert (buf.n_all_correct, buf.n_all_wrong) == (3, 2)
-    assert buf.frac_kept == 7 / 12                                         # n_kept / n_seen: one correctly rounded division
-    assert len(buf) == 0 and not buf.full                                  # take() empties the buffer
-    with pytest.raises(RuntimeError, match=r"call add\(\) until .full"): buf.take()
+    assert buf.frac_kept == 7 / 12  # n_kept / n_seen: one correctly rounded division
+    assert len(buf) == 0 and not buf.full  # take() empties the buffer
+    with pytest.raises(RuntimeError, match=r"call add\(\) until .full"):
+        buf.take()
     buf.reset()
     assert (buf.rounds, buf.n_seen, buf.n_kept, buf.frac_kept) == (0, 0, 0, 0.0)
 
@@ -67,16 +75,23 @@ def test_exactly_full_has_no_surplus():
 @pytest.mark.parametrize("bound", [1, 2, 3, 10])
 def test_error_raised_at_exactly_the_bound(bound):
     buf = DynamicSamplingBuffer(prompts_per_step=100, group_size=G, max_num_gen_batches=bound)
-    for r in range(bound - 1):                                              # rounds 1 .. bound-1 do not raise
+    for r in range(bound - 1):  # rounds 1 .. bound-1 do not raise
         assert buf.add(*round_of([MIXED, ALL1, ALL1, ALL0], 4 * r)) == 1
-    with pytest.raises(DynamicSamplingError) as e:                          # round `bound` does
+    with pytest.raises(DynamicSamplingError) as e:  # round `bound` does
         buf.add(*round_of([MIXED, ALL1, ALL1, ALL0], 4 * bound))
     msg = str(e.value)
     assert isinstance(e.value, RuntimeError)
     assert buf.rounds == bound
-    for part in (f"max_num_gen_batches = {bound}", f"in {bound} generation rounds", f"kept {bound} of {4 * bound} groups (25.0%",
-                 "set max_num_gen_batches = 0 for unbounded", "make the training data harder", "increase gen_batch_size",
-                 f"{2 * bound} groups were all correct and {bound} all wrong", "about 100 rounds would be needed"):
+    for part in (
+        f"max_num_gen_batches = {bound}",
+        f"in {bound} generation rounds",
+        f"kept {bound} of {4 * bound} groups (25.0%",
+        "set max_num_gen_batches = 0 for unbounded",
+        "make the training data harder",
+        "increase gen_batch_size",
+        f"{2 * bound} groups were all correct and {bound} all wrong",
+        "about 100 rounds would be needed",
+    ):
         assert part in msg, (part, msg)
 
 
@@ -90,13 +105,13 @@ def test_error_suggests_easier_data_when_groups_are_all_wrong():
 def test_no_error_when_the_bound_round_fills_the_buffer():
     buf = DynamicSamplingBuffer(2, G, max_num_gen_batches=2)
     buf.add(*round_of([ALL0, ALL0]))
-    buf.add(*round_of([MIXED, MIXED], 2))                                  # round 2 = bound, but full: no error
+    buf.add(*round_of([MIXED, MIXED], 2))  # round 2 = bound, but full: no error
     assert buf.take() == ["g2", "g3"]
 
 
 def test_unbounded_never_raises():
     buf = DynamicSamplingBuffer(prompts_per_step=1, group_size=G, max_num_gen_batches=0)
-    for r in range(500):                                                    # a bounded loop standing in for "forever"
+    for r in range(500):  # a bounded loop standing in for "forever"
         assert buf.add(*round_of([ALL1, ALL0], 2 * r)) == 0
     assert buf.rounds == 500 and not buf.full and buf.frac_kept == 0.0
     buf.add(*round_of([MIXED], 1000))
@@ -125,36 +140,46 @@ def test_groups_can_be_any_objects_and_singleton_groups_are_kept():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 5), st.lists(st.lists(st.sampled_from(["mixed", "all1", "all0"]), max_size=6),
-                                                      min_size=1, max_size=8))
+@given(
+    st.integers(1, 6),
+    st.integers(1, 5),
+    st.lists(st.lists(st.sampled_from(["mixed", "all1", "all0"]), max_size=6), min_size=1, max_size=8),
+)
 def test_buffer_property_first_informative_in_order(need, g, rounds):
     "take() returns the first `need` informative groups in generation order, whatever the rounds look like."
     pat = {"mixed": [1] + [0] * (g - 1) if g > 1 else [1], "all1": [1] * g, "all0": [0] * g}
     buf = DynamicSamplingBuffer(need, g, max_num_gen_batches=0)
     expected, n = [], 0
     for kinds in rounds:
-        if buf.full: break
+        if buf.full:
+            break
         names = [f"g{n + i}" for i in range(len(kinds))]
         expected += [nm for nm, k in zip(names, kinds) if k == "mixed" or g == 1]
         buf.add(names, torch.tensor([a for k in kinds for a in pat[k]], dtype=torch.float32).view(-1))
         n += len(kinds)
-    if buf.full: assert buf.take() == expected[:need]
-    else: assert len(buf) == len(expected) < need
+    if buf.full:
+        assert buf.take() == expected[:need]
+    else:
+        assert len(buf) == len(expected) < need
 
 
-@pytest.mark.parametrize("make,msg", [
-    (lambda: DynamicSamplingBuffer(0, G), "prompts_per_step = 0 is out of range"),
-    (lambda: DynamicSamplingBuffer(2.5, G), "prompts_per_step = 2.5 is out of range"),
-    (lambda: DynamicSamplingBuffer(2, 0), "group_size = 0 is out of range"),
-    (lambda: DynamicSamplingBuffer(2, G, max_num_gen_batches=-1), "max_num_gen_batches = -1 is out of range"),
-    (lambda: DynamicSamplingBuffer(2, G, max_num_gen_batches=True), "max_num_gen_batches = True is out of range"),
-    (lambda: DynamicSamplingBuffer(2, G, enabled="yes"), "enabled = 'yes' is out of range"),
-    (lambda: DynamicSamplingBuffer(2, G).add(["a", "b"], torch.ones(4)), "expected acc of shape (8,)"),
-    (lambda: DynamicSamplingBuffer(2, G).add(["a"], torch.ones(1, 4)), "expected acc of shape (4,)"),
-    (lambda: informative_groups(torch.ones(5), 2), "not a multiple of group_size = 2"),
-    (lambda: informative_groups(torch.ones(4), -1), "group_size = -1 is out of range"),
-    (lambda: informative_groups(torch.ones(2, 2), 2), "1-D tensor of shape (P*G,)"),
-])
+@pytest.mark.parametrize(
+    "make,msg",
+    [
+        (lambda: DynamicSamplingBuffer(0, G), "prompts_per_step = 0 is out of range"),
+        (lambda: DynamicSamplingBuffer(2.5, G), "prompts_per_step = 2.5 is out of range"),
+        (lambda: DynamicSamplingBuffer(2, 0), "group_size = 0 is out of range"),
+        (lambda: DynamicSamplingBuffer(2, G, max_num_gen_batches=-1), "max_num_gen_batches = -1 is out of range"),
+        (lambda: DynamicSamplingBuffer(2, G, max_num_gen_batches=True), "max_num_gen_batches = True is out of range"),
+        (lambda: DynamicSamplingBuffer(2, G, enabled="yes"), "enabled = 'yes' is out of range"),
+        (lambda: DynamicSamplingBuffer(2, G).add(["a", "b"], torch.ones(4)), "expected acc of shape (8,)"),
+        (lambda: DynamicSamplingBuffer(2, G).add(["a"], torch.ones(1, 4)), "expected acc of shape (4,)"),
+        (lambda: informative_groups(torch.ones(5), 2), "not a multiple of group_size = 2"),
+        (lambda: informative_groups(torch.ones(4), -1), "group_size = -1 is out of range"),
+        (lambda: informative_groups(torch.ones(2, 2), 2), "1-D tensor of shape (P*G,)"),
+    ],
+)
 def test_invalid_arguments(make, msg):
-    with pytest.raises(ValueError) as e: make()
+    with pytest.raises(ValueError) as e:
+        make()
     assert msg in str(e.value)

@@ -33,6 +33,7 @@ Measured here (2 shared cores, one run each, the shared-memory op already compil
 ~45 s, cached under ~/.cache). Not re-measured here: the error run (~15 s), the kill/resume
 (~80 s), as stated by their author. Set DAPO_REF_SKIP_SCALE_E2E=1 to skip the two-process training runs (learning,
 resume) when CI time is tight."""
+
 import contextlib, json, math, os, random, signal, subprocess, sys, time
 from pathlib import Path
 
@@ -46,7 +47,6 @@ from dapo_ref.trainer import strip_timing
 from dapo_ref.runs import latest_checkpoint, read_metrics
 from dapo_ref.sharded import ShardedRollout, StubRollout, run_ranks
 from dapo_ref.learner import balanced_share
-from dapo_ref.sampling import DynamicSamplingError
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
@@ -57,8 +57,10 @@ from collect_sim import accuracies, collect_or_error  # noqa: E402
 
 def _port() -> str:
     import socket
+
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return str(s.getsockname()[1])
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 
 def _torchrun(args, timeout, nproc: int = 2):
@@ -70,6 +72,7 @@ def _torchrun(args, timeout, nproc: int = 2):
 
 
 # --- sharding and dynamic-sampling agreement (no processes) ---
+
 
 @settings(max_examples=60, deadline=None)
 @given(world=st.integers(1, 9), n=st.integers(0, 40))
@@ -86,8 +89,15 @@ def test_groups_stay_whole_on_one_rank(world, n):
 
 
 @settings(max_examples=40, deadline=None)
-@given(world=st.integers(1, 6), G=st.integers(2, 4), gen=st.integers(1, 12), need=st.integers(1, 12),
-       rounds=st.integers(1, 4), p_mixed=st.floats(0.0, 1.0), seed=st.integers(0, 10**6))
+@given(
+    world=st.integers(1, 6),
+    G=st.integers(2, 4),
+    gen=st.integers(1, 12),
+    need=st.integers(1, 12),
+    rounds=st.integers(1, 4),
+    p_mixed=st.floats(0.0, 1.0),
+    seed=st.integers(0, 10**6),
+)
 def test_ranks_agree_on_dynamic_sampling(world, G, gen, need, rounds, p_mixed, seed):
     """N simulated ranks running `algorithm.collect` through `ShardedRollout` decide exactly what one device decides:
     the same kept groups in the same order, the same groups seen, rounds and counts, or the same error in the same
@@ -100,8 +110,13 @@ def test_ranks_agree_on_dynamic_sampling(world, G, gen, need, rounds, p_mixed, s
 
 
 @settings(max_examples=60, deadline=None)
-@given(world=st.integers(1, 5), groups=st.integers(1, 8), G=st.integers(1, 4), per_mini=st.integers(1, 8),
-       seed=st.integers(0, 10**6))
+@given(
+    world=st.integers(1, 5),
+    groups=st.integers(1, 8),
+    G=st.integers(1, 4),
+    per_mini=st.integers(1, 8),
+    seed=st.integers(0, 10**6),
+)
 def test_balanced_share_covers_each_mini_batch_once(world, groups, G, per_mini, seed):
     """Whatever rank generated a response, the ranks' shares train every response of every mini-batch exactly once,
     inside its mini-batch, with loads that differ by at most that mini-batch's longest response."""
@@ -121,27 +136,34 @@ def test_balanced_share_covers_each_mini_batch_once(world, groups, G, per_mini, 
 
 # --- two processes: ZeRO-3 update = one-device update; weight sync bit-identical ---
 
+
 @pytest.fixture(scope="module")
 def two_rank_update(tmp_path_factory):
     out = tmp_path_factory.mktemp("scale_update")
     p, dt = _torchrun(["tests/scale_worker.py", str(out), "3,2,3gc,0,3sp"], timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
-    print(f"\ntwo-process update/sync launch (ZeRO-3, ZeRO-2, ZeRO-3 + gradient checkpointing, plain, ZeRO-3 + SP 2): {dt:.1f} s")
+    print(
+        f"\ntwo-process update/sync launch (ZeRO-3, ZeRO-2, ZeRO-3 + gradient checkpointing, plain, ZeRO-3 + SP 2): {dt:.1f} s"
+    )
     return {s: torch.load(out / f"stage{s}.pt", weights_only=False) for s in ("3", "2", "3gc", "0", "3sp")}
 
 
 @contextlib.contextmanager
 def one_thread():
     "torch on one thread, as the workers (the one-device reference must not depend on the host's core count)."
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    try: yield
-    finally: torch.set_num_threads(n)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
 def one_device_update():
     "The same fixed batch, the same config, one process: `algorithm.train_on` with the plain learner."
     from dapo_ref.learner import load_policy
+
     model, tok = load_policy("tiny")
     init = {n: t.clone() for n, t in model.state_dict().items()}
     with one_thread():
@@ -154,7 +176,7 @@ def one_device_update():
 # --- float32 bounds of the learner-equivalence checks ---
 # The learner cannot run in float64 (DAPOConfig.dtype: float32 | bfloat16), so both sides are float32 and differ by
 # summation order (micro-batches, ranks, reduce / reduce-scatter, padding). u = 2^-24 is float32's unit roundoff.
-U = 2.0 ** -24
+U = 2.0**-24
 
 
 def batch_counts(batch=None) -> dict:
@@ -163,8 +185,13 @@ def batch_counts(batch=None) -> dict:
     A = b.advantages.double()  # (B,) the float32 advantages, exactly
     o = torch.tensor([len(r) for r in b.response_ids], dtype=torch.float64)  # (B,) |o_i|
     N = float(o.sum())
-    return dict(N=int(N), B=len(o), T=int(sum(len(p) + len(r) for p, r in zip(b.prompt_ids, b.response_ids))),
-                L_star=float(-(A * o).sum() / N), S=float((A.abs() * o).sum() / N))
+    return dict(
+        N=int(N),
+        B=len(o),
+        T=int(sum(len(p) + len(r) for p, r in zip(b.prompt_ids, b.response_ids))),
+        L_star=float(-(A * o).sum() / N),
+        S=float((A.abs() * o).sum() / N),
+    )
 
 
 def check_loss(m: dict, world: int):
@@ -191,7 +218,8 @@ def grad_tol_u(world: int) -> int:
     return c["T"] + c["B"] + world
 
 
-def gn_f64(grads: dict) -> float: return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+def gn_f64(grads: dict) -> float:
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
 
 
 def norm_tol_u(grads: dict) -> float:
@@ -212,7 +240,8 @@ def check_grads(ga: dict, gb: dict, ma: dict, mb: dict, world: int, clip: float)
     tol, worst = grad_tol_u(world), 0.0
     for k, g in gb.items():
         assert ga[k].shape == g.shape, k
-        d = float((ga[k].double() - g.double()).norm()); ref = float(g.double().norm())
+        d = float((ga[k].double() - g.double()).norm())
+        ref = float(g.double().norm())
         worst = max(worst, d / (U * ref))
         assert d <= tol * U * ref, (k, d / (U * ref), tol)
     # each side's reported norm is the float32 norm of its own gradient (see norm_tol_u)
@@ -229,9 +258,15 @@ def check_grads(ga: dict, gb: dict, ma: dict, mb: dict, world: int, clip: float)
     ca, cb = (min(1.0, clip / (m["grad_norm"] + 1e-6)) for m in (ma, mb))
     dgc = max(float((ga[k].double() * ca - g.double() * cb).abs().max()) for k, g in gb.items())
     gcmax = max(float(g.double().abs().max()) for g in gb.values()) * cb
-    return dict(grad_u=worst, grad_tol_u=tol, norm_diff_rel=abs(ma["grad_norm"] - mb["grad_norm"]) / nb, own_u=own_u,
-                norm_tol_u=nt,
-                dgc=dgc, gcmax=gcmax)
+    return dict(
+        grad_u=worst,
+        grad_tol_u=tol,
+        norm_diff_rel=abs(ma["grad_norm"] - mb["grad_norm"]) / nb,
+        own_u=own_u,
+        norm_tol_u=nt,
+        dgc=dgc,
+        gcmax=gcmax,
+    )
 
 
 def weight_tol(lr: float, dgc: float, gcmax: float, wmax: float) -> float:
@@ -247,7 +282,8 @@ def weight_tol(lr: float, dgc: float, gcmax: float, wmax: float) -> float:
     return lr * (dgc + 6 * U * gcmax) / eps + 4 * U * wmax + 16 * U * lr
 
 
-def ulp(x: float) -> float: return 2.0 ** (math.floor(math.log2(abs(x))) - 23)  # float32 spacing at x (x != 0)
+def ulp(x: float) -> float:
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 23)  # float32 spacing at x (x != 0)
 
 
 # The old log-probs are float32 forwards of the same responses in different padded batches (2 ranks x 3-4
@@ -264,12 +300,14 @@ LOGP_ULPS = 16
 def test_two_rank_update_matches_one_device(stage, two_rank_update, one_device_update):
     ds, one = two_rank_update[stage], one_device_update
     assert ds["learner"] == ("TorchLearner" if stage == "0" else "DeepSpeedLearner")
-    assert ds["checkpointed_layers"] == ([True, True] if stage.endswith("gc") else [False, False])  # recompute really on
+    assert ds["checkpointed_layers"] == (
+        [True, True] if stage.endswith("gc") else [False, False]
+    )  # recompute really on
     assert ds["world"] == 2
     assert sorted(ds["n_micro"]) != [one["n_micro"]] and max(ds["n_micro"]) < one["n_micro"]  # really split: 3+4 vs 7
     assert ds["n_micro"][0] != ds["n_micro"][1]  # unequal micro-batch counts: the padding passes ran
     # old log-probs on each rank = the one-device ones of the same responses
-    G, n, logp_ulps = scale_worker.G, scale_worker.N_GROUPS, 0.0
+    logp_ulps = 0.0
     for r in range(2):
         for a, i in zip(ds["old"][r], ds["idx"][r]):  # this rank's token-balanced share of the mini-batch
             u_i = ulp(float(one["old"][i].abs().max()))
@@ -278,7 +316,8 @@ def test_two_rank_update_matches_one_device(stage, two_rank_update, one_device_u
     # the global denominator; the loss of each side against the exact L*
     m, m1 = ds["metrics"], one["metrics"]
     assert m["num_tokens"] == m1["num_tokens"] == sum(len(r) for r in scale_worker.fixed_batch().response_ids)
-    check_loss(m, 2); check_loss(m1, 1)
+    check_loss(m, 2)
+    check_loss(m1, 1)
     assert m1["grad_norm"] > scale_worker.test_cfg().grad_clip  # clipping was active on both sides
     # the full gradients the optimizer step received, and the reported norms
     g = check_grads(ds["grads"], one["grads"], m, m1, 2, scale_worker.test_cfg().grad_clip)
@@ -289,8 +328,10 @@ def test_two_rank_update_matches_one_device(stage, two_rank_update, one_device_u
     assert set(ds["streamed"]) == set(one["weights"])  # the same names the one-device learner hands over
     tol = weight_tol(lr, g["dgc"], g["gcmax"], max(float(w.abs().max()) for w in one["init"].values()))
     diff = max(float((ds["streamed"][k] - w).abs().max()) for k, w in one["weights"].items())
-    print(f"\nstage {stage}: old log-probs {logp_ulps:.1f} ulp, gradients {g['grad_u']:.1f} u (bound {g['grad_tol_u']} u), grad norm rel "
-          f"{g['norm_diff_rel']:.2e} (own norms vs float64: {g['own_u'][0]:.1f} u, {g['own_u'][1]:.1f} u; bound {g['norm_tol_u']:.0f} u), weights {diff:.2e} (bound {tol:.2e}), moved {moved:.2e}")
+    print(
+        f"\nstage {stage}: old log-probs {logp_ulps:.1f} ulp, gradients {g['grad_u']:.1f} u (bound {g['grad_tol_u']} u), grad norm rel "
+        f"{g['norm_diff_rel']:.2e} (own norms vs float64: {g['own_u'][0]:.1f} u, {g['own_u'][1]:.1f} u; bound {g['norm_tol_u']:.0f} u), weights {diff:.2e} (bound {tol:.2e}), moved {moved:.2e}"
+    )
     assert diff <= tol, (diff, tol)
 
 
@@ -310,10 +351,12 @@ def test_weight_sync_from_shards_is_bit_identical(stage, two_rank_update):
 
 # --- Ulysses sequence parallelism: 2 ranks (one group) and 4 ranks (two groups of 2), against one device ---
 
+
 @pytest.fixture(scope="module", params=[2, 4])
 def sp_update(request, tmp_path_factory):
     "ZeRO-3 with sequence_parallel_size 2 on `param` ranks (scale_worker stage `3sp`; 2 ranks: in the launch above)."
-    if request.param == 2: return request.getfixturevalue("two_rank_update")["3sp"]
+    if request.param == 2:
+        return request.getfixturevalue("two_rank_update")["3sp"]
     out = tmp_path_factory.mktemp(f"sp{request.param}")
     p, dt = _torchrun(["tests/scale_worker.py", str(out), "3sp"], timeout=900, nproc=request.param)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -332,9 +375,12 @@ def test_sequence_parallel_update_matches_one_device(sp_update, one_device_updat
     assert all(s["whole"] == 2 * s["local"] > 0 for s in ds["sp"])  # every rank ran half a row through the all-to-all
     for r in range(0, world, 2):  # a group's two ranks: the same share, the same micro-batches, the same old log-probs
         assert ds["sp"][r]["idx"] == ds["sp"][r + 1]["idx"] and ds["n_micro"][r] == ds["n_micro"][r + 1]
-        for a, b in zip(ds["old"][r], ds["old"][r + 1]): assert torch.equal(a, b)
+        for a, b in zip(ds["old"][r], ds["old"][r + 1]):
+            assert torch.equal(a, b)
     assert sorted(i for r in range(0, world, 2) for i in ds["sp"][r]["idx"]) == list(range(n * G))  # each response once
-    for r in range(world):  # the old log-probs of each response = the one-device ones (packed differently; LOGP_ULPS above)
+    for r in range(
+        world
+    ):  # the old log-probs of each response = the one-device ones (packed differently; LOGP_ULPS above)
         for a, i in zip(ds["old"][r], ds["sp"][r]["idx"]):
             torch.testing.assert_close(a, one["old"][i], rtol=0, atol=LOGP_ULPS * ulp(float(one["old"][i].abs().max())))
     m, m1 = ds["metrics"], one["metrics"]
@@ -344,7 +390,9 @@ def test_sequence_parallel_update_matches_one_device(sp_update, one_device_updat
     lr = scale_worker.test_cfg().lr
     tol = weight_tol(lr, g["dgc"], g["gcmax"], max(float(w.abs().max()) for w in one["init"].values()))
     diff = max(float((ds["streamed"][k] - w).abs().max()) for k, w in one["weights"].items())
-    print(f"\nsequence parallel, {world} ranks: gradients {g['grad_u']:.1f} u (bound {g['grad_tol_u']} u), weights {diff:.2e} (bound {tol:.2e})")
+    print(
+        f"\nsequence parallel, {world} ranks: gradients {g['grad_u']:.1f} u (bound {g['grad_tol_u']} u), weights {diff:.2e} (bound {tol:.2e})"
+    )
     assert diff <= tol, (diff, tol)
 
 
@@ -355,28 +403,52 @@ def build_run(tmp_path_factory):
     one-device update at derived bounds, which is what a one-rank ZeRO-3 twin would add (see the module docstring)."""
     from test_zero import HUB_NAME, fake_hub, qwen2_57m
     from dapo_ref.learner import load_tokenizer
+
     tmp = tmp_path_factory.mktemp("build")
     model = qwen2_57m()
     fake_hub(tmp / "hub", HUB_NAME, model, max_shard_size="20MB")
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    env = {**os.environ, "HF_HUB_CACHE": str(tmp / "hub"), "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(tmp / "hub"),
+        "HF_HUB_OFFLINE": "1",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     t0 = time.perf_counter()
-    p = subprocess.run([*TORCHRUN, _port(), "tests/scale_worker.py", str(tmp / "two"), "build", HUB_NAME], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [*TORCHRUN, _port(), "tests/scale_worker.py", str(tmp / "two"), "build", HUB_NAME],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     dt = time.perf_counter() - t0
     two = torch.load(tmp / "two" / "build.pt", weights_only=False)
-    print(f"\ntwo-process 57M build/update/export launch: {dt:.1f} s; peak / model bytes: "
-          + "; ".join(f"rank {x['rank']} construction {x['construct_extra'] / x['model_bytes']:.2f}, trainer "
-                      f"{x['trainer_extra'] / x['model_bytes']:.2f}, export {x['export_extra'] / x['model_bytes']:.2f}"
-                      for x in two["ranks"]))
-    cfg = scale_worker.test_cfg(); cfg.lr = scale_worker.LR_BUILD
+    print(
+        f"\ntwo-process 57M build/update/export launch: {dt:.1f} s; peak / model bytes: "
+        + "; ".join(
+            f"rank {x['rank']} construction {x['construct_extra'] / x['model_bytes']:.2f}, trainer "
+            f"{x['trainer_extra'] / x['model_bytes']:.2f}, export {x['export_extra'] / x['model_bytes']:.2f}"
+            for x in two["ranks"]
+        )
+    )
+    cfg = scale_worker.test_cfg()
+    cfg.lr = scale_worker.LR_BUILD
     with one_thread():  # one device, plain learner
         trainer, _, metrics, _, grads = scale_worker.trainer_update(cfg, model, load_tokenizer("tiny"))
     assert type(trainer.learner).__name__ == "TorchLearner"
-    return dict(ranks=two["ranks"], weights=two["weights"], grads=two["grads"], out=tmp / "two", init=init,
-                plain=dict(weights=model.state_dict(), metrics=metrics, grads=grads))
+    return dict(
+        ranks=two["ranks"],
+        weights=two["weights"],
+        grads=two["grads"],
+        out=tmp / "two",
+        init=init,
+        plain=dict(weights=model.state_dict(), metrics=metrics, grads=grads),
+    )
 
 
 # Peak resident memory of a rank above its baseline, in bytes. ZeRO-3 construction (`from_pretrained_zero3`) keeps
@@ -391,7 +463,8 @@ MEM_ALLOWANCE = 48 * 2**20
 def largest_module_bytes(sd: dict) -> int:
     "Bytes of the largest module's own tensors (state-dict names grouped by their module prefix)."
     by = {}
-    for k, v in sd.items(): by[k.rsplit(".", 1)[0]] = by.get(k.rsplit(".", 1)[0], 0) + v.numel() * v.element_size()
+    for k, v in sd.items():
+        by[k.rsplit(".", 1)[0]] = by.get(k.rsplit(".", 1)[0], 0) + v.numel() * v.element_size()
     return max(by.values())
 
 
@@ -406,7 +479,10 @@ def test_zero3_learner_construction_is_partitioned(build_run):
         # each parameter's partition holds ceil(numel / 2) elements (DeepSpeed pads the last one)
         assert full / 2 <= r["local_numel"] <= full / 2 + n_params, (r["local_numel"], full)
         assert r["construct_extra"] < r["model_bytes"] / 2 + 2 * big + MEM_ALLOWANCE, (
-            r["rank"], r["construct_extra"] / r["model_bytes"], (r["model_bytes"] / 2 + 2 * big + MEM_ALLOWANCE) / r["model_bytes"])
+            r["rank"],
+            r["construct_extra"] / r["model_bytes"],
+            (r["model_bytes"] / 2 + 2 * big + MEM_ALLOWANCE) / r["model_bytes"],
+        )
         assert not r["engine_partitioned"] and r["engine_equal"]  # the transformers engine: a whole, synced copy
         # torch's own F.linear after zero.Init and deepspeed.initialize (DeepSpeed's default replaces it for good, and a
         # vLLM engine started next in the process would compile its graphs over the replacement)
@@ -426,7 +502,8 @@ def test_balanced_update_matches_one_device(build_run):
     m, mp = r0["metrics"][0], build_run["plain"]["metrics"]
     assert m == r1["metrics"][0]  # the update's metrics are global
     assert m["num_tokens"] == mp["num_tokens"] == sum(lengths)
-    check_loss(m, 2); check_loss(mp, 1)
+    check_loss(m, 2)
+    check_loss(mp, 1)
     assert mp["grad_norm"] > scale_worker.test_cfg().grad_clip  # clipping active
     g = check_grads(build_run["grads"], build_run["plain"]["grads"], m, mp, 2, scale_worker.test_cfg().grad_clip)
     plain, init, lr = build_run["plain"]["weights"], build_run["init"], scale_worker.LR_BUILD
@@ -435,8 +512,10 @@ def test_balanced_update_matches_one_device(build_run):
     assert set(build_run["weights"]) == set(plain) == set(init)
     tol = weight_tol(lr, g["dgc"], g["gcmax"], max(float(w.abs().max()) for w in init.values()))
     diff = max(float((build_run["weights"][k] - w).abs().max()) for k, w in plain.items())
-    print(f"\n57M ZeRO-3 2 ranks vs plain: gradients {g['grad_u']:.1f} u (bound {g['grad_tol_u']} u), grad norm rel "
-          f"{g['norm_diff_rel']:.2e} (own norms vs float64: {g['own_u'][0]:.1f} u, {g['own_u'][1]:.1f} u; bound {g['norm_tol_u']:.0f} u), weights {diff:.2e} (bound {tol:.2e}), moved {moved:.2e}")
+    print(
+        f"\n57M ZeRO-3 2 ranks vs plain: gradients {g['grad_u']:.1f} u (bound {g['grad_tol_u']} u), grad norm rel "
+        f"{g['norm_diff_rel']:.2e} (own norms vs float64: {g['own_u'][0]:.1f} u, {g['own_u'][1]:.1f} u; bound {g['norm_tol_u']:.0f} u), weights {diff:.2e} (bound {tol:.2e}), moved {moved:.2e}"
+    )
     assert diff <= tol, (diff, tol)
 
 
@@ -444,25 +523,32 @@ def test_streamed_export_of_the_learner(build_run):
     "`save_model` streams a small peak and loads back exactly; the shard-size cut (model / 8) writes >= 8 files."
     from transformers import AutoModelForCausalLM
     from safetensors import safe_open
+
     r0, w = build_run["ranks"][0], build_run["weights"]
     big = largest_module_bytes(build_run["init"])
     # one module gathered whole and its copy on the way to the file, plus the fixed allowance (as for construction)
     assert r0["export_extra"] < 2 * big + MEM_ALLOWANCE, (r0["export_extra"], 2 * big + MEM_ALLOWANCE)
     back = AutoModelForCausalLM.from_pretrained(build_run["out"] / "export", dtype=torch.float32).state_dict()
     assert set(back) == set(w)
-    for k, v in w.items(): assert torch.equal(back[k], v), k
+    for k, v in w.items():
+        assert torch.equal(back[k], v), k
     out8 = build_run["out"] / "export8"
     index = json.loads((out8 / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
-    assert len(files) >= 8 and index["metadata"]["total_size"] == r0["model_bytes"] and set(index["weight_map"]) == set(w)
+    assert (
+        len(files) >= 8 and index["metadata"]["total_size"] == r0["model_bytes"] and set(index["weight_map"]) == set(w)
+    )
     for f in files:
         with safe_open(out8 / f, "pt") as st:
-            for k in st.keys(): assert torch.equal(st.get_tensor(k), w[k]), k
+            for k in st.keys():
+                assert torch.equal(st.get_tensor(k), w[k]), k
 
 
 # --- two processes: the command end to end ---
 
-def _rows(d): return [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+
+def _rows(d):
+    return [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
 
 
 TRAIN = ["-m", "dapo_ref.train", "--config", "recipes/tiny-cpu.yaml", "--threads", "1", "--quiet", "gpus_per_node=2"]
@@ -494,7 +580,10 @@ def test_two_process_run_learns_and_kill_9_resume_repeats_it(tmp_path):
     # the held-out accuracy rises as the one-device run's does (tests/test_trainer.py::test_short_run_raises_held_out_accuracy)
     assert s["eval_end"] - s["eval_start"] >= E2E_MARGIN, (s["eval_start"], s["eval_end"])
     from transformers import AutoModelForCausalLM
-    final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()  # full weights gathered from the ZeRO-3 shards
+
+    final = AutoModelForCausalLM.from_pretrained(
+        out / "final"
+    ).state_dict()  # full weights gathered from the ZeRO-3 shards
     ck = out / "checkpoints" / f"step-{s['steps']}"
     assert (ck / "deepspeed").is_dir() and not list(ck.glob("model*.safetensors"))  # resume state only, no export in it
     assert sorted(p.name for p in (out / "exports").iterdir()) == ["step-4"]  # export_every=4 (step 8 is final/)
@@ -502,14 +591,21 @@ def test_two_process_run_learns_and_kill_9_resume_repeats_it(tmp_path):
     # dapo-export merges the last checkpoint's partitions (DeepSpeed's zero_to_fp32) into the weights final/ holds:
     # the same float32 values (the run's dtype), bit for bit
     from dapo_ref.runs import export_main
+
     assert export_main([str(ck), "--out", str(tmp_path / "exported")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
     # 2. killed as soon as its first checkpoint is on disk, then resumed
     run = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    k = subprocess.Popen([*TORCHRUN, _port(), *common, f"output_dir={run}"], cwd=ROOT, env=env, start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    k = subprocess.Popen(
+        [*TORCHRUN, _port(), *common, f"output_dir={run}"],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     t1 = time.perf_counter()
     while latest_checkpoint(run) is None:  # kill -9 the whole launch as soon as the first checkpoint is on disk
         assert k.poll() is None, "the run ended before its first checkpoint"
@@ -518,11 +614,14 @@ def test_two_process_run_learns_and_kill_9_resume_repeats_it(tmp_path):
     # torchrun starts each rank in a session of its own (torch.distributed.elastic's Popen(start_new_session=True)):
     # killing torchrun's process group would leave both ranks training on. Kill torchrun and every descendant.
     import psutil
+
     tree = [psutil.Process(k.pid), *psutil.Process(k.pid).children(recursive=True)]
     assert len(tree) >= 3, tree  # torchrun and its two ranks
     for q in tree:
-        try: q.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess: pass
+        try:
+            q.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
     gone, alive = psutil.wait_procs(tree, timeout=60)
     assert not alive, alive
     k.wait()
@@ -550,8 +649,20 @@ E2E_MARGIN = 0.20
 @pytest.mark.slow
 def test_unfillable_batch_stops_every_rank_with_the_same_error(tmp_path):
     "One generation round, 32 prompts to fill from 32: fails in round 1 on both ranks, rc 1, rank 0 prints the error."
-    p, dt = _torchrun([*TRAIN, ZERO3, "total_steps=1", "prompts_per_step=32", "gen_batch_size=32", "max_num_gen_batches=1",
-                       "eval_k=1", "eval_every=0", f"output_dir={tmp_path / 'run'}"], timeout=600)
+    p, dt = _torchrun(
+        [
+            *TRAIN,
+            ZERO3,
+            "total_steps=1",
+            "prompts_per_step=32",
+            "gen_batch_size=32",
+            "max_num_gen_batches=1",
+            "eval_k=1",
+            "eval_every=0",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+        timeout=600,
+    )
     print(f"\ntwo-process unfillable batch: {dt:.1f} s")
     assert p.returncode != 0
     assert p.stderr.count("dapo-train: error: dynamic sampling found") == 1, p.stderr[-3000:]
@@ -586,19 +697,40 @@ def test_export_that_fails_midway_on_rank_0_stops_both_ranks(tmp_path):
     (the ZeRO partitions, no export) is intact, and the message says how to export it. The held-out set is one problem."""
     from dapo_ref.data import save_math_dataset
     from dapo_ref.tiny import tiny_splits
+
     (tmp_path / "worker.py").write_text(EXPORT_FAILS)
     one = save_math_dataset(tiny_splits(64, 1, seed=0)[1][:1], tmp_path / "one.jsonl")
-    p, _ = _torchrun([str(tmp_path / "worker.py"), str(tmp_path), "--config", "recipes/tiny-cpu.yaml", "--threads", "1",
-                      "--quiet", "gpus_per_node=2", ZERO3, "total_steps=1", "save_every=1", "eval_k=1", f"eval_data={one}",
-                      "dist_timeout=300", f"output_dir={tmp_path / 'run'}"], timeout=600)  # hang guard
+    p, _ = _torchrun(
+        [
+            str(tmp_path / "worker.py"),
+            str(tmp_path),
+            "--config",
+            "recipes/tiny-cpu.yaml",
+            "--threads",
+            "1",
+            "--quiet",
+            "gpus_per_node=2",
+            ZERO3,
+            "total_steps=1",
+            "save_every=1",
+            "eval_k=1",
+            f"eval_data={one}",
+            "dist_timeout=300",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+        timeout=600,
+    )  # hang guard
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert p.returncode != 0 and r0["rc"] == r1["rc"] == 1, (r0, r1, p.stderr[-3000:])  # each rank returned on its own
     assert r0["failed_at"] is not None and r1["failed_at"] is None
     # both within 60 s of the failure (a hang guard; the designed path takes one broadcast): far below dist_timeout
     assert max(r0["exited_at"], r1["exited_at"]) - r0["failed_at"] < 60, (r0, r1)
     err = [l for l in p.stderr.splitlines() if l.startswith("dapo-train: error: ")]
-    assert len(err) == 1 and "writing the export" in err[0] and "final" in err[0] and "the disk is full" in err[0], p.stderr[-3000:]
+    assert len(err) == 1 and "writing the export" in err[0] and "final" in err[0] and "the disk is full" in err[0], (
+        p.stderr[-3000:]
+    )
     from dapo_ref.runs import checkpoint_problem
+
     ck = tmp_path / "run" / "checkpoints" / "step-1"
     assert checkpoint_problem(ck) is None and f"dapo-export {ck}" in err[0]  # intact, and the way to its export
 

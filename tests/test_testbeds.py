@@ -1,6 +1,7 @@
 """The testbed policies ship with the package (dapo_ref/testbeds/), as the tiny model does: a study or a test starts at
 once instead of building them (about 2.5 minutes on one core for both). Each folder is named by `_testbed_hash`
 (settings, builder source, the tiny model it starts from), so a changed builder can never load a stale copy."""
+
 import json
 
 from dapo_ref import testbeds  # (not `from ... import testbed_model`: pytest would collect that name as a test)

@@ -1,4 +1,5 @@
 "Tests of dapo_ref.tiny beyond the notebook: task determinism and correctness, tokenizer round trip, model loading, cache, shipped model."
+
 import json, random, re
 from pathlib import Path
 
@@ -8,9 +9,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dapo_ref import tiny
 from dapo_ref.data import PROMPT_TEMPLATE
-from dapo_ref.tiny import (MAX_OPS, RESPONSE_PREFIX, TINY_SHIPPED, WARM_START, build_tiny_model, build_tiny_tokenizer,
-                           ensure_tiny_model, is_heldout, shipped_tiny_problem, tiny_model_dir, tiny_problem,
-                           tiny_source_hash, tiny_splits)
+from dapo_ref.tiny import (
+    MAX_OPS,
+    RESPONSE_PREFIX,
+    TINY_SHIPPED,
+    WARM_START,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    ensure_tiny_model,
+    is_heldout,
+    shipped_tiny_problem,
+    tiny_model_dir,
+    tiny_problem,
+    tiny_source_hash,
+    tiny_splits,
+)
 
 QUICK = dict(steps=3, batch_size=4)  # a warm start of a few steps: the cache logic, not the accuracy
 
@@ -127,6 +140,7 @@ def test_ensure_tiny_model_builds_once_and_reuses(tmp_path, monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("rebuilt although cached")
+
     monkeypatch.setattr(tiny, "warm_start", boom)
     assert ensure_tiny_model(verbose=False, **QUICK) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
@@ -139,13 +153,15 @@ def test_ensure_tiny_model_is_deterministic_and_cleans_up(tmp_path, monkeypatch)
 
     def fail(*a, **k):
         raise RuntimeError("killed mid-build")
+
     monkeypatch.setattr(tiny, "warm_start", fail)
     with pytest.raises(RuntimeError):
         ensure_tiny_model(tmp_path / "c", verbose=False, **QUICK)
-    assert list((tmp_path / "c").iterdir()) == []               # nothing half-built is left to be mistaken for a model
+    assert list((tmp_path / "c").iterdir()) == []  # nothing half-built is left to be mistaken for a model
 
 
 # --- the shipped warm start (dapo_ref/tiny_model/) ---
+
 
 def test_shipped_tiny_model_matches_the_source():
     "Fails when the build's code changed without `make tiny-model` rebuilding (and committing) the shipped copy."
@@ -155,12 +171,17 @@ def test_shipped_tiny_model_matches_the_source():
     assert {"python", "torch", "transformers", "tokenizers"} <= set(info["versions"])
     assert set(info["files"]) == {p.name for p in TINY_SHIPPED.iterdir()} - {"tiny_build.json"}
     model = AutoModelForCausalLM.from_pretrained(TINY_SHIPPED)
-    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.vocab_size == len(AutoTokenizer.from_pretrained(TINY_SHIPPED))
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.vocab_size == len(
+        AutoTokenizer.from_pretrained(TINY_SHIPPED)
+    )
 
 
 def test_default_model_is_the_shipped_one_and_builds_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("DAPO_REF_CACHE", str(tmp_path / "cache"))
-    def boom(*a, **k): raise AssertionError("built although shipped")
+
+    def boom(*a, **k):
+        raise AssertionError("built although shipped")
+
     monkeypatch.setattr(tiny, "build_tiny", boom)
     monkeypatch.setattr(tiny, "warm_start", boom)  # patching does not change the source hash (it reads the file)
     assert ensure_tiny_model(verbose=False) == TINY_SHIPPED
@@ -171,8 +192,13 @@ def test_changed_source_builds_instead_of_the_shipped_copy(tmp_path, monkeypatch
     monkeypatch.setenv("DAPO_REF_CACHE", str(tmp_path))
     monkeypatch.setattr(tiny, "tiny_source_hash", lambda: "f" * 64)
     calls = []
+
     def fake_build(out, verbose=True, command="", **warm):
-        calls.append(out); out.mkdir(); (out / "model.safetensors").write_bytes(b"x"); return out
+        calls.append(out)
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"x")
+        return out
+
     monkeypatch.setattr(tiny, "build_tiny", fake_build)
     path = ensure_tiny_model()
     assert calls == [path] and path.parent == tmp_path and path != TINY_SHIPPED
@@ -180,10 +206,16 @@ def test_changed_source_builds_instead_of_the_shipped_copy(tmp_path, monkeypatch
     assert "not using the shipped tiny model" in out and "make tiny-model" in out
 
 
-def test_source_hash_sees_code_not_comments():
+def test_source_hash_sees_code_not_comments_or_layout():
+    "The build's identity is its syntax: comments, docstrings, quotes and a formatter's line breaks leave it; code changes it."
     src = (Path(tiny.__file__)).read_text()
-    assert tiny._code_tokens("def f(x):\n    # why\n\n    return x + 1  # note\n") == tiny._code_tokens("def f(x):\n  return x + 1\n")
-    assert tiny._code_tokens("def f(x):\n    return x + 1\n") != tiny._code_tokens("def f(x):\n    return x + 2\n")
+    ident = tiny.code_identity
+    assert ident("def f(x):\n    # why\n\n    return x + 1  # note\n") == ident("def f(x):\n  return x + 1\n")
+    assert ident("def f(x):\n    'doc'\n    return g(x, 'a'); h()\n") == ident(
+        'def f(x):\n    """other doc"""\n    return g(\n        x,\n        "a",\n    )\n    h()\n'
+    )
+    assert ident("def f(x):\n    return x + 1\n") != ident("def f(x):\n    return x + 2\n")
+    assert ident("X = 'ab'\n") != ident("X = 'a'\n") and ident("X = ('a' 'b')\n") == ident("X = 'ab'\n")
     assert tiny_source_hash() == tiny_source_hash() and len(tiny_source_hash()) == 64
     assert all(f"{n} =" in src or f"def {n}(" in src for n in tiny._BUILD_NAMES)
 
@@ -191,7 +223,8 @@ def test_source_hash_sees_code_not_comments():
 def test_dapo_tiny_cli_checks_and_refuses_bad_targets(tmp_path, capsys):
     assert tiny.main(["--check"]) == 0
     assert tiny.main(["--out", str(tmp_path / "missing" / "x")]) == 2
-    (tmp_path / "mine").mkdir(); (tmp_path / "mine" / "a.txt").write_text("keep")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "a.txt").write_text("keep")
     assert tiny.main(["--out", str(tmp_path / "mine")]) == 2
     assert (tmp_path / "mine" / "a.txt").read_text() == "keep"
     err = capsys.readouterr().err

@@ -3,18 +3,19 @@ kill -9 and resume, dynamic sampling that cannot fill its batch, and the CLI's e
 
 The slow ones (a real run, two subprocess runs) carry `@pytest.mark.slow`; the whole file takes about
 2-3 minutes on 2 cores (tests/README.md has the per-module times of a fresh-clone run)."""
+
 import json, math, os, signal, subprocess, sys, time
 from pathlib import Path
 
 import pytest
 import torch
 
-from dapo_ref.core import load_config, config_from_dict
+from dapo_ref.cli import load_config
 from dapo_ref.data import make_example, save_math_dataset
 from dapo_ref.sampling import DynamicSamplingError
 from dapo_ref.core import LOSS_AGGS
 from dapo_ref.algorithm import collect, make_batch
-from dapo_ref.trainer import Trainer, strip_timing, train, summary_line, TIMING_KEYS
+from dapo_ref.trainer import Trainer, strip_timing, train, summary_line
 from dapo_ref.learner import TorchLearner
 from dapo_ref.runs import latest_checkpoint, read_metrics
 from dapo_ref.train import main
@@ -43,15 +44,17 @@ def one_thread():
 def policy():
     "The warm-started tiny model and tokenizer, loaded once (built and cached on first use)."
     from dapo_ref.learner import load_policy
+
     return load_policy("tiny")
 
 
 def fresh(policy):
     import copy
+
     return copy.deepcopy(policy[0]), policy[1]
 
 
-U = 2.0 ** -24  # float32 unit roundoff: a correctly rounded float32 op has relative error <= u
+U = 2.0**-24  # float32 unit roundoff: a correctly rounded float32 op has relative error <= u
 
 
 def loss_at_old(learner, batch):
@@ -59,9 +62,11 @@ def loss_at_old(learner, batch):
     (each loss token contributes exactly -A_i), S = the same aggregation of |A_i| (the loss's size without
     cancellation), N = the loss tokens (after overlong filtering)."""
     from dapo_ref.loss import agg_loss
+
     cfg, T = learner.cfg, max(len(r) for r in batch.response_ids)
     mask = torch.zeros(len(batch), T, dtype=torch.bool)
-    for i, r in enumerate(batch.response_ids): mask[i, :len(r)] = True
+    for i, r in enumerate(batch.response_ids):
+        mask[i, : len(r)] = True
     mask = learner.loss_mask(batch, mask)
     a = batch.advantages.double()[:, None].expand(-1, T)  # float32 -> float64 is exact
     agg = lambda x: agg_loss(x, mask, cfg.loss_agg, max_len=cfg.l_max).item()
@@ -122,7 +127,8 @@ def sampled_batch(policy, tmp_path_factory):
     groups, _, _ = collect(tr.rollout, tr.sampler, cfg, 1)
     batch = make_batch(groups, cfg.group_size)
     small = TorchLearner(fresh(policy)[0], tiny_cfg(tmp, micro_token_budget=300), tr.pad_id).micro_batches(batch)
-    batch.truncated[small[1]] = True; batch.truncated[0] = True  # overlong filtering empties micro-batch 1 and row 0
+    batch.truncated[small[1]] = True
+    batch.truncated[0] = True  # overlong filtering empties micro-batch 1 and row 0
     return batch, tr.pad_id
 
 
@@ -133,13 +139,17 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path, policy, s
     batch, pad_id = sampled_batch
     grads, losses, n_micro, devs = [], [], [], []
     for budget in (10**6, 300):
-        learner = TorchLearner(fresh(policy)[0], tiny_cfg(tmp_path, micro_token_budget=budget, warmup_steps=0,
-                                                         loss_agg=agg, overlong_filter=True), pad_id)
+        learner = TorchLearner(
+            fresh(policy)[0],
+            tiny_cfg(tmp_path, micro_token_budget=budget, warmup_steps=0, loss_agg=agg, overlong_filter=True),
+            pad_id,
+        )
         n_micro.append(len(learner.micro_batches(batch)))
         old, _ = learner.compute_logprobs(batch)
         learner.opt.step = lambda *a, **k: None  # keep the gradient, skip the step
         m = learner.update(batch, old)
-        losses.append(m["loss"]); devs.append(max(1 - m["ratio_min"], m["ratio_max"] - 1))
+        losses.append(m["loss"])
+        devs.append(max(1 - m["ratio_min"], m["ratio_max"] - 1))
         grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None]))
     assert n_micro[0] == 1 and n_micro[1] > 4, n_micro
     assert grads[0].abs().max() > 0
@@ -168,12 +178,32 @@ def test_short_run_raises_held_out_accuracy(tmp_path):
     assert s["eval_end"] - s["eval_start"] >= MARGIN, s
     assert s["grad_updates"] == 8 * cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size
     assert [r["step"] for r in rows] == list(range(9))
-    for k in ("reward_mean", "acc", "entropy", "resp_len_mean", "resp_len_max", "truncated_frac", "clipfrac_high",
-              "clipfrac_low", "approx_kl", "grad_norm", "lr", "gen_rounds", "frac_kept", "up_clipped_prob",
-              "prob_mean", "time_generate", "time_score", "time_logprobs", "time_update", "tokens_per_s"):
+    for k in (
+        "reward_mean",
+        "acc",
+        "entropy",
+        "resp_len_mean",
+        "resp_len_max",
+        "truncated_frac",
+        "clipfrac_high",
+        "clipfrac_low",
+        "approx_kl",
+        "grad_norm",
+        "lr",
+        "gen_rounds",
+        "frac_kept",
+        "up_clipped_prob",
+        "prob_mean",
+        "time_generate",
+        "time_score",
+        "time_logprobs",
+        "time_update",
+        "tokens_per_s",
+    ):
         assert k in rows[1], k
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
     from transformers import AutoModelForCausalLM
+
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert "rollout steps" in summary_line(s)
 
@@ -188,8 +218,15 @@ MARGIN = 0.20
 
 def _run_cli(args, env=None, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([PY, "-m", "dapo_ref.train", "--config", str(RECIPE), "--threads", "1", "--quiet", *args],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [PY, "-m", "dapo_ref.train", "--config", str(RECIPE), "--threads", "1", "--quiet", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 @pytest.mark.slow
@@ -221,6 +258,7 @@ def test_kill_9_and_resume_gives_identical_metrics(tmp_path):
 
 def test_dynamic_sampling_that_cannot_fill_stops_with_the_error(tmp_path, policy):
     from dapo_ref.tiny import tiny_splits
+
     train_ex, _ = tiny_splits(64, 4, seed=0)
     never = [make_example(e.question, "-123456789") for e in train_ex]  # no response can be correct
     cfg = tiny_cfg(tmp_path, max_num_gen_batches=2, gen_batch_size=16)
@@ -232,20 +270,40 @@ def test_dynamic_sampling_that_cannot_fill_stops_with_the_error(tmp_path, policy
 
 def test_cli_dynamic_sampling_error_exit_code(tmp_path, capsys):
     from dapo_ref.tiny import tiny_splits
+
     train_ex, _ = tiny_splits(64, 4, seed=0)
     data = save_math_dataset([make_example(e.question, "-123456789") for e in train_ex], tmp_path / "never.jsonl")
-    rc = main(["--config", str(RECIPE), "--quiet", f"train_data={data}", "max_num_gen_batches=1", "gen_batch_size=16",
-               f"output_dir={tmp_path / 'run'}"])
+    rc = main(
+        [
+            "--config",
+            str(RECIPE),
+            "--quiet",
+            f"train_data={data}",
+            "max_num_gen_batches=1",
+            "gen_batch_size=16",
+            f"output_dir={tmp_path / 'run'}",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "max_num_gen_batches" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("override, field", [
-    ("top_p=1.5", "top_p"), ("eps_high=0.1", "eps_high"), ("group_siz=4", "group_size"),
-    ("mini_batch_size=48", "mini_batch_size"), ("lr=-1", "lr"), ("loss_agg=token_mean", "loss_agg"),
-    # fields this one-process launch cannot honour: refused before any model loads
-    ("gpus_per_node=2", "gpus_per_node"), ("offload_optimizer=true", "offload_optimizer"),
-    ("offload_params=true", "offload_params"), ("vllm_tensor_parallel=2", "vllm_tensor_parallel")])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("top_p=1.5", "top_p"),
+        ("eps_high=0.1", "eps_high"),
+        ("group_siz=4", "group_size"),
+        ("mini_batch_size=48", "mini_batch_size"),
+        ("lr=-1", "lr"),
+        ("loss_agg=token_mean", "loss_agg"),
+        # fields this one-process launch cannot honour: refused before any model loads
+        ("gpus_per_node=2", "gpus_per_node"),
+        ("offload_optimizer=true", "offload_optimizer"),
+        ("offload_params=true", "offload_params"),
+        ("vllm_tensor_parallel=2", "vllm_tensor_parallel"),
+    ],
+)
 def test_cli_bad_config_value_names_the_field(tmp_path, capsys, override, field):
     rc = main(["--config", str(RECIPE), override, f"output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
@@ -261,8 +319,13 @@ def test_cli_vllm_backend_without_vllm_names_the_field(tmp_path, capsys):
 
 
 def test_cli_broken_dataset_row_names_row_and_field(tmp_path, capsys):
-    good = {"data_source": "t", "prompt": [{"role": "user", "content": "1+1?"}], "ability": "MATH",
-            "reward_model": {"ground_truth": "2", "style": "rule"}, "extra_info": {}}
+    good = {
+        "data_source": "t",
+        "prompt": [{"role": "user", "content": "1+1?"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "2", "style": "rule"},
+        "extra_info": {},
+    }
     bad = {**good, "reward_model": {"style": "rule"}}  # ground_truth missing
     p = tmp_path / "broken.jsonl"
     p.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
@@ -281,8 +344,18 @@ def test_cli_errors_exit_2_without_traceback_as_a_process(tmp_path):
 
 # ---------------------------------------------------------------- run folder, resume, numerical guard (dapo_ref.runs)
 
-SMALL = ["prompts_per_step=2", "gen_batch_size=4", "group_size=4", "mini_batch_size=8", "l_max=48", "l_cache=8",
-         "dynamic_sampling=false", "eval_every=0", "eval_k=1", "warmup_steps=0"]  # one update per step, ~1 s a step
+SMALL = [
+    "prompts_per_step=2",
+    "gen_batch_size=4",
+    "group_size=4",
+    "mini_batch_size=8",
+    "l_max=48",
+    "l_cache=8",
+    "dynamic_sampling=false",
+    "eval_every=0",
+    "eval_k=1",
+    "warmup_steps=0",
+]  # one update per step, ~1 s a step
 
 
 def test_lr_1e10_never_reaches_a_checkpoint_and_stops_with_the_lr_message(tmp_path):
@@ -305,15 +378,31 @@ def test_a_nan_loss_is_skipped_and_three_in_a_row_stop_the_run(tmp_path, policy,
     """A loss that is not finite (here: every advantage NaN) skips its update, weights and AdamW state untouched;
     MAX_BAD_UPDATES skips in a row stop the run with the skip message, before a checkpoint holds anything new."""
     from dapo_ref import algorithm as A
-    from dapo_ref.runs import DivergenceError, MAX_BAD_UPDATES
+    from dapo_ref.guards import DivergenceError, MAX_BAD_UPDATES
+
     model, tok = fresh(policy)
     w0 = {n: t.clone() for n, t in model.state_dict().items()}
     make = A.make_batch
-    monkeypatch.setattr(A, "make_batch", lambda *a, **k: (lambda b: (b.advantages.fill_(float("nan")), b)[1])(make(*a, **k)))
-    cfg = tiny_cfg(tmp_path, total_steps=5, eval_every=0, eval_k=1, save_every=0, prompts_per_step=2, gen_batch_size=4,
-                   group_size=4, mini_batch_size=8, dynamic_sampling=False, warmup_steps=0)
+    monkeypatch.setattr(
+        A, "make_batch", lambda *a, **k: (lambda b: (b.advantages.fill_(float("nan")), b)[1])(make(*a, **k))
+    )
+    cfg = tiny_cfg(
+        tmp_path,
+        total_steps=5,
+        eval_every=0,
+        eval_k=1,
+        save_every=0,
+        prompts_per_step=2,
+        gen_batch_size=4,
+        group_size=4,
+        mini_batch_size=8,
+        dynamic_sampling=False,
+        warmup_steps=0,
+    )
     tr = Trainer(cfg, model=model, tokenizer=tok, eval_examples=[], progress=False, log=None)
-    with pytest.raises(DivergenceError, match=r"3 gradient updates in a row were skipped \(last one: the loss is not finite\)"):
+    with pytest.raises(
+        DivergenceError, match=r"3 gradient updates in a row were skipped \(last one: the loss is not finite\)"
+    ):
         tr.fit()
     assert MAX_BAD_UPDATES == 3 and tr.step_idx == 3 and tr.learner.guard.blown is None
     assert all(torch.equal(t, w0[n]) for n, t in tr.learner.model.state_dict().items())  # no skipped update applied
@@ -322,7 +411,17 @@ def test_a_nan_loss_is_skipped_and_three_in_a_row_stop_the_run(tmp_path, policy,
 
 def test_resume_skips_a_truncated_checkpoint_keeps_it_and_applies_total_steps(tmp_path, capsys):
     run = tmp_path / "run"
-    common = ["--config", str(RECIPE), "--threads", "1", *SMALL, "save_every=1", "--keep-checkpoints", "0", f"output_dir={run}"]
+    common = [
+        "--config",
+        str(RECIPE),
+        "--threads",
+        "1",
+        *SMALL,
+        "save_every=1",
+        "--keep-checkpoints",
+        "0",
+        f"output_dir={run}",
+    ]
     assert main([*common, "total_steps=2"]) == 0
     st = run / "checkpoints" / "step-2" / "model.safetensors"
     st.write_bytes(st.read_bytes()[:-100])  # a copy cut short
@@ -340,7 +439,10 @@ def test_resume_skips_a_truncated_checkpoint_keeps_it_and_applies_total_steps(tm
     assert "total_steps: 3" in (run / "config.yaml").read_text()
     (run / "notes.md").write_text("the user's")  # a file beside the run's: --overwrite keeps it
     assert main([*common, "total_steps=1", "--overwrite"]) == 0  # asked for: the run is replaced
-    assert "--overwrite: removed .dapo_ref.json, config.yaml, metrics.jsonl, metrics.dropped.jsonl" in capsys.readouterr().out
+    assert (
+        "--overwrite: removed .dapo_ref.json, config.yaml, metrics.jsonl, metrics.dropped.jsonl"
+        in capsys.readouterr().out
+    )
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
     assert (run / "notes.md").read_text() == "the user's" and not (run / "metrics.dropped.jsonl").exists()
@@ -348,13 +450,29 @@ def test_resume_skips_a_truncated_checkpoint_keeps_it_and_applies_total_steps(tm
 
 def test_a_failed_checkpoint_write_names_disk_space_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
     from dapo_ref.runs import checkpoint_problem
+
     run, calls, save = tmp_path / "run", [], TorchLearner.save
+
     def full_disk(self, path):  # the second checkpoint runs out of space half way, as torch's zip writer reports it
-        calls.append(path); save(self, path)
-        if len(calls) == 2: raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 0")
+        calls.append(path)
+        save(self, path)
+        if len(calls) == 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 0")
+
     monkeypatch.setattr(TorchLearner, "save", full_disk)
-    rc = main(["--config", str(RECIPE), "--threads", "1", "--quiet", *SMALL, "total_steps=2", "save_every=1",
-               f"output_dir={run}"])
+    rc = main(
+        [
+            "--config",
+            str(RECIPE),
+            "--threads",
+            "1",
+            "--quiet",
+            *SMALL,
+            "total_steps=2",
+            "save_every=1",
+            f"output_dir={run}",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err, err
     assert "GiB of disk space is free there" in err and "step-1 is intact" in err and "--resume" in err, err
@@ -369,16 +487,34 @@ def test_unbounded_dynamic_sampling_prints_progress_and_stops_at_the_timeout(tmp
     import itertools, types
     import dapo_ref.runs
     from dapo_ref.tiny import tiny_splits
+
     ticks = itertools.count(0.0, 1.0)
-    monkeypatch.setattr(dapo_ref.runs, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks), strftime=time.strftime))
+    monkeypatch.setattr(
+        dapo_ref.runs, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks), strftime=time.strftime)
+    )
     train_ex, _ = tiny_splits(64, 4, seed=0)
     data = save_math_dataset([make_example(e.question, "-123456789") for e in train_ex], tmp_path / "never.jsonl")
-    rc = main(["--config", str(RECIPE), "--threads", "1", *[a for a in SMALL if a.split("=")[0] not in ("dynamic_sampling", "l_max", "l_cache")],
-               f"train_data={data}",
-               "max_num_gen_batches=0", "l_max=8", "l_cache=2", "--sampling-timeout", "4", f"output_dir={tmp_path / 'run'}"])
+    rc = main(
+        [
+            "--config",
+            str(RECIPE),
+            "--threads",
+            "1",
+            *[a for a in SMALL if a.split("=")[0] not in ("dynamic_sampling", "l_max", "l_cache")],
+            f"train_data={data}",
+            "max_num_gen_batches=0",
+            "l_max=8",
+            "l_cache=2",
+            "--sampling-timeout",
+            "4",
+            f"output_dir={tmp_path / 'run'}",
+        ]
+    )
     cap = capsys.readouterr()
     assert rc == 1 and "Traceback" not in cap.err, cap.err
-    assert "step 1: dynamic sampling: 4 rounds, 16 groups seen, 0.0% informative" in cap.out and ", 4 s" in cap.out, cap.out
+    assert "step 1: dynamic sampling: 4 rounds, 16 groups seen, 0.0% informative" in cap.out and ", 4 s" in cap.out, (
+        cap.out
+    )
     assert "8 rounds" not in cap.out, cap.out  # stopped at round 5
     assert "ran 5 s in step 1" in cap.err and "5 rounds, 20 groups seen" in cap.err, cap.err
     assert "Raise the limit (dapo-train --sampling-timeout, now 4 s)" in cap.err, cap.err
@@ -392,25 +528,41 @@ def test_deepspeed_learner_guards_its_partition(tmp_path, policy, stage):
     pytest.importorskip("deepspeed")
     from dapo_ref.scale import DeepSpeedLearner
     from dapo_ref.learner import RolloutBatch
+
     tok = policy[1]
     ids = tok.encode("1+1=", add_special_tokens=False)
-    learner = DeepSpeedLearner(fresh(policy)[0], tiny_cfg(tmp_path, zero_stage=stage, lr=1e-3, warmup_steps=0), tok.pad_token_id)
+    learner = DeepSpeedLearner(
+        fresh(policy)[0], tiny_cfg(tmp_path, zero_stage=stage, lr=1e-3, warmup_steps=0), tok.pad_token_id
+    )
     for lr, adv, verdict in ((1e-3, 1.0, "applied"), (1e-3, float("nan"), "skipped"), (1e10, 1.0, "blown")):
-        for group in learner.sched.optimizer.param_groups: group["lr"] = lr
-        batch = RolloutBatch([ids] * 4, [ids[:3], ids[:2], ids[:3], ids[:1]], torch.tensor([adv, -1.0, 0.5, -0.5]),
-                             torch.zeros(4, dtype=torch.bool), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+        for group in learner.sched.optimizer.param_groups:
+            group["lr"] = lr
+        batch = RolloutBatch(
+            [ids] * 4,
+            [ids[:3], ids[:2], ids[:3], ids[:1]],
+            torch.tensor([adv, -1.0, 0.5, -0.5]),
+            torch.zeros(4, dtype=torch.bool),
+            torch.tensor([1.0, -1.0, 1.0, -1.0]),
+        )
         before = {n: t.clone() for n, t in learner.named_weights()}
         old, _ = learner.compute_logprobs(batch)
         m = learner.update(batch, old)
         same = all(torch.equal(before[n], t) for n, t in learner.named_weights())
         g = learner.guard
         got = "skipped" if g.reason else "blown" if g.blown else "applied"
-        assert got == verdict and same == (verdict == "skipped") and m["skipped"] == float(verdict == "skipped"), (lr, adv, g.reason, g.blown)
-        if verdict == "blown": assert "grew from" in g.blown and g.wmax > 1e9
-        if verdict == "skipped": assert "not finite" in g.reason
+        assert got == verdict and same == (verdict == "skipped") and m["skipped"] == float(verdict == "skipped"), (
+            lr,
+            adv,
+            g.reason,
+            g.blown,
+        )
+        if verdict == "blown":
+            assert "grew from" in g.blown and g.wmax > 1e9
+        if verdict == "skipped":
+            assert "not finite" in g.reason
 
 
-GUARD_WORKER = '''
+GUARD_WORKER = """
 import json, sys, torch
 from dapo_ref import dist
 from dapo_ref.core import load_config
@@ -460,7 +612,7 @@ torch.distributed.destroy_process_group()  # as the other workers do: no gloo th
 # were written). The results are on disk and every rank passed the barrier: leave without the interpreter's teardown.
 sys.stdout.flush(); sys.stderr.flush()
 import os; os._exit(0)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -470,12 +622,32 @@ def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path):
     Then ZeRO-3 with sub_group_size small enough to cut the model into several sub-groups: the guard's largest |weight|
     equals the gathered model's before and after an update, and an inf planted in rank 1's partition is seen on rank 0."""
     import socket
-    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
     (tmp_path / "worker.py").write_text(GUARD_WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
-    p = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-                        str(tmp_path / "worker.py"), str(RECIPE), "2,3", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # hang guard
+    p = subprocess.run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            port,
+            str(tmp_path / "worker.py"),
+            str(RECIPE),
+            "2,3",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # hang guard
     assert p.returncode == 0, p.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1, (r0, r1)  # the same verdict and reason on both ranks
@@ -501,8 +673,15 @@ def test_rollout_gap_by_hand():
     from dapo_ref.learner import RolloutBatch
     from dapo_ref.algorithm import rollout_gap
     from dapo_ref.learner import Learner
-    mk = lambda lps: RolloutBatch([[1]] * len(lps), [[2] * len(l) if l else [2] for l in lps], torch.zeros(len(lps)),
-                                  torch.zeros(len(lps), dtype=torch.bool), torch.zeros(len(lps)), lps)
+
+    mk = lambda lps: RolloutBatch(
+        [[1]] * len(lps),
+        [[2] * len(l) if l else [2] for l in lps],
+        torch.zeros(len(lps)),
+        torch.zeros(len(lps), dtype=torch.bool),
+        torch.zeros(len(lps)),
+        lps,
+    )
     minis = [mk([[-1.1, -2.0]]), mk([[-0.5]])]
     olds = [([torch.tensor([-1.0, -2.0])], []), ([torch.tensor([-0.5])], [])]
     one = Learner.__new__(Learner)  # alone: its sums are the values (no process group)
@@ -510,16 +689,41 @@ def test_rollout_gap_by_hand():
     # float32 operands: d = -1.0 - (-1.1) carries the float32 rounding of -1.1 (<= 2^-24 * 1.1 relative ~ 6.6e-8 absolute)
     assert abs(g["rollout_logp_diff_mean"] - 0.1 / 3) < 1e-7 and abs(g["rollout_logp_diff_max"] - 0.1) < 1e-7, g
     assert abs(g["rollout_kl_k3"] - (math.exp(0.1) - 1.1) / 3) < 1e-7, g  # e^d - 1 - d is Lipschitz 0.11 near 0.1
-    assert rollout_gap(one, [mk([[-1.0]]), RolloutBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1))], olds) == {}
+    assert (
+        rollout_gap(
+            one,
+            [
+                mk([[-1.0]]),
+                RolloutBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1)),
+            ],
+            olds,
+        )
+        == {}
+    )
 
 
 def test_dapo_export_of_a_plain_checkpoint_is_the_final_model(tmp_path):
     "The plain learner's last checkpoint through dapo-export: the weights of final/ (the same step), bit for bit; --out kept safe."
     from transformers import AutoModelForCausalLM
     from dapo_ref.runs import export_main
+
     run = tmp_path / "run"
-    assert main(["--config", str(RECIPE), "--threads", "1", "--quiet", *SMALL, "total_steps=1", "save_every=1",
-                 f"output_dir={run}"]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                str(RECIPE),
+                "--threads",
+                "1",
+                "--quiet",
+                *SMALL,
+                "total_steps=1",
+                "save_every=1",
+                f"output_dir={run}",
+            ]
+        )
+        == 0
+    )
     ck = run / "checkpoints" / "step-1"
     assert export_main([str(ck), "--out", str(tmp_path / "exp")]) == 0
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "exp").state_dict()
@@ -534,8 +738,14 @@ def test_dapo_export_of_a_plain_checkpoint_is_the_final_model(tmp_path):
 def test_tensor_parallel_groups_stay_inside_a_node():
     "12 ranks on 2 nodes of 6 GPUs at vllm_tensor_parallel 4: 4 divides 12 but engine 1 would span ranks 4-7, two nodes."
     from dapo_ref.core import DAPOConfig
-    with pytest.raises(ValueError, match="vllm_tensor_parallel = 4 does not divide gpus_per_node = 6: an engine's ranks would span two nodes"):
-        DAPOConfig(rollout_backend="vllm", vllm_tensor_parallel=4, nnodes=2, gpus_per_node=6, vllm_enable_chunked_prefill=False)
+
+    with pytest.raises(
+        ValueError,
+        match="vllm_tensor_parallel = 4 does not divide gpus_per_node = 6: an engine's ranks would span two nodes",
+    ):
+        DAPOConfig(
+            rollout_backend="vllm", vllm_tensor_parallel=4, nnodes=2, gpus_per_node=6, vllm_enable_chunked_prefill=False
+        )
 
 
 def test_resume_checks_the_experiment_stored_in_the_checkpoint(tmp_path, capsys):

@@ -5,9 +5,10 @@
 One engine for the whole module: starting vLLM takes 20-30 s here (plus ~50 s once per machine while
 torch.compile fills ~/.cache/vllm), and two engines in one process are not worth the risk. The model is a random 2-layer Qwen2 (hidden 128, 4 heads of 32:
 vLLM's CPU attention needs head_dim >= 32) with a word-level tokenizer, built and saved here."""
+
 import copy, gc, os, warnings
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache on CPU (24 GiB machine)
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (24 GiB machine)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
 
 import pytest
@@ -31,14 +32,25 @@ def save_tiny_qwen2(out_dir, seed, eos_id):
     "Random Qwen2 (hidden 128, 4 heads of 32) + a word-level tokenizer with EOS = word `eos_id`, saved to out_dir."
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
     words = ["<pad>"] + [f"w{i}" for i in range(1, VOCAB)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=words[eos_id], pad_token="<pad>").save_pretrained(out_dir)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.2, tie_word_embeddings=False, eos_token_id=eos_id, pad_token_id=PAD,
-                      bos_token_id=None)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        pad_token_id=PAD,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).float().eval()
     model.save_pretrained(out_dir)
@@ -51,11 +63,13 @@ def naive_greedy(model, prompt, max_tokens):
     seq, out = list(prompt), []
     for _ in range(max_tokens):
         nxt = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
-        out.append(nxt); seq.append(nxt)
+        out.append(nxt)
+        seq.append(nxt)
     return out
 
 
-def ids(cs): return [c.token_ids for c in cs]
+def ids(cs):
+    return [c.token_ids for c in cs]
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +82,14 @@ def setup(tmp_path_factory):
     pos = next(i for i in range(2, len(path0)) if path0[i] not in path0[:i] and path0[i] != PAD)
     eos = path0[pos]
     policy = save_tiny_qwen2(d, seed=0, eos_id=eos)  # same weights (same seed), tokenizer/config EOS = eos
-    engine = VLLMRolloutEngine(d, dtype="float32", seed=0, max_model_len=256, gpu_memory_utilization=0.3,
-                               enforce_eager=not CUDA)  # CPU: no torch.compile of the model, starts in seconds
+    engine = VLLMRolloutEngine(
+        d, dtype="float32", seed=0, max_model_len=256, gpu_memory_utilization=0.3, enforce_eager=not CUDA
+    )  # CPU: no torch.compile of the model, starts in seconds
     out = dict(dir=d, policy=policy, eos=eos, eos_pos=pos, engine=engine)
     yield out
-    out.clear(); del engine; gc.collect()
+    out.clear()
+    del engine
+    gc.collect()
 
 
 def check_endings(comps, eos, max_tokens):
@@ -107,22 +124,26 @@ def test_eos_is_kept_and_counted(setup):
         finally:
             eng.eos_ids = None
         assert c.finish_reason == "stop" and not c.truncated
-        assert c.token_ids == full[:pos + 1] and c.token_ids[-1] == eos and len(c.token_ids) == pos + 1
+        assert c.token_ids == full[: pos + 1] and c.token_ids[-1] == eos and len(c.token_ids) == pos + 1
 
 
 def test_max_tokens_truncates(setup):
     "max_tokens below the EOS position: 'length', exactly max_tokens tokens, the greedy prefix; at the EOS position: 'stop'."
-    eng, eos, pos = setup["engine"], setup["eos"], setup["eos_pos"]
+    eng, pos = setup["engine"], setup["eos_pos"]
     full = naive_greedy(setup["policy"], PROMPTS[0], GREEDY.max_tokens)
     c = eng.generate(PROMPTS[:1], SamplingParams(n=1, temperature=0, max_tokens=pos))[0]
     assert (c.finish_reason, c.truncated, c.token_ids) == ("length", True, full[:pos])
     c = eng.generate(PROMPTS[:1], SamplingParams(n=1, temperature=0, max_tokens=pos + 1))[0]
-    assert (c.finish_reason, c.truncated, c.token_ids) == ("stop", False, full[:pos + 1])  # EOS on the last allowed token
+    assert (c.finish_reason, c.truncated, c.token_ids) == (
+        "stop",
+        False,
+        full[: pos + 1],
+    )  # EOS on the last allowed token
 
 
 def test_explicit_eos_other_token(setup):
     "eos_ids replaces the model's EOS: stop on another token of the path, no longer on the tokenizer's EOS."
-    eng, eos = setup["engine"], setup["eos"]
+    eng = setup["engine"]
     full = naive_greedy(setup["policy"], PROMPTS[0], GREEDY.max_tokens)
     other = full[1] if full[1] != full[0] else full[0]
     first = full.index(other)
@@ -131,7 +152,7 @@ def test_explicit_eos_other_token(setup):
         c = eng.generate(PROMPTS[:1], GREEDY)[0]
     finally:
         eng.eos_ids = None
-    assert (c.finish_reason, c.token_ids) == ("stop", full[:first + 1])
+    assert (c.finish_reason, c.token_ids) == ("stop", full[: first + 1])
 
 
 # ---------------------------------------------------------------- groups of G with the configured sampling
@@ -143,14 +164,14 @@ def test_groups_count_order_seed(setup):
     assert len(a) == len(PROMPTS) * G
     assert [c.prompt_index for c in a] == [i for i in range(len(PROMPTS)) for _ in range(G)]
     check_endings(a, eos, T)
-    assert ids(eng.generate(PROMPTS, sp)) == ids(a)                       # same seed, same samples
+    assert ids(eng.generate(PROMPTS, sp)) == ids(a)  # same seed, same samples
     b = eng.generate(PROMPTS, SamplingParams(n=G, temperature=1.0, max_tokens=T, seed=12))
-    assert ids(b) != ids(a)                                               # another seed, other samples
-    for i in range(len(PROMPTS)):                                         # samples of a group differ
-        group = ids(a[i * G:(i + 1) * G])
+    assert ids(b) != ids(a)  # another seed, other samples
+    for i in range(len(PROMPTS)):  # samples of a group differ
+        group = ids(a[i * G : (i + 1) * G])
         assert len({tuple(t) for t in group}) > 1
     # a prompt's samples do not depend on the other prompts of the call (per-prompt seeds)
-    assert ids(eng.generate(PROMPTS[:2], sp)) == ids(a[:2 * G])
+    assert ids(eng.generate(PROMPTS[:2], sp)) == ids(a[: 2 * G])
     # the same prompt twice in one call: two different groups (vLLM seeds sample j with seed + j, so one
     # seed for the whole call would repeat the group)
     twice = ids(eng.generate([PROMPTS[0], PROMPTS[0]], sp))
@@ -167,9 +188,11 @@ def test_sampling_knobs_reach_vllm(setup):
     "temperature 0, top_k 1 and a tiny top_p all reduce to greedy; each sample of the group is then the greedy path."
     eng = setup["engine"]
     greedy = ids(eng.generate(PROMPTS, GREEDY))
-    for sp in (SamplingParams(n=3, temperature=0, max_tokens=10, seed=1),
-               SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=10, seed=1),
-               SamplingParams(n=3, temperature=1.0, top_p=1e-6, max_tokens=10, seed=1)):
+    for sp in (
+        SamplingParams(n=3, temperature=0, max_tokens=10, seed=1),
+        SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=10, seed=1),
+        SamplingParams(n=3, temperature=1.0, top_p=1e-6, max_tokens=10, seed=1),
+    ):
         assert ids(eng.generate(PROMPTS, sp)) == [g for g in greedy for _ in range(3)], sp
 
 
@@ -220,7 +243,9 @@ def test_load_weights_matches_transformers(setup, tmp_path, bucket_bytes):
         assert ids(got) == ids(want) and ids(got) != before
         assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
         # a sampled group also comes from the new weights: with top_k 1 every sample is the new greedy path
-        assert ids(eng.generate(prompts, SamplingParams(n=2, top_k=1, max_tokens=10, seed=3))) == [t for t in ids(want) for _ in range(2)]
+        assert ids(eng.generate(prompts, SamplingParams(n=2, top_k=1, max_tokens=10, seed=3))) == [
+            t for t in ids(want) for _ in range(2)
+        ]
     finally:
         eng.weight_bucket_bytes = 1 << 30
         eng.load_weights(policy.state_dict().items())  # back to the module's policy
@@ -239,7 +264,8 @@ def test_load_weights_every_tensor_changes_output(setup):
         for name in layer + ["model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"]:
             sd = dict(base)
             sd[name] = base[name] + torch.randn(base[name].shape, generator=g) * 0.5
-            model = copy.deepcopy(policy); model.load_state_dict(sd)
+            model = copy.deepcopy(policy)
+            model.load_state_dict(sd)
             want = HFRolloutEngine(model, eos_token_id=eos, pad_token_id=PAD).generate(PROMPTS, GREEDY)
             assert ids(want) != before, f"perturbing {name} does not change greedy decoding: the check would be blind"
             # send whole layers only: the perturbed one and everything else unchanged
@@ -277,8 +303,9 @@ def test_load_weights_errors(setup):
         eng.load_weights([("model.norm.weight", torch.ones(3))])
     with pytest.raises(ValueError, match="is missing"):
         eng.load_weights([("model.layers.0.self_attn.q_proj.weight", sd["model.layers.0.self_attn.q_proj.weight"])])
-    assert ids(eng.generate(PROMPTS, GREEDY)) == ids(HFRolloutEngine(copy.deepcopy(policy), eos_token_id=setup["eos"],
-                                                                     pad_token_id=PAD).generate(PROMPTS, GREEDY))
+    assert ids(eng.generate(PROMPTS, GREEDY)) == ids(
+        HFRolloutEngine(copy.deepcopy(policy), eos_token_id=setup["eos"], pad_token_id=PAD).generate(PROMPTS, GREEDY)
+    )
 
 
 def test_dummy_weights_wait_for_a_whole_load(setup):
@@ -286,9 +313,11 @@ def test_dummy_weights_wait_for_a_whole_load(setup):
     eng, policy = setup["engine"], setup["policy"]
     eng.loaded = False  # as load_format="dummy" leaves it
     try:
-        with pytest.raises(RuntimeError, match="before any load_weights"): eng.generate(PROMPTS, GREEDY)
+        with pytest.raises(RuntimeError, match="before any load_weights"):
+            eng.generate(PROMPTS, GREEDY)
         part = {k: v for k, v in policy.state_dict().items() if not k.startswith("model.layers.1.")}
-        with pytest.raises(RuntimeError, match="random from load_format='dummy'"): eng.load_weights(part.items())
+        with pytest.raises(RuntimeError, match="random from load_format='dummy'"):
+            eng.load_weights(part.items())
         assert eng.loaded is False
     finally:
         eng.load_weights(policy.state_dict().items())
@@ -297,20 +326,40 @@ def test_dummy_weights_wait_for_a_whole_load(setup):
 
 def test_sleep_wake_noop_on_cpu(setup):
     eng = setup["engine"]
-    if CUDA: pytest.skip("CPU behaviour")
+    if CUDA:
+        pytest.skip("CPU behaviour")
     assert eng.sleep_mode is False
     before = ids(eng.generate(PROMPTS, GREEDY))
-    eng.sleep(); eng.load_weights(setup["policy"].state_dict().items()); eng.wake()
+    eng.sleep()
+    eng.load_weights(setup["policy"].state_dict().items())
+    eng.wake()
     assert ids(eng.generate(PROMPTS, GREEDY)) == before
 
 
 def test_from_config_maps_fields(setup):
-    cfg = DAPOConfig(rollout_backend="vllm", vllm_tensor_parallel=1, vllm_gpu_memory_utilization=0.5, vllm_enable_chunked_prefill=False,
-                     dtype="float32", seed=3, max_prompt_length=16, l_max=32, l_cache=8)
+    cfg = DAPOConfig(
+        rollout_backend="vllm",
+        vllm_tensor_parallel=1,
+        vllm_gpu_memory_utilization=0.5,
+        vllm_enable_chunked_prefill=False,
+        dtype="float32",
+        seed=3,
+        max_prompt_length=16,
+        l_max=32,
+        l_cache=8,
+    )
     kw = vllm_engine_kwargs(cfg)
-    assert kw == dict(tensor_parallel_size=1, gpu_memory_utilization=0.5, enable_chunked_prefill=False,
-                      enforce_eager=False, dtype="float32", seed=3, load_format="dummy", logprobs_mode="processed_logprobs",
-                      max_model_len=48)
+    assert kw == dict(
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.5,
+        enable_chunked_prefill=False,
+        enforce_eager=False,
+        dtype="float32",
+        seed=3,
+        load_format="dummy",
+        logprobs_mode="processed_logprobs",
+        max_model_len=48,
+    )
     assert vllm_engine_kwargs(DAPOConfig(rollout_backend="vllm", vllm_enforce_eager=True))["enforce_eager"] is True
     mc = setup["engine"].llm.llm_engine.model_config
     assert str(mc.dtype) == "torch.float32" and mc.max_model_len == 256 and mc.seed == 0
@@ -326,7 +375,8 @@ def test_gpu_sleep_wake(setup, level):
     assert eng.sleep_mode is True
     want = ids(HFRolloutEngine(copy.deepcopy(policy), eos_token_id=eos, pad_token_id=PAD).generate(PROMPTS, GREEDY))
     assert ids(eng.generate(PROMPTS, GREEDY)) == want
-    torch.cuda.synchronize(); free0 = torch.cuda.mem_get_info()[0]
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
     eng.sleep(level=level)
     # 256 MiB: sleep releases the KV cache, >= 0.3 x 16 GiB less a tiny model (~4.8 GiB) on any GPU of >= 16 GiB, so
     # the margin separates a release from allocator noise (tens of MiB) and is < 1/18 of the smallest expected release
@@ -344,17 +394,22 @@ def test_gpu_around_update(setup, tmp_path):
     more free memory than the KV cache alone would give back), generate refuses meanwhile, and afterwards the engine
     serves exactly the new weights (greedy = transformers)."""
     from dapo_ref.vllm_rollout import FULL_ORDER
+
     eng, eos, policy = setup["engine"], setup["eos"], setup["policy"]
     assert eng.update_order == list(FULL_ORDER) and eng.missing_steps == []
     new = save_tiny_qwen2(tmp_path, seed=1, eos_id=eos)
     want = ids(HFRolloutEngine(copy.deepcopy(new), eos_token_id=eos, pad_token_id=PAD).generate(PROMPTS, GREEDY))
-    torch.cuda.synchronize(); free0 = torch.cuda.mem_get_info()[0]
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
     seen = []
+
     def update():
-        torch.cuda.synchronize(); seen.append(torch.cuda.mem_get_info()[0])
+        torch.cuda.synchronize()
+        seen.append(torch.cuda.mem_get_info()[0])
         with pytest.raises(RuntimeError, match="sleeping"):
             eng.generate(PROMPTS, GREEDY)
         return "done"
+
     try:
         assert eng.around_update(update, lambda: new.state_dict().items()) == "done"
         assert seen[0] > free0 + (1 << 28)  # 256 MiB: see test_gpu_sleep_wake (the KV cache alone is GiBs)
@@ -367,11 +422,22 @@ def test_gpu_around_update(setup, tmp_path):
 def test_gpu_tensor_parallel(setup, tmp_path):
     "Tensor parallel 2: greedy as transformers, new weights (one layer per call) sharded correctly, sleep/wake. Runs last."
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
     d, eos, policy = setup["dir"], setup["eos"], setup["policy"]
-    setup.pop("engine").llm = None; gc.collect()  # free the module engine and its process group
-    destroy_model_parallel(); destroy_distributed_environment(); torch.cuda.empty_cache()
-    eng = VLLMRolloutEngine(d, dtype="float32", seed=0, max_model_len=256, tensor_parallel_size=2,
-                            gpu_memory_utilization=0.3, weight_bucket_bytes=0)
+    setup.pop("engine").llm = None
+    gc.collect()  # free the module engine and its process group
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    torch.cuda.empty_cache()
+    eng = VLLMRolloutEngine(
+        d,
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+        tensor_parallel_size=2,
+        gpu_memory_utilization=0.3,
+        weight_bucket_bytes=0,
+    )
     hf = HFRolloutEngine(copy.deepcopy(policy), eos_token_id=eos, pad_token_id=PAD)
     assert ids(eng.generate(PROMPTS, GREEDY)) == ids(hf.generate(PROMPTS, GREEDY))
     new = save_tiny_qwen2(tmp_path, seed=1, eos_id=eos)
@@ -386,6 +452,7 @@ def test_gpu_tensor_parallel(setup, tmp_path):
 @pytest.mark.skipif(CUDA, reason="the CPU backend's limit")
 def test_chunked_prefill_on_cpu_is_refused_by_name():
     from dapo_ref.trainer import check_run
+
     with pytest.raises(ValueError, match="vllm_enable_chunked_prefill"):
         check_run(DAPOConfig(rollout_backend="vllm"))
     assert check_run(DAPOConfig(rollout_backend="vllm", vllm_enable_chunked_prefill=False)).rollout_backend == "vllm"
@@ -398,6 +465,7 @@ def test_dapo_train_uses_the_vllm_engine(tmp_path):
     which CPU generators do not support ("CPU Generator does not use offset")."""
     import subprocess, sys, textwrap
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[1]
     script = textwrap.dedent(f"""
         import sys, torch
@@ -408,7 +476,7 @@ def test_dapo_train_uses_the_vllm_engine(tmp_path):
         torch.set_num_threads(1)
         cfg = load_config("recipes/tiny-cpu.yaml", dict(rollout_backend="vllm", total_steps=1, eval_every=0, eval_k=1,
                           save_every=1, vllm_gpu_memory_utilization=0.3, vllm_enable_chunked_prefill=False,
-                          vllm_enforce_eager=True, output_dir="{tmp_path / 'run'}"))
+                          vllm_enforce_eager=True, output_dir="{tmp_path / "run"}"))
         tr = Trainer(cfg, progress=False, log=None)
         assert isinstance(tr.engine, VLLMRolloutEngine), type(tr.engine)
         assert not any(isinstance(v, HFRolloutEngine) or type(v).__name__.endswith("ForCausalLM") and v is not tr.learner.model
@@ -432,17 +500,45 @@ def launch_vllm_job(tmp_path, tp: int, steps: int = 2):
     from pathlib import Path
     from dapo_ref.data import save_math_dataset
     from dapo_ref.tiny import tiny_splits
+
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "tests"))
     held = tiny_splits(64, 1, seed=0)[1][:1]  # one held-out problem, several engines
     eval_data = save_math_dataset(held, tmp_path / "one_problem.jsonl")
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = str(s.getsockname()[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_STEPS": str(steps)}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", port,
-                        str(root / "tests" / "tp_worker.py"), str(tmp_path), "vllm", "3", str(eval_data), str(tp)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=900)  # hang guard
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_STEPS": str(steps),
+    }
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "4",
+            "--master_port",
+            port,
+            str(root / "tests" / "tp_worker.py"),
+            str(tmp_path),
+            "vllm",
+            "3",
+            str(eval_data),
+            str(tp),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # hang guard
     assert p.returncode == 0, p.stderr[-4000:]
     return [json.loads((tmp_path / f"vllm{k}.json").read_text()) for k in range(4)]
 
@@ -465,6 +561,7 @@ def test_four_ranks_two_independent_tp2_engines(tmp_path):
     (the engine started from dummy weights: the first sync replaced all of them); the evaluation agrees on every rank."""
     r = launch_vllm_job(tmp_path, tp=2)
     import tp_worker  # on the path now
+
     assert all(x["rc"] == 0 and x["world"] == 4 for x in r)
     assert r[0]["engine_kwargs"]["distributed_executor_backend"] == "external_launcher"
     assert all(x["vllm_dp"] == 1 for x in r)  # independent engines: vLLM itself runs no data-parallel group
@@ -480,12 +577,15 @@ def test_four_ranks_two_independent_tp2_engines(tmp_path):
         pa, pb = {tuple(q) for q in a["prompts"]}, {tuple(q) for q in b["prompts"]}
         assert (len(pa), len(pb)) == (5, 4) and not pa & pb  # uneven, disjoint shares of the round's 9 prompts
     assert [x["groups_seen"] for x in rows] == [tp_worker.VLLM_GEN * x["gen_rounds"] for x in rows]  # each group once
-    untimed = lambda rows: [{k: v for k, v in x.items() if not k.endswith("per_s")} for x in rows]  # rates: each rank's clock
+    untimed = lambda rows: [
+        {k: v for k, v in x.items() if not k.endswith("per_s")} for x in rows
+    ]  # rates: each rank's clock
     assert all(untimed(x["rows"]) == untimed(rows) for x in r)  # every rank's step rows agree
     for s in range(len(rows)):
         union = [tuple(map(tuple, pr)) for x in r for pr in x["trained"][s]]
         per_prompt = {}
-        for q, resp in union: per_prompt.setdefault(q, []).append(resp)
+        for q, resp in union:
+            per_prompt.setdefault(q, []).append(resp)
         assert len(union) == 8 * G and len(per_prompt) == 8 and all(len(v) == G for v in per_prompt.values())
     assert rows[-1]["grad_updates"] == 4  # 8 groups x 2 / 8 per update, 2 steps
     # the rollout-learner gap: the engines sampled from the learner's old policy. Both sides are float32 with the same
@@ -494,10 +594,16 @@ def test_four_ranks_two_independent_tp2_engines(tmp_path):
     # 0.12) and approx_kl ~1e-4, i.e. an rms |log r| ~ sqrt(2e-4) = 1.4e-2. The bounds sit 100x below that and ~10x above
     # rounding (measured here: mean 4e-7, max 1e-5).
     for x in rows:
-        assert x["rollout_logp_diff_mean"] < 1e-4 and x["rollout_logp_diff_max"] < 1e-3 and 0 <= x["rollout_kl_k3"] < 1e-6, x
+        assert (
+            x["rollout_logp_diff_mean"] < 1e-4 and x["rollout_logp_diff_max"] < 1e-3 and 0 <= x["rollout_kl_k3"] < 1e-6
+        ), x
     for x in r:
-        assert len(x["pairs"]) == 3 and all(pair["engine"] == pair["learner"] for pair in x["pairs"])  # the learner's weights
-    assert r[0]["pairs"][0]["engine"] != r[0]["pairs"][-1]["engine"]  # the updates moved the greedy path: not a blind check
+        assert len(x["pairs"]) == 3 and all(
+            pair["engine"] == pair["learner"] for pair in x["pairs"]
+        )  # the learner's weights
+    assert (
+        r[0]["pairs"][0]["engine"] != r[0]["pairs"][-1]["engine"]
+    )  # the updates moved the greedy path: not a blind check
     assert r[0]["n_eval"] == 1 and len(r[0]["eval"]) == 2  # held-out at the start and the end, on every rank alike
     assert all(x["eval"] == r[0]["eval"] for x in r) and 0 <= r[0]["eval"][-1]["eval_acc"] <= 1
     evals = lambda x: [g for g in x["generated"] if g["n"] == 1 and g["seed"] is not None]
@@ -518,6 +624,7 @@ def test_four_ranks_four_tp1_engines(tmp_path):
     problem only engine 0 evaluates, and every rank reports the same evaluation."""
     r = launch_vllm_job(tmp_path, tp=1, steps=1)
     import tp_worker
+
     assert all(x["rc"] == 0 and x["world"] == 4 for x in r)
     for k, x in enumerate(r):
         assert x["engine_kwargs"]["distributed_executor_backend"] == "external_launcher", x["engine_kwargs"]
@@ -547,18 +654,47 @@ def test_dapo_eval_vllm_tp2_matches_transformers_greedy(tmp_path):
     from pathlib import Path
     from dapo_ref.data import save_math_dataset
     from dapo_ref.tiny import tiny_splits
+
     root = Path(__file__).resolve().parents[1]
     data = save_math_dataset(tiny_splits(64, 16, seed=0)[1][:8], tmp_path / "held.jsonl")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           **({} if CUDA else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})}  # vLLM's CPU workers: one core each
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        **({} if CUDA else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+    }  # vLLM's CPU workers: one core each
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # two workers: vLLM's multiprocessing executor
     res = {}
     for backend in ("vllm", "hf"):
         out = tmp_path / f"{backend}.json"
-        p = subprocess.run([sys.executable, "-m", "dapo_ref.eval", "--backend", backend, "--model", "tiny", "--data", str(data),
-                            "--k", "2", "--temperature", "0", "--max-tokens", "48", "--out", str(out),
-                            *(["--tensor-parallel", "2"] if backend == "vllm" else [])],
-                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dapo_ref.eval_cli",
+                "--backend",
+                backend,
+                "--model",
+                "tiny",
+                "--data",
+                str(data),
+                "--k",
+                "2",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "48",
+                "--out",
+                str(out),
+                *(["--tensor-parallel", "2"] if backend == "vllm" else []),
+            ],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         res[backend] = json.loads(out.read_text())
     v, h = res["vllm"], res["hf"]
@@ -574,11 +710,18 @@ def test_gpu_check_cpu(tmp_path):
     engine closed and a new one started and synced. On the CPU it says what it skipped (compiled engine, sleep mode)."""
     import json, subprocess, sys
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gc"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu", "--out", str(out)], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=600)  # hang guard
+    p = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--cpu", "--out", str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # hang guard
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     s = json.loads((out / "gpu_check.json").read_text())
     assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused", "free", "restart"]
@@ -597,13 +740,25 @@ def test_one_gpu_notebook_cpu_twin(tmp_path):
     is in benchmarks/README.md)."""
     import json, subprocess, sys
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "tests/twin_09b.py", str(tmp_path)], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=600)  # hang guard
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+    p = subprocess.run(
+        [sys.executable, "tests/twin_09b.py", str(tmp_path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # hang guard
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     line = next(l for l in p.stdout.splitlines() if l.startswith("twin: "))
-    r = json.loads(line[len("twin: "):])
+    r = json.loads(line[len("twin: ") :])
     assert r["backend"] == "vllm" and r["zero_stage"] == 2 and r["steps"] == 1 and r["grad_updates"] >= 1, r
     assert r["eval_n"] == [4, 4] and r["final"], r

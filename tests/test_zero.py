@@ -9,7 +9,8 @@
   streamed export's peak, its shards (model / 8 bytes each) and that it loads back equal to the learner. This module
   had its own two-process launch of the same model for these checks; it was merged into test_scale's to launch once.
 """
-import json, os, random, subprocess, sys
+
+import random, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dapo_ref.learner import balance_by_tokens
-from dapo_ref.zero import (checkpoint_folder, from_pretrained_zero3, load_checkpoint_streamed,
-                           read_safetensors_header, save_pretrained_streamed)
+from dapo_ref.zero import (
+    checkpoint_folder,
+    from_pretrained_zero3,
+    load_checkpoint_streamed,
+    read_safetensors_header,
+    save_pretrained_streamed,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_NAME = "dapo-ref/zero-test-57m"
@@ -28,8 +34,17 @@ def qwen2_57m():
     """A Qwen2 of 57.4M parameters. Its largest module (the 4096 x 512 embedding, 3.7% of the model) is a share
     close to Qwen2.5-32B's (152064 x 5120, 2.4%): a rank's peak is its partition plus about two such modules."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=14,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+
+    cfg = Qwen2Config(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=14,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).eval()
 
@@ -40,22 +55,26 @@ def fake_hub(cache: Path, name: str, model, **save_kwargs) -> Path:
     sha = "0123456789abcdef0123456789abcdef01234567"
     snap = repo / "snapshots" / sha
     model.save_pretrained(snap, **save_kwargs)
-    (repo / "refs").mkdir(parents=True); (repo / "refs" / "main").write_text(sha)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
     return snap
 
 
 # --- one process ---
 
+
 @settings(max_examples=200, deadline=None)
 @given(lengths=st.lists(st.integers(0, 20000), max_size=80), k=st.integers(1, 9), equal=st.booleans())
 def test_balance_by_tokens(lengths, k, equal):
-    if equal: lengths = lengths[:len(lengths) - len(lengths) % k]
+    if equal:
+        lengths = lengths[: len(lengths) - len(lengths) % k]
     parts = balance_by_tokens(lengths, k, equal_size=equal)
     assert len(parts) == k
     assert sorted(i for p in parts for i in p) == list(range(len(lengths)))  # every response exactly once
     loads = [sum(lengths[i] for i in p) for p in parts]
     assert max(loads) - min(loads) <= max(lengths, default=0)
-    if equal: assert {len(p) for p in parts} == {len(lengths) // k}
+    if equal:
+        assert {len(p) for p in parts} == {len(lengths) // k}
     assert balance_by_tokens(list(lengths), k, equal_size=equal) == parts  # deterministic: every rank agrees
 
 
@@ -69,16 +88,28 @@ def test_balance_beats_generator_placement():
 
 
 def test_balance_errors():
-    with pytest.raises(ValueError, match="divide by k"): balance_by_tokens([1, 2, 3], 2, equal_size=True)
-    with pytest.raises(ValueError, match="at least one rank"): balance_by_tokens([1], 0)
+    with pytest.raises(ValueError, match="divide by k"):
+        balance_by_tokens([1, 2, 3], 2, equal_size=True)
+    with pytest.raises(ValueError, match="at least one rank"):
+        balance_by_tokens([1], 0)
     assert balance_by_tokens([], 3) == [[], [], []]
 
 
 def _small(tie=True, layers=2):
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)).eval()
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=tie,
+        )
+    ).eval()
 
 
 def test_checkpoint_folder_local_and_hub(tmp_path):
@@ -89,7 +120,8 @@ def test_checkpoint_folder_local_and_hub(tmp_path):
     assert "lm_head.weight" not in wm  # tied: saved once
     assert checkpoint_folder(snap)[0] == snap
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="no model.safetensors"): checkpoint_folder(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        checkpoint_folder(tmp_path / "empty")
 
 
 def test_load_checks_names_and_shapes(tmp_path):
@@ -97,9 +129,20 @@ def test_load_checks_names_and_shapes(tmp_path):
     with pytest.raises(ValueError, match="not in the checkpoint"):  # 3 layers into a 2-layer checkpoint
         load_checkpoint_streamed(_small(layers=3), *checkpoint_folder(tmp_path / "a"))
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    wide = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-    with pytest.raises(ValueError, match="has shape"): load_checkpoint_streamed(wide, *checkpoint_folder(tmp_path / "a"))
+
+    wide = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
+    with pytest.raises(ValueError, match="has shape"):
+        load_checkpoint_streamed(wide, *checkpoint_folder(tmp_path / "a"))
 
 
 def test_plain_path_and_dtype_check(tmp_path):
@@ -107,7 +150,8 @@ def test_plain_path_and_dtype_check(tmp_path):
     m.save_pretrained(tmp_path / "m")
     plain = from_pretrained_zero3(tmp_path / "m", {"zero_optimization": {"stage": 2}})  # not ZeRO-3: from_pretrained
     assert not hasattr(plain, "hf_ds_config")
-    for k, v in m.state_dict().items(): assert torch.equal(plain.state_dict()[k], v)
+    for k, v in m.state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v)
     with pytest.raises(ValueError, match="dtype torch.float32 but"):  # checked before any process group is needed
         from_pretrained_zero3(tmp_path / "m", {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
 
@@ -116,21 +160,32 @@ def test_export_overwrite(tmp_path):
     m = _small(tie=False)
     save_pretrained_streamed(m, tmp_path / "x", shard_bytes=20_000)
     assert len(list((tmp_path / "x").glob("*.safetensors"))) > 1
-    with pytest.raises(FileExistsError, match="not empty"): save_pretrained_streamed(m, tmp_path / "x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        save_pretrained_streamed(m, tmp_path / "x")
     save_pretrained_streamed(m, tmp_path / "x", overwrite=True)  # one shard now: no stale shards or index left
     assert sorted(p.name for p in (tmp_path / "x").glob("model*")) == ["model.safetensors"]
     from transformers import AutoModelForCausalLM
+
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "x", dtype=torch.float32)
-    for k, v in m.state_dict().items(): assert torch.equal(back.state_dict()[k], v)
+    for k, v in m.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v)
 
 
 # --- the one-GPU check (benchmarks/gpu_check.py): where vLLM is missing it refuses in one line, before any work ---
 
+
 def test_gpu_check_refuses_without_vllm(tmp_path):
     "The main venv has DeepSpeed and no vLLM: exit status 2, one line naming vllm and the fix; the CPU run is in test_vllm.py."
     import importlib.util
-    if importlib.util.find_spec("vllm") is not None: pytest.skip("vllm is installed here (tests/test_vllm.py runs the check)")
-    p = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu", "--out", str(tmp_path / "gc")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here (tests/test_vllm.py runs the check)")
+    p = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--cpu", "--out", str(tmp_path / "gc")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "vllm is not installed" in p.stderr, p.stderr
     assert not (tmp_path / "gc").exists()  # nothing was built

@@ -13,6 +13,7 @@ engine, the engine closed, then two evaluation engines one after the other, each
 
     python tests/twin_09b.py WORK   # in .venv-vllm, from anywhere; prints one JSON line `twin: {...}`
 """
+
 import json, os, sys
 from pathlib import Path
 
@@ -20,12 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NB = ROOT / "nbs" / "09b_one_gpu.ipynb"
 
 SUBSTITUTIONS = [  # (the notebook's text, the twin's)
-    ('assert torch.cuda.is_available(), "this cell needs a GPU"', 'pass  # the CPU twin'),
-    ('aime = load_math_dataset(AIME) if AIME else []',
-     'aime = load_math_dataset(AIME) if AIME else []\n'
-     'assert AIME is not None, "the notebook found no AIME file"; AIME = TWIN["eval_data"]; aime = load_math_dataset(AIME)'),
+    ('assert torch.cuda.is_available(), "this cell needs a GPU"', "pass  # the CPU twin"),
+    (
+        "aime = load_math_dataset(AIME) if AIME else []",
+        "aime = load_math_dataset(AIME) if AIME else []\n"
+        'assert AIME is not None, "the notebook found no AIME file"; AIME = TWIN["eval_data"]; aime = load_math_dataset(AIME)',
+    ),
     ('TRAIN = ROOT / "data" / "dapo-math-17k.parquet"', 'TRAIN = Path(TWIN["train_data"])'),
-    ('run = load_config(recipe, ov)', 'run = load_config(recipe, {**ov, **TWIN})'),
+    ("run = load_config(recipe, ov)", "run = load_config(recipe, {**ov, **TWIN})"),
 ]
 
 
@@ -34,7 +37,8 @@ def twin_cells(source_cells: list[str]) -> list[str]:
     text = "\n# <cell>\n".join(source_cells)
     for old, new in SUBSTITUTIONS:
         n = text.count(old)
-        if n != 1: raise SystemExit(f"twin_09b: {old!r} occurs {n} times in {NB.name}; update tests/twin_09b.py")
+        if n != 1:
+            raise SystemExit(f"twin_09b: {old!r} occurs {n} times in {NB.name}; update tests/twin_09b.py")
         text = text.replace(old, new)
     return text.split("\n# <cell>\n")
 
@@ -43,22 +47,48 @@ def main(work: Path) -> dict:
     import torch
     from dapo_ref.data import save_math_dataset
     from dapo_ref.tiny import ensure_tiny_model, tiny_splits
+
     torch.set_num_threads(1)
     train, held = tiny_splits(64, 4, seed=0)
     work.mkdir(parents=True, exist_ok=True)
-    twin = dict(model=str(ensure_tiny_model()), train_data=str(save_math_dataset(train, work / "train.parquet")),
-                eval_data=str(save_math_dataset(held, work / "held.parquet")), output_dir=str(work / "run"),
-                total_steps=1, group_size=4, prompts_per_step=2, gen_batch_size=2, mini_batch_size=8, l_max=24,
-                l_cache=8, max_prompt_length=256, dtype="float32", attn_implementation="sdpa", eval_k=1, eval_every=0,
-                save_every=0, vllm_enforce_eager=True, vllm_enable_chunked_prefill=False, vllm_gpu_memory_utilization=0.3)
+    twin = dict(
+        model=str(ensure_tiny_model()),
+        train_data=str(save_math_dataset(train, work / "train.parquet")),
+        eval_data=str(save_math_dataset(held, work / "held.parquet")),
+        output_dir=str(work / "run"),
+        total_steps=1,
+        group_size=4,
+        prompts_per_step=2,
+        gen_batch_size=2,
+        mini_batch_size=8,
+        l_max=24,
+        l_cache=8,
+        max_prompt_length=256,
+        dtype="float32",
+        attn_implementation="sdpa",
+        eval_k=1,
+        eval_every=0,
+        save_every=0,
+        vllm_enforce_eager=True,
+        vllm_enable_chunked_prefill=False,
+        vllm_gpu_memory_utilization=0.3,
+    )
     nb = json.loads(NB.read_text())
     cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     ns = {"TWIN": twin, "__name__": "__main__"}
     os.chdir(ROOT / "nbs")  # where nbdev_test runs a notebook
-    for src in twin_cells(cells): exec(compile(src, str(NB), "exec"), ns)
+    for src in twin_cells(cells):
+        exec(compile(src, str(NB), "exec"), ns)
     s, before, after = ns["summary"], ns["before"], ns["after"]
-    return dict(backend=ns["backend"], zero_stage=ns["run"].zero_stage, steps=s["steps"], grad_updates=s["grad_updates"],
-                eval_n=[before["n_prompts"], after["n_prompts"]], final=(Path(s["output_dir"]) / "final").is_dir())
+    return dict(
+        backend=ns["backend"],
+        zero_stage=ns["run"].zero_stage,
+        steps=s["steps"],
+        grad_updates=s["grad_updates"],
+        eval_n=[before["n_prompts"], after["n_prompts"]],
+        final=(Path(s["output_dir"]) / "final").is_dir(),
+    )
+
 
 if __name__ == "__main__":
     print("twin: " + json.dumps(main(Path(sys.argv[1])), default=str))

@@ -7,6 +7,7 @@ A run that exits removes them; a run killed with SIGKILL cannot, and the next ru
 fails with `create shm in SHMManager failed. errno: 17` (EEXIST). `remove_stale()` deletes the segments that no
 live process has mapped or open, so a segment of a run still going is never touched. Run as a script by
 `make test-vllm` before its tests, and by tests/conftest.py before any test."""
+
 import os, sys
 from pathlib import Path
 
@@ -22,8 +23,10 @@ def in_use(paths: list[Path]) -> set[Path]:
             used.update(p for n, p in names.items() if n in maps)
             for fd in (proc / "fd").iterdir():
                 p = names.get(os.readlink(fd))
-                if p is not None: used.add(p)
-        except OSError: continue  # a process that ended meanwhile, or one we may not read
+                if p is not None:
+                    used.add(p)
+        except OSError:
+            continue  # a process that ended meanwhile, or one we may not read
     return used
 
 
@@ -33,7 +36,8 @@ def remove_stale(root: Path = SHM, log=print) -> list[Path]:
     stale = [p for p in segs if p not in in_use(segs)]
     for p in stale:
         p.unlink(missing_ok=True)
-        if log: log(f"removed stale vLLM-CPU shared memory {p} (left by a killed run)")
+        if log:
+            log(f"removed stale vLLM-CPU shared memory {p} (left by a killed run)")
     return stale
 
 
