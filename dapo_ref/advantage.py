@@ -22,9 +22,8 @@ def _as_rewards(rewards) -> Tensor:
 
 
 def _check_eps(eps):
-    "Raise unless `eps` >= 0."
-    if not eps >= 0:
-        raise ValueError(f"eps = {eps!r} is out of range: allowed eps >= 0 (reference recipe 1e-6)")
+    "The caller's contract: `eps` >= 0 (a user's value was validated by `DAPOConfig` already)."
+    assert eps >= 0, f"eps = {eps!r} is out of range: allowed eps >= 0 (reference recipe 1e-6)"
 
 
 def group_advantages(
@@ -34,8 +33,9 @@ def group_advantages(
 ) -> Tensor:  # (B,) advantages, the dtype of `rewards` (float32 for int/bool rewards)
     "GRPO advantage `(r - mean) / (std + eps)` within contiguous groups of `group_size`, unbiased std."
     r = _as_rewards(rewards)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size = {group_size!r} is out of range: allowed an integer >= 1")
+    assert type(group_size) is int and group_size >= 1, (
+        f"group_size = {group_size!r} is out of range: allowed an integer >= 1"
+    )
     _check_eps(eps)
     if r.shape[0] % group_size:
         raise ValueError(

@@ -17,9 +17,10 @@ from .cli import ArgParser, cli_errors, interrupts, one_line
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .reward import check_plugin
 from .eval import evaluate
+from .testbeds import resolve_model
 
 # %% auto #0
-__all__ = ['WRITTEN_BY', 'LOAD_ERRORS', 'check_output_file', 'check_device', 'resolve_model', 'load_model_config', 'check_model',
+__all__ = ['WRITTEN_BY', 'LOAD_ERRORS', 'check_output_file', 'check_device', 'load_model_config', 'check_model',
            'weights_problem', 'generation_memory', 'available_memory', 'check_generation_memory', 'main', 'vllm_engine']
 
 # %% ../nbs/08_eval_cli.ipynb #37f2a250
@@ -206,32 +207,6 @@ def _offline() -> bool:
     from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE)
-
-
-def resolve_model(name: str, flag: str = "--model") -> str:
-    """The folder or hub name to load for the model `name`: `tiny` is the embedded tiny model, `tiny-testbed` and
-    `tiny-guesser` the testbeds (`testbeds`), a folder needs a config.json; dapo-train and dapo-eval resolve alike."""
-    if name == "tiny":
-        from dapo_ref.tiny import ensure_tiny_model
-
-        return str(ensure_tiny_model())
-    from dapo_ref.testbeds import TESTBEDS, testbed_model
-
-    if name in TESTBEDS:
-        return str(testbed_model(**TESTBEDS[name]))  # built once and cached, or shipped
-    p = Path(name).expanduser()
-    if p.is_file():
-        raise InputError(f"{flag} {name} is a file; give the model's folder (written by save_pretrained)")
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise InputError(
-                f"{flag} {name}: no config.json in this folder; give the folder save_pretrained wrote "
-                "(config.json, the weights and the tokenizer files)"
-            )
-        return str(p)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise InputError(f"{flag} {name}: no such folder (a hub name looks like org/name)")
-    return name  # a hub name
 
 
 def load_model_config(name: str, flag: str = "--model"):

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import dist
 from .core import DAPOConfig
-from .eval_cli import resolve_model
+from .testbeds import resolve_model
 from .loss import policy_loss, overlong_filter
 from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, use_varlen_attention
 from .guards import UpdateGuard

@@ -27,8 +27,7 @@ def clipped_token_loss(
     clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)  # (B, T)
     loss = torch.maximum(unclipped, clipped)  # (B, T) the pessimistic bound
     if clip_c is not None:
-        if not clip_c > 1:
-            raise ValueError(f"clip_c = {clip_c} must be > 1 (dual clip), or None to disable it")
+        assert clip_c > 1, f"clip_c = {clip_c} must be > 1 (dual clip), or None to disable it"
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_c), loss)  # (B, T)
     return loss
 
@@ -63,8 +62,7 @@ def agg_loss(
     max_len: int | float | None = None,  # seq-mean-token-sum-norm: constant length, the config's l_max; None = T
 ) -> Tensor:  # 0-dim: this batch's additive share of the mini-batch loss
     "Aggregate a (B, T) per-token loss into this batch's share of the mini-batch loss: token-level (DAPO), sample-level (GRPO) or Dr. GRPO."
-    if agg not in LOSS_AGGS:
-        raise ValueError(f"agg = {agg!r} is not a loss aggregation; allowed values: {', '.join(LOSS_AGGS)}")
+    assert agg in LOSS_AGGS, f"agg = {agg!r} is not a loss aggregation; allowed values: {', '.join(LOSS_AGGS)}"
     keep = mask.bool()  # (B, T)
     masked = torch.where(keep, loss_mat, torch.zeros_like(loss_mat))  # (B, T) padding contributes exactly 0
     n_tok = keep.sum(-1)  # (B,) loss tokens per row

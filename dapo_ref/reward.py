@@ -183,11 +183,11 @@ def is_plugin(mode: str) -> bool:
 
 
 def _check_mode(mode: str):
-    if mode not in REWARD_MODES and not is_plugin(mode):
-        raise ValueError(
-            f"reward mode = {mode!r}: use one of {', '.join(REWARD_MODES)}, or a plug-in "
-            "package.module:function (the `reward:` field of a recipe)"
-        )
+    "The caller's contract: a known mode (a recipe's `reward:` was validated by `DAPOConfig` already)."
+    assert mode in REWARD_MODES or is_plugin(mode), (
+        f"reward mode = {mode!r}: use one of {', '.join(REWARD_MODES)}, or a plug-in "
+        "package.module:function (the `reward:` field of a recipe)"
+    )
 
 
 def score_response(
@@ -205,8 +205,9 @@ def score_response(
     if is_plugin(mode):  # the plug-in in its bounded worker pool, like a whole round of one
         s, a, _, p = score_batch([response], [ground_truth], mode, timeout_s, window=window, return_preds=True)
         return {"score": float(s[0]), "acc": bool(a[0]), "pred": p[0]}
-    if window is not None and window < 1:
-        raise ValueError(f"window = {window}: the number of trailing characters searched must be >= 1, or None for all")
+    assert window is None or window >= 1, (
+        f"window = {window}: the number of trailing characters searched must be >= 1, or None for all"
+    )
     tail = response if window is None else response[-window:]
     if mode == "dapo-reference":  # verbatim: no match reads as "[INVALID]", which is normalised and compared too
         raw = extract_answer_reference(tail)
@@ -424,10 +425,8 @@ def overlong_penalty(
     l_cache: int,  # L_cache: the punishment interval before L_max (0 = a plain -1 beyond L_max)
 ) -> Tensor:  # (B,) float32 penalties in [-1, 0]
     "Eq. 13: 0 up to `l_max - l_cache`, then linear down to -1 at `l_max`, -1 beyond."
-    if not l_max >= 1:
-        raise ValueError(f"l_max = {l_max}: the maximum response length must be >= 1 token")
-    if not 0 <= l_cache < l_max:
-        raise ValueError(f"l_cache = {l_cache} is out of range: allowed 0 <= l_cache < l_max (l_max = {l_max})")
+    assert l_max >= 1, f"l_max = {l_max}: the maximum response length must be >= 1 token"
+    assert 0 <= l_cache < l_max, f"l_cache = {l_cache} is out of range: allowed 0 <= l_cache < l_max (l_max = {l_max})"
     L = torch.as_tensor(lengths, dtype=torch.float64)  # (B,)
     if (L < 0).any():
         raise ValueError(f"lengths must be >= 0 tokens, got min {L.min().item()}")

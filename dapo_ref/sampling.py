@@ -14,9 +14,8 @@ __all__ = ['informative_groups', 'DynamicSamplingError', 'DynamicSamplingBuffer'
 
 # %% ../nbs/05_sampling.ipynb #a3a053d1
 def _check_int(name: str, value, lo: int, allowed: str):
-    "Raise a ValueError naming `name` unless `value` is an int >= `lo`."
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} = {value!r} is out of range: allowed {allowed}")
+    "The caller's contract: `value` is an int >= `lo` (a user's value was validated by `DAPOConfig` already)."
+    assert type(value) is int and value >= lo, f"{name} = {value!r} is out of range: allowed {allowed}"
 
 
 def informative_groups(
@@ -56,8 +55,7 @@ class DynamicSamplingBuffer:
         _check_int("prompts_per_step", prompts_per_step, 1, "an integer >= 1")
         _check_int("group_size", group_size, 1, "an integer >= 1")
         _check_int("max_num_gen_batches", max_num_gen_batches, 0, "an integer >= 0 (0 = unbounded)")
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enabled = {enabled!r} is out of range: allowed true or false")
+        assert isinstance(enabled, bool), f"enabled = {enabled!r} is out of range: allowed true or false"
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_num_gen_batches, self.enabled = max_num_gen_batches, enabled
         self.reset()

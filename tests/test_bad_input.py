@@ -9,8 +9,8 @@ evaluation's results, a run with metrics and a checkpoint), and asserts:
 - every file that existed before is intact byte for byte, and no new file appeared (folders may).
 
 Each case runs in a forked child of `tests/cli_server.py`, which imported the commands once and then does what
-their console scripts do (`sys.exit(main())` with the case's argv, environment and working directory): 48 fresh
-processes spent about 170 CPU-seconds importing torch. `test_console_scripts` starts one case of each command as its
+their console scripts do (`sys.exit(main())` with the case's argv, environment and working directory), so a case
+does not pay for importing torch again (tests/README.md has what that saved). `test_console_scripts` starts one case of each command as its
 real console script in a fresh process, and asserts the same outcome as the server gave.
 
 Adding a case is one `Case(...)` in `CASES`: an id, the command, a function that builds the bad input in the

@@ -329,13 +329,13 @@ def test_token_logprobs_gradient_matches_log_softmax():
 
 def test_errors_name_the_problem():
     x = torch.zeros(2, 3)
-    with pytest.raises(
-        ValueError,
+    with pytest.raises(  # the caller's contract (a recipe's loss_agg is validated by DAPOConfig)
+        AssertionError,
         match=r"agg = 'mean' is not a loss aggregation; allowed values: token-mean, "
         r"seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm",
     ):
         policy_loss(x, x, torch.zeros(2), x, agg="mean")
-    with pytest.raises(ValueError, match="clip_c = 0.5 must be > 1"):
+    with pytest.raises(AssertionError, match="clip_c = 0.5 must be > 1"):
         policy_loss(x, x, torch.zeros(2), x, clip_c=0.5)
     with pytest.raises(ValueError, match=r"truncated must be \(B,\)"):
         overlong_filter(x, torch.zeros(3, dtype=torch.bool))

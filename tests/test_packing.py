@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dapo_ref import learner as L
+from dapo_ref import packing as packing_mod
 from dapo_ref.core import LOSS_AGGS, DAPOConfig
 from dapo_ref.learner import RolloutBatch, TorchLearner
 from dapo_ref.packing import collate, forward_logprobs, pack, pack_micro_batches
@@ -80,7 +81,7 @@ def test_packed_loss_and_gradient_equal_padded(tiny64, monkeypatch, agg, overlon
 def test_learner_attends_per_sequence_with_and_without_checkpointing(tiny64, monkeypatch, ckpt, loop_from):
     "The learner's model attends per packed sequence (`varlen_sdpa`: long ones one by one, short ones together); recomputed layers do the same."
     monkeypatch.setattr(
-        L, "VARLEN_LOOP_FROM", loop_from
+        packing_mod, "VARLEN_LOOP_FROM", loop_from
     )  # 0: every sequence alone; 10: both kinds; 10**9: all together
     cfg = DAPOConfig(model="tiny", micro_token_budget=40, l_max=64, l_cache=16, gradient_checkpointing=ckpt)
     b, g = batch(2), torch.Generator().manual_seed(3)

@@ -11,7 +11,7 @@
   matches the plain learner's on one device; the HF engine's copy is whole and synced; the streamed export costs
   rank 0 < 2 modules + the allowance and loads back equal to the learner's weights, also cut into >= 8 shards;
 - `dapo-train` under torchrun with ZeRO-3 (the tiny recipe, 8 rollout steps) raises the held-out accuracy like the
-  one-device run (measured 42.6% -> 81.2%, 29 s); it stops with the same DynamicSamplingError on both ranks when the batch cannot be filled; and a run killed
+  one-device run; it stops with the same DynamicSamplingError on both ranks when the batch cannot be filled; and a run killed
   with SIGKILL after a checkpoint and resumed with --resume repeats the uninterrupted one exactly.
 
 Learner equivalence (both sides float32; the learner has no float64 mode): what is compared is what the equivalence
@@ -22,16 +22,7 @@ the reported grad norms, and the weights after the step with Adam's eps raised t
 float32 rounding difference in a gradient near 1e-8 moves a weight by any fraction of lr (up to 2 lr), so no small
 weight tolerance would be a bound.
 
-The `build` check launches once, on two ranks. It had a one-rank twin (the same ZeRO-3 learner in one process,
-~25 s) compared with the two-rank run: dropped, because the two-rank ZeRO-3 update is now held to the plain
-one-device update at derived bounds (gradients to 446 u normwise, weights to the Lipschitz bound), which covers both
-"ZeRO-3 = plain" and "two ranks = one"; the twin only localised a failure. tests/test_zero.py's own two-process
-launch of the same 57M model was merged into this one (its checks are asserted here).
-
-Measured here (2 shared cores, one run each, the shared-memory op already compiled): the update/sync launch
-40 s, the 57M build launch 48-71 s (the first DeepSpeed start on a machine also compiles a shared-memory op,
-~45 s, cached under ~/.cache). Not re-measured here: the error run (~15 s), the kill/resume
-(~80 s), as stated by their author. Set DAPO_REF_SKIP_SCALE_E2E=1 to skip the two-process training runs (learning,
+Set DAPO_REF_SKIP_SCALE_E2E=1 to skip the two-process training runs (learning,
 resume) when CI time is tight."""
 
 import contextlib, json, math, os, random, signal, subprocess, sys, time

@@ -7,7 +7,7 @@
   for the vLLM engine (tests/tp_worker.py): with vllm_tensor_parallel 2 both ranks pass identical prompts and seeds
   (the one-device run's), the steps keep the one-device groups and train each of their responses exactly once across
   the ranks, and the engine's memory calls follow `FULL_ORDER`; with vllm_tensor_parallel 1 the ranks' prompts are
-  disjoint. Measured on 2 shared cores: ~15 s per launch, ~7 s for the one-process reference."""
+  disjoint."""
 
 import json, os, subprocess, sys
 from pathlib import Path

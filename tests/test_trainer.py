@@ -485,12 +485,12 @@ def test_unbounded_dynamic_sampling_prints_progress_and_stops_at_the_timeout(tmp
     round, and here each read advances 1 s. So rounds 1-4 see 1-4 s (the progress line at round 4, 4 s is not > 4)
     and round 5 sees 5 s > --sampling-timeout 4 and stops, however fast this machine generates (no speed claim)."""
     import itertools, types
-    import dapo_ref.runs
+    import dapo_ref.guards
     from dapo_ref.tiny import tiny_splits
 
     ticks = itertools.count(0.0, 1.0)
     monkeypatch.setattr(
-        dapo_ref.runs, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks), strftime=time.strftime)
+        dapo_ref.guards, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks), strftime=time.strftime)
     )
     train_ex, _ = tiny_splits(64, 4, seed=0)
     data = save_math_dataset([make_example(e.question, "-123456789") for e in train_ex], tmp_path / "never.jsonl")
@@ -565,7 +565,7 @@ def test_deepspeed_learner_guards_its_partition(tmp_path, policy, stage):
 GUARD_WORKER = """
 import json, sys, torch
 from dapo_ref import dist
-from dapo_ref.core import load_config
+from dapo_ref.cli import load_config
 from dapo_ref.learner import load_policy, RolloutBatch
 from dapo_ref.scale import DeepSpeedLearner
 recipe, stages, out = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]

@@ -469,7 +469,7 @@ def test_dapo_train_uses_the_vllm_engine(tmp_path):
     root = Path(__file__).resolve().parents[1]
     script = textwrap.dedent(f"""
         import sys, torch
-        from dapo_ref.core import load_config
+        from dapo_ref.cli import load_config
         from dapo_ref.trainer import Trainer
         from dapo_ref.rollout import HFRolloutEngine
         from dapo_ref.vllm_rollout import VLLMRolloutEngine
