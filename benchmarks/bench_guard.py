@@ -36,7 +36,7 @@ def main(argv=None):
     from dapo_ref import dist
     from dapo_ref.cli import config_from_dict
     from dapo_ref.scale import DeepSpeedLearner
-    from dapo_ref.learner import RolloutBatch
+    from dapo_ref.interfaces import RolloutBatch
 
     transformers.logging.set_verbosity_error()
     dist.init_distributed(single=True)

@@ -63,7 +63,8 @@ def bench_update(a) -> dict:
     from transformers import AutoModelForCausalLM
     from dapo_ref import learner as L
     from dapo_ref.core import DAPOConfig
-    from dapo_ref.learner import RolloutBatch, TorchLearner
+    from dapo_ref.learner import TorchLearner
+    from dapo_ref.interfaces import RolloutBatch
     from dapo_ref.packing import collate, pack_micro_batches
 
     torch.set_num_threads(a.threads)

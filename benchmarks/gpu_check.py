@@ -171,8 +171,8 @@ def free_gib(cpu: bool) -> float | None:
 def logprob_gap(engine, learner, prompts: list[list[int]], max_tokens: int) -> dict:
     "Sample 2 responses per prompt with the engine; mean and max |engine log-prob - learner log-prob| over their tokens."
     import torch
-    from dapo_ref.learner import RolloutBatch
-    from dapo_ref.rollout import SamplingParams
+    from dapo_ref.interfaces import RolloutBatch
+    from dapo_ref.interfaces import SamplingParams
 
     comps = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=max_tokens, seed=7))
     comps = [c for c in comps if c.token_ids and c.logprobs is not None]

@@ -16,8 +16,7 @@ from .data import MathExample
 from .reward import score_batch, overlong_penalty
 from .advantage import group_advantages
 from .sampling import DynamicSamplingBuffer
-from .rollout import RolloutEngine, Completion, sampling_params_from_config
-from .learner import Learner, RolloutBatch
+from .interfaces import Completion, Learner, RolloutBatch, RolloutEngine, sampling_params_from_config
 
 # %% auto #0
 __all__ = ['PromptSampler', 'seed_of', 'round_seed', 'Group', 'score_groups', 'Rollout', 'collect', 'make_batch', 'rollout_gap',

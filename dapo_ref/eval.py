@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .data import MathExample, prompt_token_ids
 from .reward import normalize_answer, score_batch
-from .rollout import RolloutEngine, SamplingParams
+from .interfaces import RolloutEngine, SamplingParams
 
 # %% auto #0
 __all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k', 'generate_checked',

@@ -15,7 +15,7 @@ from . import dist
 from .core import DAPOConfig, InputError
 from fastcore.basics import patch
 
-from .learner import Learner, prepare_model, model_path
+from .learner import MicroBatchLearner, prepare_model, model_path
 from .packing import SeqParallel
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
 
@@ -129,7 +129,7 @@ def ulysses_group(
     return SeqParallel(groups[rank // size], rank % size, size, wrapper)
 
 # %% ../nbs/08d_deepspeed.ipynb #11620a61
-class DeepSpeedLearner(Learner):
+class DeepSpeedLearner(MicroBatchLearner):
     "The DeepSpeed ZeRO-2/3 learner (`zero_stage: 2 | 3`, optional CPU offload): partitions over the ranks, one engine step per mini-batch."
 
     def __init__(
@@ -241,4 +241,4 @@ def save_model(self: DeepSpeedLearner, path: str | Path):
 def policy_copy(self: DeepSpeedLearner):
     "The transformers engine's whole copy of the weights, built without DeepSpeed's partitioned init."
     with plain_from_pretrained():
-        return Learner.policy_copy(self)
+        return MicroBatchLearner.policy_copy(self)

@@ -33,8 +33,9 @@ from dapo_ref.runs import (
 )
 from .guards import checkpoint_error, export_error
 from .guards import MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, divergence_error
-from .rollout import RolloutEngine, HFRolloutEngine, rollout_groups
-from .learner import Learner, TorchLearner, model_path, stage_model, load_tokenizer
+from .rollout import HFRolloutEngine, rollout_groups
+from .interfaces import Learner, RolloutEngine
+from .learner import TorchLearner, model_path, stage_model, load_tokenizer
 from .algorithm import Group, PromptSampler, Rollout, dapo_step, seed_of
 from .sharded import ShardedRollout
 from .track import SampleLog, Trackers, check_trackers

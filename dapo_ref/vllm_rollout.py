@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from .rollout import Completion, RolloutEngine, SamplingParams
+from .interfaces import Completion, RolloutEngine, SamplingParams
 
 # %% auto #0
 __all__ = ['REQUIRED_VLLM', 'FULL_ORDER', 'vllm_sampling_kwargs', 'prompt_seeds', 'completions_from_outputs', 'weight_buckets',

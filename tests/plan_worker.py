@@ -19,7 +19,8 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     from dapo_ref.core import DAPOConfig
-    from dapo_ref.learner import RolloutBatch, TorchLearner
+    from dapo_ref.learner import TorchLearner
+    from dapo_ref.interfaces import RolloutBatch
     from dapo_ref.zero import PeakRSS
 
     folder = Path(tempfile.mkdtemp()) / "qwen2"

@@ -62,7 +62,7 @@ def test_cfg():
 def fixed_batch(vocab: int = 392, seed: int = 21):
     """N_GROUPS * G responses with random token ids, lengths and advantages (deterministic; no generation). Seed 21:
     the two token-balanced shares pack into 4 and 3 micro-batches (7 on one device), so the padding passes run."""
-    from dapo_ref.learner import RolloutBatch
+    from dapo_ref.interfaces import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []

@@ -13,7 +13,7 @@ import dapo_ref.rollout
 from dapo_ref.data import make_example
 from dapo_ref.eval import avg_at_k, evaluate, maj_at_k, majority_vote, pass_at_k, pass_at_k_batch
 from dapo_ref.eval_cli import main
-from dapo_ref.rollout import Completion, RolloutEngine
+from dapo_ref.interfaces import Completion, RolloutEngine
 
 # ---------------------------------------------------------------- metrics
 # Tolerances here are float64 bounds. pass_at_k = 1 - prod_{i} (1 - k / i) over n - c + 1 .. n: c factors, each with

@@ -99,3 +99,25 @@ def test_modules_and_export_cells_stay_short():
             if n > (MAX_CLASS_CELL_LINES if one_class(src) else MAX_EXPORT_CELL_LINES):
                 long_cells.append(f"{nb.name} cell {i}: {n} lines")
     assert long_mods == {} and long_cells == [], (long_mods, long_cells)
+
+
+# The ladder of issue #36: the algorithm and the implementations of its two interfaces sit side by side above
+# `interfaces` and the pure pieces, and neither side imports the other; the run (`trainer`) picks and wires them.
+PURE = {"core", "data", "reward", "advantage", "loss", "sampling"}
+IMPLEMENTATIONS = {"rollout", "vllm_rollout", "learner", "scale", "sharded"}
+
+
+def test_the_algorithm_imports_only_the_interfaces_and_the_pure_pieces():
+    graph = imports()
+    assert graph["algorithm"] <= PURE | {"interfaces"}, graph["algorithm"] - PURE - {"interfaces"}
+    assert graph["interfaces"] <= PURE, graph["interfaces"]
+    above = {m for m in graph if "algorithm" in graph[m]} | {"algorithm"}
+    assert not (IMPLEMENTATIONS & above), IMPLEMENTATIONS & above  # no implementation imports the algorithm
+    assert not (graph["algorithm"] & IMPLEMENTATIONS)
+
+
+def test_the_algorithm_module_meets_no_rank():
+    "Algorithm 1 for one process: no torch.distributed, no `dist.` helper, no file I/O, no user-input validation."
+    src = (ROOT / "dapo_ref" / "algorithm.py").read_text()
+    for word in ("torch.distributed", "dist.", "open(", "Path(", "InputError", "save_pretrained", "json.dump"):
+        assert word not in src, word

@@ -10,7 +10,8 @@ import torch
 from dapo_ref import learner as L
 from dapo_ref import packing as packing_mod
 from dapo_ref.core import LOSS_AGGS, DAPOConfig
-from dapo_ref.learner import RolloutBatch, TorchLearner
+from dapo_ref.learner import TorchLearner
+from dapo_ref.interfaces import RolloutBatch
 from dapo_ref.packing import collate, forward_logprobs, pack, pack_micro_batches
 from dapo_ref.tiny import ensure_tiny_model
 

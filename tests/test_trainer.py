@@ -527,7 +527,7 @@ def test_deepspeed_learner_guards_its_partition(tmp_path, policy, stage):
     as it was; then lr = 1e10 (set on the optimizer's groups) is applied and flagged as a blow-up (the trainer stops)."""
     pytest.importorskip("deepspeed")
     from dapo_ref.scale import DeepSpeedLearner
-    from dapo_ref.learner import RolloutBatch
+    from dapo_ref.interfaces import RolloutBatch
 
     tok = policy[1]
     ids = tok.encode("1+1=", add_special_tokens=False)
@@ -566,7 +566,8 @@ GUARD_WORKER = """
 import json, sys, torch
 from dapo_ref import dist
 from dapo_ref.cli import load_config
-from dapo_ref.learner import load_policy, RolloutBatch
+from dapo_ref.learner import load_policy
+from dapo_ref.interfaces import RolloutBatch
 from dapo_ref.scale import DeepSpeedLearner
 recipe, stages, out = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
 rank, world = dist.init_distributed()
@@ -670,9 +671,9 @@ def test_deepspeed_guard_on_two_ranks_decides_together(tmp_path):
 def test_rollout_gap_by_hand():
     """The rollout-learner gap over two mini-batches, by hand: learner old log-probs [-1, -2] and [-0.5], engine
     [-1.1, -2] and [-0.5]: d = [0.1, 0, 0]: mean |d| = 0.1 / 3, max 0.1, k3 = (e^0.1 - 1.1) / 3; without engine log-probs, nothing."""
-    from dapo_ref.learner import RolloutBatch
+    from dapo_ref.interfaces import RolloutBatch
     from dapo_ref.algorithm import rollout_gap
-    from dapo_ref.learner import Learner
+    from dapo_ref.learner import MicroBatchLearner
 
     mk = lambda lps: RolloutBatch(
         [[1]] * len(lps),
@@ -684,7 +685,7 @@ def test_rollout_gap_by_hand():
     )
     minis = [mk([[-1.1, -2.0]]), mk([[-0.5]])]
     olds = [([torch.tensor([-1.0, -2.0])], []), ([torch.tensor([-0.5])], [])]
-    one = Learner.__new__(Learner)  # alone: its sums are the values (no process group)
+    one = MicroBatchLearner.__new__(MicroBatchLearner)  # alone: its sums are the values (no process group)
     g = rollout_gap(one, minis, olds)
     # float32 operands: d = -1.0 - (-1.1) carries the float32 rounding of -1.1 (<= 2^-24 * 1.1 relative ~ 6.6e-8 absolute)
     assert abs(g["rollout_logp_diff_mean"] - 0.1 / 3) < 1e-7 and abs(g["rollout_logp_diff_max"] - 0.1) < 1e-7, g

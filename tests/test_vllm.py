@@ -18,7 +18,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (make test-vllm
 import torch
 
 from dapo_ref.core import DAPOConfig
-from dapo_ref.rollout import HFRolloutEngine, SamplingParams
+from dapo_ref.rollout import HFRolloutEngine
+from dapo_ref.interfaces import SamplingParams
 from dapo_ref.vllm_rollout import VLLMRolloutEngine, vllm_engine_kwargs
 
 PAD = 0

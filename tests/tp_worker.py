@@ -51,7 +51,7 @@ class _LLMRecorder:
 
 def recording_engine(tokenizer, truths: dict):
     "A `VLLMRolloutEngine` on a recorder; `truths` maps a prompt's token ids (tuple) to its ground truth."
-    from dapo_ref.rollout import Completion
+    from dapo_ref.interfaces import Completion
     from dapo_ref.vllm_rollout import VLLMRolloutEngine, prompt_seeds, update_order
 
     class RecordingEngine(VLLMRolloutEngine):
@@ -189,7 +189,8 @@ def main_vllm(out: Path, zero: int, eval_data: str, tp: int = 2):
     import time
     from dapo_ref import dist, train
     from dapo_ref import trainer as T
-    from dapo_ref.rollout import HFRolloutEngine, SamplingParams
+    from dapo_ref.rollout import HFRolloutEngine
+    from dapo_ref.interfaces import SamplingParams
     from dapo_ref.vllm_rollout import VLLMRolloutEngine, vllm_engine_kwargs
 
     t0, world = time.perf_counter(), int(os.environ["WORLD_SIZE"])
@@ -212,13 +213,15 @@ def main_vllm(out: Path, zero: int, eval_data: str, tp: int = 2):
 
     VLLMRolloutEngine.generate = generate
 
-    upd = T.Learner.update
+    from dapo_ref.learner import MicroBatchLearner
+
+    upd = MicroBatchLearner.update
 
     def update(self, mini, old):  # the responses this rank's learner trains on
         rec["trained"][-1] += [[list(p), list(r)] for p, r in zip(mini.prompt_ids, mini.response_ids)]
         return upd(self, mini, old)
 
-    T.Learner.update = update
+    MicroBatchLearner.update = update
 
     def compare(
         tr,
