@@ -9,16 +9,8 @@ from hypothesis import given, settings, strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dapo_ref.cli import config_from_dict
-from dapo_ref.rollout import (
-    Completion,
-    HFRolloutEngine,
-    RolloutEngine,
-    SamplingParams,
-    sample_next,
-    sampling_params_from_config,
-    top_k_filter,
-    top_p_filter,
-)
+from dapo_ref.interfaces import Completion, RolloutEngine, SamplingParams, sampling_params_from_config
+from dapo_ref.rollout import HFRolloutEngine, sample_next, top_k_filter, top_p_filter
 
 PAD, EOS = 0, 1
 
