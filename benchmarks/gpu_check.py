@@ -2,6 +2,12 @@
 
     python benchmarks/gpu_check.py            # one NVIDIA GPU with vLLM and DeepSpeed installed; about 3-6 minutes, limit 10
     python benchmarks/gpu_check.py --cpu      # the same phases on the CPU with a tiny Qwen2 (make test runs it in .venv-vllm)
+    python benchmarks/gpu_check.py --without-vllm   # where vLLM cannot be installed: the learner's phases, HF engine
+
+`--without-vllm` is asked for by name (without it a missing vLLM is refused): the engine is the HF one
+(`rollout_backend: hf`), the `sync` phase compares the learner's packed, fused log-probs with a plain padded forward of
+the engine's copy of the weights (streamed from the ZeRO-3 partitions after the step), and `free`/`restart` (vLLM's
+sleep-mode allocator) are listed as skipped.
 
 Needs PyTorch, transformers, DeepSpeed and vLLM (`pip install -e ".[scale]"`) and no network: the model is a Qwen2 of
 Qwen2.5-0.5B's shape (24 layers, d 896, vocab 151936, tied embeddings; ~0.5B parameters) built in code with random
@@ -23,7 +29,7 @@ A JSON summary goes to OUT/gpu_check.json. Exit status: 0 every check passed, 1 
 --timeout, 2 a missing requirement or bad input (one line, before any work)."""
 
 from __future__ import annotations
-import argparse, gc, importlib.util, json, os, shutil, subprocess, sys, tempfile, time
+import argparse, gc, importlib.util, json, os, shutil, subprocess, sys, tempfile, time, traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,9 +69,6 @@ RUNS = {  # recipe fields of the two variants
         mini_batch_size=32,
         micro_token_budget=8192,
         lr=1e-6,
-        vllm_gpu_memory_utilization=0.4,
-        vllm_enforce_eager=False,
-        vllm_enable_chunked_prefill=True,
     ),
     "cpu": dict(
         dtype="float32",
@@ -77,10 +80,11 @@ RUNS = {  # recipe fields of the two variants
         mini_batch_size=4,
         micro_token_budget=512,
         lr=1e-4,
-        vllm_gpu_memory_utilization=0.3,
-        vllm_enforce_eager=True,
-        vllm_enable_chunked_prefill=False,
     ),
+}
+VLLM_FIELDS = {  # the engine's fields of each variant (an hf-backend config may not carry them)
+    "gpu": dict(vllm_gpu_memory_utilization=0.4, vllm_enforce_eager=False, vllm_enable_chunked_prefill=True),
+    "cpu": dict(vllm_gpu_memory_utilization=0.3, vllm_enforce_eager=True, vllm_enable_chunked_prefill=False),
 }
 # a sync check passes when the engine's and the learner's log-probs of the same tokens differ by less than this (mean
 # |d|): float32 on both sides differs by kernel rounding (~1e-6); bf16 kernels by ~1e-2 (verl reports 1e-3..3e-2);
@@ -127,7 +131,7 @@ def write_prompts(path: Path, tokenizer_dir: Path, n: int = 64) -> int:
     return common
 
 
-def config(model: Path, data: Path, out: Path, run: dict):
+def config(model: Path, data: Path, out: Path, run: dict, backend: str = "vllm"):
     from dapo_ref.cli import config_from_dict
 
     return config_from_dict(
@@ -137,7 +141,7 @@ def config(model: Path, data: Path, out: Path, run: dict):
             output_dir=str(out),
             total_steps=1,
             zero_stage=3,
-            rollout_backend="vllm",
+            rollout_backend=backend,
             dynamic_sampling=False,
             max_num_gen_batches=1,
             temperature=1.0,
@@ -168,14 +172,52 @@ def free_gib(cpu: bool) -> float | None:
     return torch.cuda.mem_get_info()[0] / 2**30
 
 
+def peak_gib(cpu: bool) -> float | None:
+    "The most memory PyTorch's allocator held since the last call (the phase's peak), then the count starts again."
+    if cpu:
+        return None
+    import torch
+
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+def learner_gib(plan: dict, phase: str) -> float | None:
+    "dapo-plan's prediction for the learner's side of a phase: every item but the vLLM engine's (an HF engine has none)."
+    items = plan.get("items", {})
+    return sum(v[phase] for k, v in items.items() if not k.startswith("vllm_")) if items else None
+
+
+def engine_logprobs(engine, prompts: list[list[int]], comps) -> list[list[float]]:
+    "Log-probs of each completion's tokens by a plain padded forward of the engine's own model (the HF engine returns none)."
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for c in comps:
+            p = prompts[c.prompt_index]
+            ids = torch.tensor([p + c.token_ids], device=engine.device)  # (1, T)
+            logits = engine.model(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # (R, V) the logits of the R tokens
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p) :, None])[:, 0]  # (R,)
+            out.append(lp.double().cpu().tolist())
+    return out
+
+
 def logprob_gap(engine, learner, prompts: list[list[int]], max_tokens: int) -> dict:
-    "Sample 2 responses per prompt with the engine; mean and max |engine log-prob - learner log-prob| over their tokens."
+    """Sample 2 responses per prompt with the engine; mean and max |engine log-prob - learner log-prob| over their
+    tokens (the engine's own log-probs where it returns them, vLLM; else a plain forward of its model, HF)."""
     import torch
     from dapo_ref.interfaces import RolloutBatch
     from dapo_ref.interfaces import SamplingParams
 
     comps = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=max_tokens, seed=7))
-    comps = [c for c in comps if c.token_ids and c.logprobs is not None]
+    comps = [c for c in comps if c.token_ids]
+    if all(c.logprobs is None for c in comps):
+        ref = engine_logprobs(engine, prompts, comps)
+    else:
+        comps = [c for c in comps if c.logprobs is not None]
+        ref = [c.logprobs for c in comps]
     batch = RolloutBatch(
         [prompts[c.prompt_index] for c in comps],
         [c.token_ids for c in comps],
@@ -184,9 +226,7 @@ def logprob_gap(engine, learner, prompts: list[list[int]], max_tokens: int) -> d
         torch.zeros(len(comps)),
     )
     old, _ = learner.compute_logprobs(batch)
-    d = torch.cat(
-        [(o.double().cpu() - torch.tensor(c.logprobs, dtype=torch.float64)).abs() for o, c in zip(old, comps)]
-    )
+    d = torch.cat([(o.double().cpu() - torch.tensor(r, dtype=torch.float64)).abs() for o, r in zip(old, ref)])
     return dict(tokens=int(d.numel()), mean=float(d.mean()), max=float(d.max()))
 
 
@@ -214,15 +254,15 @@ def plan(recipe_path: Path, model: Path, gpu_gb: float) -> dict:
         return dict(error=(p.stderr or p.stdout).strip().splitlines()[-1:])
 
 
-def requirements(cpu: bool) -> str | None:
+def requirements(cpu: bool, with_vllm: bool = True) -> str | None:
     "A one-line message naming what is missing, or None."
     for mod, fix in (
         ("torch", "pip install torch"),
         ("transformers", 'pip install -e ".[scale]"'),
         ("deepspeed", 'pip install -e ".[scale]"'),
-        ("vllm", 'pip install -e ".[scale]" (on a CPU: make venv-vllm)'),
+        ("vllm", 'pip install -e ".[scale]" (on a CPU: make venv-vllm), or --without-vllm for the learner\'s phases'),
     ):
-        if importlib.util.find_spec(mod) is None:
+        if importlib.util.find_spec(mod) is None and (with_vllm or mod != "vllm"):
             return f"{mod} is not installed, and every phase needs it: {fix}; nothing was run"
     import torch
 
@@ -238,23 +278,27 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, help="a new (or empty) work folder; default: a temporary one, the model removed"
     )
     ap.add_argument(
+        "--without-vllm",
+        action="store_true",
+        help="where vLLM cannot be installed: the HF engine, the learner's phases (free/restart skipped)",
+    )
+    ap.add_argument(
         "--timeout", type=float, default=540.0, help="seconds for the whole check (default 540: under 10 min)"
     )
     args = ap.parse_args(argv)
-    cpu = args.cpu
+    cpu, with_vllm = args.cpu, not args.without_vllm
     if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
         print(f"gpu_check: --out {args.out} exists and is not empty; name a new folder", file=sys.stderr)
         return 2
-    if missing := requirements(cpu):
+    if missing := requirements(cpu, with_vllm):
         print(f"gpu_check: {missing}", file=sys.stderr)
         return 2
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, beside the learner
     if cpu:
         os.environ.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     t0 = time.perf_counter()
-    import torch, transformers, deepspeed, vllm
+    import torch, transformers, deepspeed
     from dapo_ref.trainer import Trainer
-    from dapo_ref.vllm_rollout import VLLMRolloutEngine
 
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -264,82 +308,112 @@ def main(argv: list[str] | None = None) -> int:
     n_params = build_model(work / "model", shape, torch.float32 if cpu else torch.bfloat16, "cpu" if cpu else "cuda")
     write_prompts(work / "prompts.parquet", work / "model")
     flash = not cpu and importlib.util.find_spec("flash_attn") is not None
-    cfg = config(
-        work / "model",
-        work / "prompts.parquet",
-        work / "run",
-        dict(run, attn_implementation="flash_attention_2" if flash else "sdpa"),
-    )
+    fields = dict(run, attn_implementation="flash_attention_2" if flash else "sdpa")
+    if with_vllm:
+        fields.update(VLLM_FIELDS["cpu" if cpu else "gpu"])
+    cfg = config(work / "model", work / "prompts.parquet", work / "run", fields, backend="vllm" if with_vllm else "hf")
     predicted = plan(recipe(work / "recipe.yaml", cfg), work / "model", gpu_gb)
-    skipped = (
-        [
+    skipped = []
+    if cpu and with_vllm:
+        skipped += [
             "compiled engine (vLLM on the CPU runs eager here: torch.compile of the model takes minutes on 2 cores)",
             "sleep/wake (vLLM's CPU backend has no sleep mode)",
-            "free GPU memory per phase (no GPU)",
         ]
-        if cpu
-        else []
-    )
+    if cpu:
+        skipped.append("free GPU memory per phase (no GPU)")
+    if not with_vllm:
+        skipped += [
+            "the vLLM engine: compiled graphs, sleep/wake, its log-probs against the learner's (--without-vllm)",
+            "free and restart (vLLM's sleep-mode allocator; --without-vllm)",
+        ]
     if not cpu and not flash:
         skipped.append("the learner on flash_attention_2 (flash-attn is not installed: pip install flash-attn)")
     phases, checks = [], {}
 
     def phase(name, **info):
-        phases.append(dict(phase=name, free_gib=free_gib(cpu), s=round(time.perf_counter() - t0, 1), **info))
+        peak = peak_gib(cpu)
+        phases.append(
+            dict(phase=name, free_gib=free_gib(cpu), peak_gib=peak, s=round(time.perf_counter() - t0, 1), **info)
+        )
         print(f"gpu_check: {name}: " + ", ".join(f"{k} {v}" for k, v in phases[-1].items() if k != "phase"), flush=True)
         if time.perf_counter() - t0 > args.timeout:
             raise TimeoutError(f"past --timeout {args.timeout:.0f} s after {name}")
 
-    try:
-        torch.set_num_threads(1 if cpu else torch.get_num_threads())
-        tr = Trainer(cfg, progress=False, log=None)  # ZeRO-3 learner, vLLM engine, the first weight sync
-        phase(
-            "build",
-            engine=type(tr.engine).__name__,
-            learner=type(tr.learner).__name__,
-            update_order=" ".join(tr.engine.update_order),
-            eager=cfg.vllm_enforce_eager,
-            attn=cfg.attn_implementation,
-            linear_is_torchs=torch.nn.functional.linear is torch._C._nn.linear,
-        )
-        checks["F.linear is torch's own after the ZeRO-3 build"] = phases[-1]["linear_is_torchs"]
-        row = tr.step()
-        phase(
-            "step",
-            grad_updates=row["grad_updates"],
-            skipped=row.get("skipped_updates", 0),
-            rollout_logp_diff_mean=row.get("rollout_logp_diff_mean"),
-        )
-        checks["one DAPO step applied its updates"] = row["grad_updates"] >= 1 and not row.get("skipped_updates", 0)
-        probe, tol = tr.prompt_ids[:4], SYNC_TOL[cfg.dtype]
-        gap = logprob_gap(tr.engine, tr.learner, probe, run["l_max"])
-        phase("sync", **{f"gap_{k}": v for k, v in gap.items()})
-        checks[f"engine log-probs = learner's after the step (mean |d| < {tol:g})"] = gap["mean"] < tol
+    def fused():
         sys.path.insert(0, str(ROOT / "tests"))
         from test_fused_bf16 import fused_grad_ratio
 
         ratio = fused_grad_ratio(1.0, device="cpu" if cpu else "cuda")
         phase("fused", max_err_over_bound=ratio)
         checks["fused lm-head weight gradient in bf16 within its derived bound"] = ratio <= 1
-        tr.engine.close()
-        phase("free")
-        engine = VLLMRolloutEngine.from_config(cfg, model_path=work / "model", world=1, eos_token_id=tr.engine.eos_ids)
-        engine.load_weights(tr.learner.named_weights())
-        gap2 = logprob_gap(engine, tr.learner, probe, run["l_max"])
-        phase("restart", **{f"gap_{k}": v for k, v in gap2.items()})
-        checks[f"a restarted engine serves the learner's weights (mean |d| < {tol:g})"] = gap2["mean"] < tol
-        engine.close()
+
+    torch.set_num_threads(1 if cpu else torch.get_num_threads())
+    stage = "build"
+    try:
+        tr = Trainer(cfg, progress=False, log=None)  # ZeRO-3 learner, the engine, the first weight sync
+        order = getattr(tr.engine, "update_order", None)  # vLLM's order of weight loading
+        phase(
+            "build",
+            engine=type(tr.engine).__name__,
+            learner=type(tr.learner).__name__,
+            **(dict(update_order=" ".join(order), eager=cfg.vllm_enforce_eager) if order is not None else {}),
+            attn=cfg.attn_implementation,
+            linear_is_torchs=torch.nn.functional.linear is torch._C._nn.linear,
+        )
+        checks["F.linear is torch's own after the ZeRO-3 build"] = phases[-1]["linear_is_torchs"]
+        stage = "step"
+        row = tr.step()
+        phase(
+            "step",
+            grad_updates=row["grad_updates"],
+            skipped=row.get("skipped_updates", 0),
+            rollout_logp_diff_mean=row.get("rollout_logp_diff_mean"),
+            **{k: row[k] for k in ("time_generate", "time_logprobs", "time_update", "tokens_per_s") if k in row},
+        )
+        checks["one DAPO step applied its updates"] = row["grad_updates"] >= 1 and not row.get("skipped_updates", 0)
+        stage = "sync"
+        probe, tol = tr.prompt_ids[:4], SYNC_TOL[cfg.dtype]
+        gap = logprob_gap(tr.engine, tr.learner, probe, run["l_max"])
+        phase("sync", **{f"gap_{k}": v for k, v in gap.items()})
+        checks[f"engine log-probs = learner's after the step (mean |d| < {tol:g})"] = gap["mean"] < tol
+        stage = "fused"
+        fused()
+        if with_vllm:
+            from dapo_ref.vllm_rollout import VLLMRolloutEngine
+
+            stage = "free"
+            tr.engine.close()
+            phase("free")
+            stage = "restart"
+            engine = VLLMRolloutEngine.from_config(
+                cfg, model_path=work / "model", world=1, eos_token_id=tr.engine.eos_ids
+            )
+            engine.load_weights(tr.learner.named_weights())
+            gap2 = logprob_gap(engine, tr.learner, probe, run["l_max"])
+            phase("restart", **{f"gap_{k}": v for k, v in gap2.items()})
+            checks[f"a restarted engine serves the learner's weights (mean |d| < {tol:g})"] = gap2["mean"] < tol
+            engine.close()
     except TimeoutError as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # a phase that raises is a failed check, reported with the rest (one run may be all we get)
+        traceback.print_exc()
+        checks[f"{stage} ran ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"] = False
+        if stage in ("build", "step", "sync"):
+            try:  # the fused check needs none of the phases before it
+                fused()
+            except Exception as e2:
+                traceback.print_exc()
+                checks[f"fused ran ({type(e2).__name__})"] = False
+    versions = dict(torch=torch.__version__, transformers=transformers.__version__, deepspeed=deepspeed.__version__)
+    if with_vllm:
+        import vllm
+
+        versions["vllm"] = vllm.__version__
     summary = dict(
         device=device,
-        versions=dict(
-            torch=torch.__version__,
-            transformers=transformers.__version__,
-            deepspeed=deepspeed.__version__,
-            vllm=vllm.__version__,
-        ),
+        backend=cfg.rollout_backend,
+        versions=versions,
         n_params=n_params,
         shape=shape,
         recipe=run,
@@ -360,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(s: dict):
     print(
         f"gpu_check on {s['device']}: Qwen2 of {s['n_params'] / 1e6:,.1f}M parameters (random weights), "
-        f"{s['recipe']['dtype']}, ZeRO-3 learner + vLLM engine in one process; "
+        f"{s['recipe']['dtype']}, ZeRO-3 learner + {'vLLM' if s['backend'] == 'vllm' else 'HF'} engine in one process; "
         + ", ".join(f"{k} {v}" for k, v in s["versions"].items())
     )
     pl = s["plan"]
@@ -372,9 +446,13 @@ def report(s: dict):
         )
     else:
         print(f"dapo-plan: {pl.get('error')}")
+    plan_of = {"build": "load", "step": "update"}  # the step's peak is its update's (HF generation holds less)
     for p in s["phases"]:
         free = "n/a" if p["free_gib"] is None else f"{p['free_gib']:.1f} GiB"
-        print(f"  {p['phase']:<8} at {p['s']:6.1f} s   free device memory {free}")
+        peak = "" if p.get("peak_gib") is None else f", peak allocated {p['peak_gib']:.1f} GiB"
+        pred = learner_gib(pl, plan_of[p["phase"]]) if p["phase"] in plan_of and s["backend"] != "vllm" else None
+        pred = "" if pred is None or p.get("peak_gib") is None else f" (dapo-plan, learner side: {pred:.1f} GiB)"
+        print(f"  {p['phase']:<8} at {p['s']:6.1f} s   free device memory {free}{peak}{pred}")
     for name, ok in s["checks"].items():
         print(f"  [{'ok' if ok else 'FAILED'}] {name}")
     for name in s["skipped"]:

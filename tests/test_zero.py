@@ -10,7 +10,7 @@
   had its own two-process launch of the same model for these checks; it was merged into test_scale's to launch once.
 """
 
-import random, subprocess, sys
+import os, random, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -189,3 +189,29 @@ def test_gpu_check_refuses_without_vllm(tmp_path):
     )
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "vllm is not installed" in p.stderr, p.stderr
     assert not (tmp_path / "gc").exists()  # nothing was built
+
+
+def test_gpu_check_without_vllm_cpu(tmp_path):
+    """`--without-vllm` (asked for by name) runs the learner's phases with the HF engine: ZeRO-3 build, one DAPO step,
+    the learner's packed log-probs against a plain forward of the engine's copy of the weights, the fused check; the
+    vLLM phases are listed as skipped. Float32 on both sides: the gap is kernel rounding (< 1e-3, SYNC_TOL's bound)."""
+    import json
+
+    out = tmp_path / "gc"
+    p = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--cpu", "--without-vllm", "--out", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # hang guard
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    s = json.loads((out / "gpu_check.json").read_text())
+    assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused"]
+    assert len(s["checks"]) == 4 and all(s["checks"].values()), s["checks"]
+    assert s["backend"] == "hf" and s["phases"][0]["engine"] == "HFRolloutEngine"
+    assert s["phases"][0]["learner"] == "DeepSpeedLearner" and "vllm" not in s["versions"]
+    sync = s["phases"][2]
+    assert sync["gap_tokens"] > 0 and sync["gap_mean"] < 1e-3
+    assert any("restart" in x for x in s["skipped"]) and "[skipped] free and restart" in p.stdout
