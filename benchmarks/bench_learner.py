@@ -114,7 +114,7 @@ def bench_update(a) -> dict:
 
 def child_peak(mode: str, T: int, V: int, H: int, threads: int) -> int:
     "(b), in a fresh process: peak bytes above the start of log-prob forward + backward."
-    from dapo_ref.loss import fused_token_logprobs, token_logprobs
+    from dapo_ref.logprobs import fused_token_logprobs, token_logprobs
     from dapo_ref.zero import PeakRSS
 
     torch.set_num_threads(threads)

@@ -17,7 +17,8 @@ scores it with `score_batch` in each mode, side by side in one run. Then:
 import argparse, os, platform, random, time
 
 
-from dapo_ref.reward import score_batch, score_response, default_workers, verify_pairs, REWARD_MODES
+from dapo_ref.reward import score_batch, score_response, REWARD_MODES
+from dapo_ref.reward_pool import default_workers, verify_pairs
 
 _TRUTHS = [  # (ground truth, equivalent forms a model writes that are not the same string)
     ("42", ["42.0", "\\boxed{42}"]),

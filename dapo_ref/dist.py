@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_dist.ipynb #0210a2c6
 from __future__ import annotations
-import datetime, os, socket
+import datetime, os
 
 import torch
 import torch.distributed as dist
@@ -43,12 +43,6 @@ def is_main() -> bool:
     return rank() == 0
 
 # %% ../nbs/00a_dist.ipynb #62d18aa3
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(
     backend: str | None = None,  # None: nccl with CUDA, else gloo
     single: bool = False,  # also build a one-rank group when no launcher started us
@@ -57,14 +51,14 @@ def init_distributed(
 ) -> tuple[int, int]:
     "Join the process group a launcher described (or a one-rank group when `single`); returns `(rank, world_size)`."
     if dist.is_available() and not dist.is_initialized() and (int(os.environ.get("WORLD_SIZE", 1)) > 1 or single):
-        if "WORLD_SIZE" not in os.environ:  # a lone process: a one-rank group on this machine
-            os.environ.update(
-                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-            )
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(local_rank())
         kw = {} if timeout is None else dict(timeout=datetime.timedelta(seconds=timeout))
+        if "WORLD_SIZE" not in os.environ:  # a lone process: a one-rank group, its rendezvous in this process's memory
+            # (a TCP store on a port found free can lose that port to another process before it binds)
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            kw.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend, **kw)
     return rank(), world_size()
 

@@ -15,7 +15,7 @@ from .arch import arch_from_config, kv_bytes_per_token, n_params
 from .core import DAPOConfig, REWARD_MODES, REWARD_PLUGIN, InputError
 from .cli import ArgParser, cli_errors, interrupts, one_line
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
-from .reward import check_plugin
+from .reward_pool import check_plugin
 from .eval import evaluate
 from .testbeds import resolve_model
 

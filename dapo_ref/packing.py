@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .loss import fused_token_logprobs, token_entropy, token_logprobs
+from .logprobs import fused_token_logprobs, token_entropy, token_logprobs
 
 # %% auto #0
 __all__ = ['VARLEN_LOOP_FROM', 'pack_micro_batches', 'collate', 'pack', 'varlen_sdpa', 'use_varlen_attention', 'head_logprobs',

@@ -98,7 +98,7 @@ def load_bytes(
     return dict(gpu=gpu, cpu_per_node=cpu)
 
 # %% ../nbs/12_plan.ipynb #67bc2495
-FUSED_CHUNK = 2**24  # logits per chunk of `loss.fused_token_logprobs` (its default chunk_rows = 2**24 // V)
+FUSED_CHUNK = 2**24  # logits per chunk of `logprobs.fused_token_logprobs` (its default chunk_rows = 2**24 // V)
 
 
 def activation_bytes(

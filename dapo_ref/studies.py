@@ -14,7 +14,8 @@ from .core import DAPOConfig
 from .cli import load_config
 from .testbeds import TESTBEDS, model_fingerprint, testbed_model, versions
 from .jobs import compare_arms, mean_se, run_many
-from .ablation import QUICK, QUICK_EVAL_PROMPTS, mean_curve, row_switches
+from .ablation import row_switches
+from .ablation_table import QUICK, QUICK_EVAL_PROMPTS, mean_curve
 
 # %% auto #0
 __all__ = ['STUDIES', 'STUDY_METRICS', 'STUDY_FIGURES', 'study_config', 'up_clipped_mean', 'clip_probe', 'mechanism_summary',
@@ -47,6 +48,23 @@ STUDIES = {  # name: base recipe, arms (name, label, switches), diagnostics repo
         arms=[
             ("no-dynamic-sampling", "row 5: no dynamic sampling", row_switches("5-token-loss")),
             ("dynamic-sampling", "row 6: dynamic sampling", row_switches("6-dynamic-sampling")),
+        ],
+        metrics=["acc_end", "acc_mean", "pass_mean", "zero_adv_frac", "gen_rounds", "wall_train"],
+        quick={},
+    ),
+    "dynamic-sampling-no-punishment": dict(
+        base="recipes/ablation-tiny.yaml",  # rows 5 and 6 without the soft overlong punishment (truncated: -1)
+        arms=[
+            (
+                "no-dynamic-sampling",
+                "row 5 without soft punishment",
+                {**row_switches("5-token-loss"), "soft_overlong_punishment": False},
+            ),
+            (
+                "dynamic-sampling",
+                "row 6 without soft punishment",
+                {**row_switches("6-dynamic-sampling"), "soft_overlong_punishment": False},
+            ),
         ],
         metrics=["acc_end", "acc_mean", "pass_mean", "zero_adv_frac", "gen_rounds", "wall_train"],
         quick={},
@@ -362,7 +380,7 @@ STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each]
             "What the clip does (Fig. 3)",
             [
                 ("clipfrac_high", "tokens clipped at the top", "grad_updates"),
-                ("up_clipped_prob", "old prob of up-clipped tokens", "grad_updates"),
+                ("up_clipped_prob", "up_clipped_prob (per-step mean, diluted)", "grad_updates"),
                 ("all_correct_frac", "groups all correct (Fig. 3b)", "grad_updates"),
             ],
         ),
@@ -376,6 +394,21 @@ STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each]
         (
             "fig6_accuracy.png",
             "Held-out accuracy with and without dynamic sampling (Fig. 6)",
+            [("eval_acc", "held-out avg@k", "grad_updates"), ("eval_acc", "held-out avg@k", "wall_train")],
+        ),
+        (
+            "zero_advantage.png",
+            "Zero-advantage groups and what dynamic sampling pays for them",
+            [
+                ("zero_adv_frac", "zero-advantage groups / generated", "grad_updates"),
+                ("gen_rounds", "generation rounds per step", "grad_updates"),
+            ],
+        ),
+    ],
+    "dynamic-sampling-no-punishment": [
+        (
+            "fig6_accuracy.png",
+            "Held-out accuracy with and without dynamic sampling (Fig. 6), no soft punishment",
             [("eval_acc", "held-out avg@k", "grad_updates"), ("eval_acc", "held-out avg@k", "wall_train")],
         ),
         (
@@ -422,7 +455,7 @@ STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each]
             "What the clip does (Fig. 3)",
             [
                 ("clipfrac_high", "tokens clipped at the top", "grad_updates"),
-                ("up_clipped_prob", "old prob of up-clipped tokens", "grad_updates"),
+                ("up_clipped_prob", "up_clipped_prob (per-step mean, diluted)", "grad_updates"),
             ],
         ),
     ],

@@ -11,16 +11,8 @@ import torch
 
 from .core import InputError
 from .data import PROMPT_TEMPLATE
-from dapo_ref.tiny import (
-    code_identity,
-    ensure_tiny_model,
-    MAX_OPS,
-    RESPONSE_PREFIX,
-    problem_text,
-    sample_problem,
-    sft_collate,
-    worked_lines,
-)
+from .tiny import MAX_OPS, RESPONSE_PREFIX, problem_text, sample_problem, sft_collate, worked_lines
+from .tiny_ship import code_identity, ensure_tiny_model
 
 # %% auto #0
 __all__ = ['TESTBED', 'TESTBED_VERSION', 'TESTBED_NAME', 'TESTBEDS', 'TESTBED_SHIP_COMMAND', 'model_fingerprint', 'versions',
@@ -34,7 +26,7 @@ def model_fingerprint(model: str) -> str:
         return f"{TESTBED_VERSION}:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
     if model != "tiny":
         return model
-    from dapo_ref.tiny import ensure_tiny_model, TINY_VERSION
+    from dapo_ref.tiny_ship import ensure_tiny_model, TINY_VERSION
 
     h = hashlib.sha256((ensure_tiny_model() / "model.safetensors").read_bytes()).hexdigest()[:12]
     return f"{TINY_VERSION}:{h}"
@@ -131,7 +123,8 @@ def build_testbed(
 ) -> Path:
     "The testbed policy: the warm-started tiny model fine-tuned on `testbed_batches`, saved with save_pretrained."
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from dapo_ref.tiny import ensure_tiny_model, sft
+    from dapo_ref.tiny import sft
+    from dapo_ref.tiny_ship import ensure_tiny_model
 
     cfg, out = {**TESTBED, **kw}, Path(out)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
@@ -189,7 +182,7 @@ def testbed_model(
     """The testbed policy folder: the copy shipped in the package when it was built from exactly these settings, this
     source and this tiny model (its folder is named by `_testbed_hash`), else built once (about 2 minutes on one core)
     and cached under that name."""
-    from dapo_ref.tiny import cache_root
+    from dapo_ref.tiny_ship import cache_root
 
     name = f"{TESTBED_VERSION}-{_testbed_hash(**kw)}"
     shipped = _shipped_testbeds() / name
@@ -221,7 +214,7 @@ def _shipped_testbeds() -> Path:
 
 def ship_testbeds(log=print) -> list[Path]:
     "Build every `TESTBEDS` entry (or take it from the cache) into the package's testbeds/ folder; drop stale ones."
-    from dapo_ref.tiny import cache_root
+    from dapo_ref.tiny_ship import cache_root
 
     dest, keep = _shipped_testbeds(), []
     dest.mkdir(exist_ok=True)

@@ -20,7 +20,7 @@ from dapo_ref.cli import (
     parse_overrides,
     strict_bool,
 )
-from .tiny import check_cache
+from .tiny_ship import check_cache
 from .trainer import Trainer, check_run, summary_line
 from .sampling import DynamicSamplingError
 from .runs import latest_checkpoint, prepare_output_dir

@@ -16,7 +16,7 @@ from . import dist
 from .core import DAPOConfig, InputError, validate
 from .cli import one_line, save_config
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
-from .reward import check_plugin, is_plugin
+from .reward_pool import check_plugin, is_plugin
 from dapo_ref.runs import (
     FROZEN,
     newest_loadable_checkpoint,

@@ -20,7 +20,7 @@ MODULES = {
     "dapo-plan": "dapo_ref.plan",
     "dapo-ablate": "dapo_ref.ablate",
     "dapo-export": "dapo_ref.runs:export_main",
-    "dapo-tiny": "dapo_ref.tiny",
+    "dapo-tiny": "dapo_ref.tiny_ship",
 }  # module[:function], else main
 
 

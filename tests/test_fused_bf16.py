@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dapo_ref.loss import fused_token_logprobs
+from dapo_ref.logprobs import fused_token_logprobs
 
 U32, UB = 2.0**-24, 2.0**-8  # unit roundoff of float32 / bfloat16 (8 significant bits), round to nearest
 

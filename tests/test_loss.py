@@ -1,4 +1,5 @@
-"""Property tests for dapo_ref.loss (beyond the lesson in nbs/04_loss.ipynb).
+"""Property tests for dapo_ref.loss (beyond the lesson in nbs/04_loss.ipynb) and for dapo_ref.logprobs' token_logprobs and
+token_entropy (nbs/08_logprobs.ipynb).
 
 References are float64 python loops written from the case analysis of the clipped objective
 (A >= 0: objective A*min(r, 1+eps_high); A < 0: A*min(max(r, 1-eps_low), c)), not from the
@@ -12,7 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from dapo_ref.core import LOSS_AGGS
-from dapo_ref.loss import agg_loss, clipped_token_loss, overlong_filter, policy_loss, token_entropy, token_logprobs
+from dapo_ref.logprobs import token_entropy, token_logprobs
+from dapo_ref.loss import agg_loss, clipped_token_loss, overlong_filter, policy_loss
 
 SETTINGS = dict(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 U32, U64 = 2.0**-24, 2.0**-53  # unit roundoff of float32 / float64

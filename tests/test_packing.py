@@ -13,7 +13,7 @@ from dapo_ref.core import LOSS_AGGS, DAPOConfig
 from dapo_ref.learner import TorchLearner
 from dapo_ref.interfaces import RolloutBatch
 from dapo_ref.packing import collate, forward_logprobs, pack, pack_micro_batches
-from dapo_ref.tiny import ensure_tiny_model
+from dapo_ref.tiny_ship import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""Tests of dapo_ref.reward that do not belong in the lesson: the dapo-strict case table, properties, fuzzing,
-adversarial inputs, math-verify in threads, daemonic workers and torchrun ranks, and `score_batch` under load.
-The dapo-reference (default) case table is in tests/test_reward_reference.py."""
+"""Tests of dapo_ref.reward and dapo_ref.reward_pool that do not belong in the lesson: the dapo-strict case table,
+the lesson's longer tables, properties, fuzzing, adversarial inputs, math-verify in threads, daemonic workers and
+torchrun ranks, and `score_batch` under load. The dapo-reference (default) case table is in
+tests/test_reward_reference.py."""
 
 import multiprocessing as mp, os, re, signal, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
@@ -9,8 +10,15 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from dapo_ref import reward as R
-from dapo_ref.reward import extract_answer, normalize_answer, score_response, score_batch, overlong_penalty
+from dapo_ref import reward as R, reward_pool as P
+from dapo_ref.reward import (
+    extract_answer,
+    extract_answer_reference,
+    normalize_answer,
+    score_response,
+    score_batch,
+    overlong_penalty,
+)
 
 STRING_MODES = ("dapo-reference", "dapo-strict")
 
@@ -117,6 +125,45 @@ def test_unknown_mode():
         score_batch(["Answer: 1"], ["1"], mode="exact")
 
 
+# ---- moved from the lesson (nbs/02_reward.ipynb), which keeps a shorter table of each ----
+# The lesson's first extraction table: (response, reference match, dapo-strict), each worked out from the two rules.
+LESSON_MARKERS = [
+    ("Answer:\n42", "42", None),
+    ("Answer:   \n\n  42", "42", None),
+    ("Answer:\r\n42", "42", None),
+    ("Answer\n: 42", "42", None),
+    ("Answer\u00a0: 42", "42", None),  # \s* crosses line ends and matches U+00A0
+    ("Answer: 42\nAnswer:", "42", None),  # an empty last `Answer:` does not match: the previous one counts
+    ("Answer: 42\nAnswer: \n", " ", None),  # `Answer: ` + line end: the group takes the space
+    ("Answer: Answer: 5", "Answer: 5", "5"),  # one match, not two
+    ("The answer is 5.", None, None),  # no colon, no match
+]
+
+
+def test_extraction_lesson_cases():
+    got = [(extract_answer_reference(r), extract_answer(r)) for r, _, _ in LESSON_MARKERS]
+    assert got == [(ref, strict) for _, ref, strict in LESSON_MARKERS]
+    assert extract_answer_reference("An\u017fwer: 7") == "7"  # case folding: the long s matches s
+    assert extract_answer("So the total is 12.\nAnswer: 12") == "12"
+    assert extract_answer("ANSWER:\t$\\frac{1}{2}$  \n") == "$\\frac{1}{2}$"
+    assert extract_answer("Answer: 3\nwait, no.\nAnswer: 5") == "5"  # the last one counts
+
+
+# Rows of the lesson's two-mode table it no longer shows (its other rows are pinned there):
+# (response, ground truth, dapo-reference, dapo-strict, why), worked out from the rules.
+LESSON_MODE_CASES = [
+    ("Answer:   \n\n  42", "42", 1, -1, "blank lines after the marker"),
+    ("Answer\n: 42", "42", 1, -1, "line end before the colon"),
+    ("Answer\u00a0: 42", "42", 1, -1, "no-break space before the colon"),
+]
+
+
+@pytest.mark.parametrize("response,gt,ref,strict,why", LESSON_MODE_CASES, ids=[c[4] for c in LESSON_MODE_CASES])
+def test_lesson_mode_cases(response, gt, ref, strict, why):
+    got = (score_response(response, gt)["score"], score_response(response, gt, mode="dapo-strict")["score"])
+    assert got == (ref, strict), why
+
+
 # ---- the linear scans agree with the reference rules written as regular expressions ----
 _tokens = st.lists(
     st.sampled_from(["$", "a", "1", "{", "}", "\n", " ", "\\text{", "\\boxed{", "\\textbf{"]), max_size=30
@@ -186,6 +233,24 @@ def test_overlong_properties(args):
         assert ((q[:-1] - q[1:]).abs() <= 1 / l_cache + 2 * (2.0**-25 + 2.0**-53)).all()
 
 
+def _eq13_loop(L, l_max, l_cache):
+    "Eq. 13's three branches, case by case, in float64 (moved from the lesson)."
+    if L <= l_max - l_cache:
+        return 0.0
+    if L <= l_max:
+        return ((l_max - l_cache) - L) / l_cache
+    return -1.0
+
+
+def test_overlong_matches_a_float64_loop():
+    "The clamp agrees with the branches on every length around the two corners."
+    Ls = list(range(0, 40)) + [16383, 16384, 16385, 20479, 20480, 20481, 30000]
+    for l_max, l_cache in [(20480, 4096), (30, 7), (30, 1)]:
+        # exact: both sides are the correctly rounded float64 quotient of the same integers, cast once to float32
+        want = torch.tensor([_eq13_loop(L, l_max, l_cache) for L in Ls])
+        assert torch.equal(overlong_penalty(Ls, l_max, l_cache), want), (l_max, l_cache)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.floats(0, 50, allow_nan=False), st.floats(0, 1e-3))
 def test_overlong_continuous_reals(L, h):
@@ -241,9 +306,9 @@ def test_adversarial_nested_braces():
 
 
 def test_math_verify_pathological_bounded():
-    R.math_verify_equal("1", "1")  # start a worker outside the timing
+    P.math_verify_equal("1", "1")  # start a worker outside the timing
     # the property: the power tower never finishes in sympy, so the 2 s per-call limit is what ends it
-    assert R.verify_pairs([("$1$", "$9^{9^{9^{9}}}$")], 2, workers=1) == ["timeout"]
+    assert P.verify_pairs([("$1$", "$9^{9^{9^{9}}}$")], 2, workers=1) == ["timeout"]
     for resp, gt in [
         ("Answer: 9^{9^{9^{9}}}", "1"),  # a power tower sympy tries to evaluate
         ("Answer: " + "{" * 10_000 + "1" + "}" * 10_000, "2"),
@@ -284,23 +349,23 @@ def test_math_verify_in_daemonic_pool_workers():
 
 
 def test_math_verify_in_forked_workers_do_not_share_parent_pipes():
-    R.math_verify_equal("1", "1")  # the parent now holds an idle worker; a forked child must start its own
+    P.math_verify_equal("1", "1")  # the parent now holds an idle worker; a forked child must start its own
     with mp.get_context("fork").Pool(2) as pool:
         res = pool.map(_score_mv, MV_CASES[:2] * 2)
     assert res == [1.0] * 4
-    assert R.math_verify_equal("2", "4/2")  # the parent's worker still answers correctly
+    assert P.math_verify_equal("2", "4/2")  # the parent's worker still answers correctly
 
 
 def test_server_start_failures(monkeypatch, tmp_path):
     with pytest.raises(TimeoutError, match="did not start within"):
-        R._VerifyPool(start_timeout=0.001)  # no interpreter starts and imports math-verify in 1 ms, on any machine
+        P._VerifyPool(start_timeout=0.001)  # no interpreter starts and imports math-verify in 1 ms, on any machine
     (
         tmp_path / "math_verify"
     ).mkdir()  # a math_verify ahead of the installed one that fails to import, as a missing one
     (tmp_path / "math_verify" / "__init__.py").write_text("raise ImportError('No module named math_verify')\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="pip install math-verify"):
-        R._VerifyPool()
+        P._VerifyPool()
 
 
 # ---- score_batch ----
@@ -395,17 +460,18 @@ def _alive(pid):
 
 def test_shutdown_leaves_no_process():
     score_batch(["Answer: 0.5"], ["\\frac12"], mode="math-verify")
-    server = R._POOL["pools"]["math-verify"].proc.pid
+    server = P._POOL["pools"]["math-verify"].proc.pid
     procs = _descendants(server) | {server}
     assert len(procs) >= 2  # the server and at least one worker
-    R._shutdown_pool()
-    assert R._POOL["pools"] == {} and not any(_alive(p) for p in procs)
+    P._shutdown_pool()
+    assert P._POOL["pools"] == {} and not any(_alive(p) for p in procs)
     assert score_batch(["Answer: 0.5"], ["\\frac12"], mode="math-verify")[0].tolist() == [1.0]  # starts again
 
 
 _CLIENT = """
 import os, sys, time
-from dapo_ref.reward import score_batch, _POOL
+from dapo_ref.reward import score_batch
+from dapo_ref.reward_pool import _POOL
 score_batch(["Answer: 0.5"], ["\\\\frac12"], mode="math-verify")
 print(_POOL["pools"]["math-verify"].proc.pid, flush=True)
 score_batch(["Answer: 9^{9^{9^{9}}}"], ["1"], mode="math-verify", timeout=600)  # killed in the middle of this
@@ -429,7 +495,8 @@ def test_killed_client_leaves_no_process():
 
 _RANK = """
 import os, torch.distributed as dist
-from dapo_ref.reward import score_batch, default_workers
+from dapo_ref.reward import score_batch
+from dapo_ref.reward_pool import default_workers
 dist.init_process_group("gloo")
 r = dist.get_rank()
 s, a, m = score_batch(["Answer: 0.5", "Answer: 0.6", "Answer: 9^{9^{9^{9}}}"], ["\\\\frac12"] * 3, mode="math-verify", timeout=2)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from dapo_ref.core import InputError
-from dapo_ref.reward import check_plugin, score_batch, score_response
+from dapo_ref.reward import score_batch, score_response
+from dapo_ref.reward_pool import check_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
@@ -65,6 +66,9 @@ def test_plugin_scores_like_the_builtin_mode(plugins):
     )
     assert score_response("Answer: 12", "12", mode="test_plugins_mod:exact")["score"] == 1.0
     assert score_batch(RESPONSES[:2], TRUTHS[:2], "test_plugins_mod:as_dict")[0].tolist() == [0.25, 0.25]
+    # `pred` for reading: the response's `Answer:` line (dapo-strict's extraction), "[INVALID]" without one
+    preds = score_batch(RESPONSES, TRUTHS, "test_plugins_mod:exact", return_preds=True)[3]
+    assert preds == ["12", "7", "[INVALID]", "12", "3", "12"]
 
 
 def test_hanging_plugin_costs_its_timeout_and_is_counted(plugins):

@@ -1,4 +1,4 @@
-"Tests of dapo_ref.tiny beyond the notebook: task determinism and correctness, tokenizer round trip, model loading, cache, shipped model."
+"Tests of dapo_ref.tiny and dapo_ref.tiny_ship beyond the notebooks: task determinism and correctness, tokenizer round trip, model loading, warm-start data, cache, shipped model."
 
 import json, random, re
 from pathlib import Path
@@ -7,23 +7,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo_ref import tiny
+from dapo_ref import tiny, tiny_ship
 from dapo_ref.data import PROMPT_TEMPLATE
 from dapo_ref.tiny import (
     MAX_OPS,
+    MAX_VALUE,
     RESPONSE_PREFIX,
     TINY_SHIPPED,
     WARM_START,
     build_tiny_model,
     build_tiny_tokenizer,
-    ensure_tiny_model,
     is_heldout,
-    shipped_tiny_problem,
-    tiny_model_dir,
+    sample_chain,
+    sft_batches,
     tiny_problem,
-    tiny_source_hash,
     tiny_splits,
+    worked_lines,
 )
+from dapo_ref.tiny_ship import ensure_tiny_model, shipped_tiny_problem, tiny_model_dir, tiny_source_hash
 
 QUICK = dict(steps=3, batch_size=4)  # a warm start of a few steps: the cache logic, not the accuracy
 
@@ -57,6 +58,7 @@ def test_problems_are_deterministic_and_correct(seed):
         assert _independent_answer(problem) == answer
         assert _score(solution, answer) == 1.0
         assert len(solution.split("\n")) == n + 1
+        assert all(0 <= int(line.split("=")[1]) <= MAX_VALUE for line in solution.split("\n")[:-1])
         assert _score(solution, answer + 1) == -1.0
 
 
@@ -64,6 +66,8 @@ def test_splits_deterministic_disjoint_and_all_lengths():
     tr1, ev1 = tiny_splits(300, 150, seed=3)
     tr2, ev2 = tiny_splits(300, 150, seed=3)
     assert [e.question for e in tr1 + ev1] == [e.question for e in tr2 + ev2]
+    assert [e.question for e in tiny_splits(300, 150, seed=5)[0]] != [e.question for e in tr1]  # another seed
+    assert len({e.question for e in tr1}) == 300 and len({e.question for e in ev1}) == 150  # no repeats
     assert not {e.question for e in tr1} & {e.question for e in ev1}
     # held-out problems are never in any seed's train split
     tr_other, _ = tiny_splits(1000, 1, seed=4)
@@ -71,6 +75,7 @@ def test_splits_deterministic_disjoint_and_all_lengths():
     for e in tr1 + ev1:
         problem = e.question.split("\n\n")[1]
         assert e.question == PROMPT_TEMPLATE.format(problem=problem)
+        assert is_heldout(problem) == (e in ev1) and e.data_source == "tiny"
         assert int(e.ground_truth) == _independent_answer(problem)
         assert _score(e.extra_info["solution"], e.ground_truth) == 1.0
     assert {e.extra_info["n_ops"] for e in ev1} == set(range(1, MAX_OPS + 1))
@@ -126,10 +131,32 @@ def test_model_loads_with_auto_classes(tiny_folder):
         build_tiny_model(tok, path.parent / "bad", hidden_size=64, num_attention_heads=4)
 
 
+def test_sft_batches_are_deterministic_and_never_held_out(tiny_folder):
+    tok, _ = tiny_folder
+    ids, labels = next(sft_batches(tok, 1, batch_size=4, seed=3))
+    assert ids.shape == labels.shape
+    for i in range(4):
+        text = tok.decode(ids[i][: (labels[i] >= 0).nonzero()[0, 0]])
+        assert text.startswith("Solve the following") and not is_heldout(text.split("\n\n")[1])
+    a, b = (
+        [x[0].tolist() for x in sft_batches(tok, 2, 3, seed=5)],
+        [x[0].tolist() for x in sft_batches(tok, 2, 3, seed=5)],
+    )
+    assert a == b
+
+
+def test_worked_lines_errors_follow_p_err():
+    "With p_err = 0 every step is right arithmetic; with p_err = 1 the first step of this chain is wrong."
+    ok = lambda line: eval(line.split("=")[0]) == int(line.split("=")[1])
+    x0, ops = sample_chain(random.Random(1), 5)
+    assert [ok(l) for l in worked_lines(x0, ops)[0][:-1]] == [True] * 5
+    assert not ok(worked_lines(x0, ops, random.Random(2), p_err=1.0)[0][0])
+
+
 def test_ensure_tiny_model_builds_once_and_reuses(tmp_path, monkeypatch):
     monkeypatch.setenv("DAPO_REF_CACHE", str(tmp_path))
     path = ensure_tiny_model(verbose=False, **QUICK)
-    assert path.parent == tmp_path and path.name.startswith(tiny.TINY_VERSION + "-")
+    assert path.parent == tmp_path and path.name.startswith(tiny_ship.TINY_VERSION + "-")
     assert path == tiny_model_dir(**QUICK)
     assert tiny_model_dir().parent == tmp_path and tiny_model_dir() != path  # other settings, other folder
     assert json.loads((path / "tiny_build.json").read_text())["warm_start"]["steps"] == 3
@@ -141,7 +168,7 @@ def test_ensure_tiny_model_builds_once_and_reuses(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("rebuilt although cached")
 
-    monkeypatch.setattr(tiny, "warm_start", boom)
+    monkeypatch.setattr(tiny_ship, "warm_start", boom)
     assert ensure_tiny_model(verbose=False, **QUICK) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
@@ -154,7 +181,7 @@ def test_ensure_tiny_model_is_deterministic_and_cleans_up(tmp_path, monkeypatch)
     def fail(*a, **k):
         raise RuntimeError("killed mid-build")
 
-    monkeypatch.setattr(tiny, "warm_start", fail)
+    monkeypatch.setattr(tiny_ship, "warm_start", fail)
     with pytest.raises(RuntimeError):
         ensure_tiny_model(tmp_path / "c", verbose=False, **QUICK)
     assert list((tmp_path / "c").iterdir()) == []  # nothing half-built is left to be mistaken for a model
@@ -182,15 +209,15 @@ def test_default_model_is_the_shipped_one_and_builds_nothing(tmp_path, monkeypat
     def boom(*a, **k):
         raise AssertionError("built although shipped")
 
-    monkeypatch.setattr(tiny, "build_tiny", boom)
-    monkeypatch.setattr(tiny, "warm_start", boom)  # patching does not change the source hash (it reads the file)
+    monkeypatch.setattr(tiny_ship, "build_tiny", boom)
+    monkeypatch.setattr(tiny_ship, "warm_start", boom)  # patching does not change the source hash (it reads the file)
     assert ensure_tiny_model(verbose=False) == TINY_SHIPPED
     assert not (tmp_path / "cache").exists()
 
 
 def test_changed_source_builds_instead_of_the_shipped_copy(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DAPO_REF_CACHE", str(tmp_path))
-    monkeypatch.setattr(tiny, "tiny_source_hash", lambda: "f" * 64)
+    monkeypatch.setattr(tiny_ship, "tiny_source_hash", lambda: "f" * 64)
     calls = []
 
     def fake_build(out, verbose=True, command="", **warm):
@@ -199,7 +226,7 @@ def test_changed_source_builds_instead_of_the_shipped_copy(tmp_path, monkeypatch
         (out / "model.safetensors").write_bytes(b"x")
         return out
 
-    monkeypatch.setattr(tiny, "build_tiny", fake_build)
+    monkeypatch.setattr(tiny_ship, "build_tiny", fake_build)
     path = ensure_tiny_model()
     assert calls == [path] and path.parent == tmp_path and path != TINY_SHIPPED
     out = capsys.readouterr().out
@@ -208,8 +235,8 @@ def test_changed_source_builds_instead_of_the_shipped_copy(tmp_path, monkeypatch
 
 def test_source_hash_sees_code_not_comments_or_layout():
     "The build's identity is its syntax: comments, docstrings, quotes and a formatter's line breaks leave it; code changes it."
-    src = (Path(tiny.__file__)).read_text()
-    ident = tiny.code_identity
+    src = (Path(tiny.__file__)).read_text()  # the builder is in tiny.py; tiny_source_hash reads that file
+    ident = tiny_ship.code_identity
     assert ident("def f(x):\n    # why\n\n    return x + 1  # note\n") == ident("def f(x):\n  return x + 1\n")
     assert ident("def f(x):\n    'doc'\n    return g(x, 'a'); h()\n") == ident(
         'def f(x):\n    """other doc"""\n    return g(\n        x,\n        "a",\n    )\n    h()\n'
@@ -217,15 +244,15 @@ def test_source_hash_sees_code_not_comments_or_layout():
     assert ident("def f(x):\n    return x + 1\n") != ident("def f(x):\n    return x + 2\n")
     assert ident("X = 'ab'\n") != ident("X = 'a'\n") and ident("X = ('a' 'b')\n") == ident("X = 'ab'\n")
     assert tiny_source_hash() == tiny_source_hash() and len(tiny_source_hash()) == 64
-    assert all(f"{n} =" in src or f"def {n}(" in src for n in tiny._BUILD_NAMES)
+    assert all(f"{n} =" in src or f"def {n}(" in src for n in tiny_ship._BUILD_NAMES)
 
 
 def test_dapo_tiny_cli_checks_and_refuses_bad_targets(tmp_path, capsys):
-    assert tiny.main(["--check"]) == 0
-    assert tiny.main(["--out", str(tmp_path / "missing" / "x")]) == 2
+    assert tiny_ship.main(["--check"]) == 0
+    assert tiny_ship.main(["--out", str(tmp_path / "missing" / "x")]) == 2
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "a.txt").write_text("keep")
-    assert tiny.main(["--out", str(tmp_path / "mine")]) == 2
+    assert tiny_ship.main(["--out", str(tmp_path / "mine")]) == 2
     assert (tmp_path / "mine" / "a.txt").read_text() == "keep"
     err = capsys.readouterr().err
     assert "parent folder does not exist" in err and "is not a tiny model folder" in err

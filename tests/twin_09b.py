@@ -46,7 +46,8 @@ def twin_cells(source_cells: list[str]) -> list[str]:
 def main(work: Path) -> dict:
     import torch
     from dapo_ref.data import save_math_dataset
-    from dapo_ref.tiny import ensure_tiny_model, tiny_splits
+    from dapo_ref.tiny import tiny_splits
+    from dapo_ref.tiny_ship import ensure_tiny_model
 
     torch.set_num_threads(1)
     train, held = tiny_splits(64, 4, seed=0)
