@@ -55,10 +55,12 @@ test: lint check-export check-clean
 
 # ruff, configured in pyproject.toml (line length 120): the notebooks, tests, benchmarks and CI scripts formatted (the
 # library is the notebooks' export, so it is formatted through them), and every file of them and of dapo_ref/ checked.
+# Then the lesson path's reading time (.ci/lesson_time.py): at most 180 minutes, and the number the index states.
 lint: install
 	$(BIN)/ruff format --check nbs tests benchmarks .ci
 	$(BIN)/ruff check nbs dapo_ref tests benchmarks .ci
 	@echo "lint: ruff format and ruff check pass"
+	$(PY) .ci/lesson_time.py --max 180 --check-index
 
 # The notebooks are the source of dapo_ref/: exporting them must change nothing.
 check-export: install

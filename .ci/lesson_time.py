@@ -3,7 +3,8 @@ one minute per figure, over the notebooks `nbs/index.ipynb` lists under **The al
 
 Prose = the words (whitespace-separated) of the markdown cells; code = the non-blank lines of every code cell (a
 student stepping through the notebook meets the hidden ones too); a figure = a code output holding an image.
-`python .ci/lesson_time.py` prints one row per notebook and the total; `--max M` exits 1 when the total is over M."""
+`python .ci/lesson_time.py` prints one row per notebook and the total; `--max M` exits 1 when the total is over M, and
+`--check-index` when the index does not state the total, rounded to the minute ("gives N minutes")."""
 
 import json, re, sys
 from pathlib import Path
@@ -48,7 +49,17 @@ def main(argv=None) -> int:
         f"{'total':<16} {sum(r['words'] for _, r in rows):>6} {sum(r['code'] for _, r in rows):>5} "
         f"{sum(r['figures'] for _, r in rows):>4} {total:>6.1f}"
     )
-    return 1 if limit is not None and total > limit else 0
+    if limit is not None and total > limit:
+        print(f"lesson path: {total:.1f} minutes, over the {limit:g} allowed", file=sys.stderr)
+        return 1
+    if "--check-index" in argv:
+        text = (NBS / "index.ipynb").read_text()
+        stated = re.search(r"gives (\d+) minutes", text)
+        if not stated or int(stated.group(1)) != round(total):
+            said = stated.group(1) if stated else "no number"
+            print(f"nbs/index.ipynb states {said} minutes; the count gives {round(total)}: update the index", file=sys.stderr)
+            return 1
+    return 0
 
 
 if __name__ == "__main__":
