@@ -57,7 +57,10 @@ def main(argv=None) -> int:
         stated = re.search(r"gives (\d+) minutes", text)
         if not stated or int(stated.group(1)) != round(total):
             said = stated.group(1) if stated else "no number"
-            print(f"nbs/index.ipynb states {said} minutes; the count gives {round(total)}: update the index", file=sys.stderr)
+            print(
+                f"nbs/index.ipynb states {said} minutes; the count gives {round(total)}: update the index",
+                file=sys.stderr,
+            )
             return 1
     return 0
 
