@@ -52,7 +52,7 @@ COLUMNS = [
     "resp len",
     "truncated",
     "gen rounds/step",
-    "zero-adv groups",
+    "all-right/wrong groups",
     "train acc",
     "seeds",
 ]

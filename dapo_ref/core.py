@@ -169,7 +169,9 @@ class DAPOConfig(DAPOHyperparams):
     # --- run ---
     model: str = knob("tiny", "hub name or local folder of a causal LM; tiny = the embedded tiny default")
     train_data: str | None = knob(None, "parquet/JSONL in DAPO-Math-17k schema; null = the tiny task")
-    eval_data: str | None = knob(None, "held-out parquet/JSONL; null = the tiny task's held-out split")
+    eval_data: str | None = knob(
+        None, "held-out parquet/JSONL files or dapo-data names, a list or a,b; null = the tiny task's held-out split"
+    )
     total_steps: int = knob(200, "rollout steps to train for", ge(0))
     seed: int = knob(
         0,
@@ -180,6 +182,7 @@ class DAPOConfig(DAPOHyperparams):
         22528, "tokens (prompt + response) per micro-batch on one device", ge(1), "", "22528"
     )
     eval_every: int = knob(10, "rollout steps between held-out evaluations; 0 = only at start and end", ge(0))
+    val_before_train: bool = knob(True, "held-out evaluation at step 0, before training (verl's name)", None, "", "on")
     save_every: int = knob(10, "rollout steps between checkpoints (what --resume needs); 0 = only at the end", ge(0))
     export_every: int = knob(0, "rollout steps between HF exports (exports/step-N); 0 = only final/", ge(0))
     output_dir: str = knob("runs/dapo", "metrics.jsonl, curves.png and checkpoints go here")
@@ -396,13 +399,15 @@ def _check_type(name: str, value: Any, tp: str, allowed: Allowed | None = None) 
         return int(value)
     if want is str and name == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value) or "none"  # report_to: [tensorboard, wandb] in YAML
+    if want is str and name == "eval_data" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)  # eval_data: [a.parquet, b.jsonl] in YAML; eval_data=a.parquet,b.jsonl
     if want is str and isinstance(value, str):
         if name not in PATH_FIELDS:
             return value
         if not value.strip():  # `train_data=$UNSET`: an empty path is never what was meant
             none = ", or null for " + ("the built-in tiny task" if "data" in name else "none") if optional else ""
             raise InputError(f"{name} is empty (an unset shell variable?): give a path{none}", name)
-        return os.path.expanduser(value)  # `~/models/x`: the shell expands ~ only at the start of a word
+        return ",".join(map(os.path.expanduser, value.split(","))) if name == "eval_data" else os.path.expanduser(value)
     raise InputError(f"{name}: got {short(value)} ({type(value).__name__}), expected {tp}", name)
 
 # %% ../nbs/00_core.ipynb #47121403

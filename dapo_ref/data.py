@@ -12,13 +12,13 @@ from typing import Iterable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .core import InputError
+from .core import InputError, short
 from .cli import ArgParser, cli_errors, one_line
 
 # %% auto #0
 __all__ = ['PROMPT_TEMPLATE', 'DEFAULT_STYLE', 'HUB_DATASETS', 'MathExample', 'make_example', 'example_from_row',
            'example_to_row', 'dedup_examples', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids',
-           'check_prompt_lengths', 'sha256', 'fetch_dataset', 'main']
+           'check_prompt_lengths', 'sha256', 'fetch_dataset', 'main', 'eval_files', 'load_eval_files']
 
 # %% ../nbs/01_data.ipynb #793c5e71
 PROMPT_TEMPLATE = (
@@ -446,3 +446,51 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     return 0
+
+# %% ../nbs/01_data.ipynb #89ce40e8
+def eval_files(
+    spec: str,  # comma-separated paths or `HUB_DATASETS` names
+    setting: str = "eval_data",  # the field or flag the paths came from, as errors name it
+    data_dir: str | Path = "data",  # where `dapo-data` writes <name>.parquet
+) -> list[Path]:
+    "The files of a comma-separated `spec`, each checked to exist; a name of `HUB_DATASETS` is data_dir/<name>.parquet."
+    items = spec.split(",")
+    out = []
+    for i, item in enumerate(items):
+        where = f"{setting} item {i + 1} of {len(items)}" if len(items) > 1 else setting
+        if not item.strip():
+            raise InputError(f"{where} is empty in {short(spec)}; separate paths with single commas", setting)
+        path = Path(item.strip())
+        if item.strip() in HUB_DATASETS and not path.exists():
+            path = Path(data_dir) / f"{item.strip()}.parquet"
+            if not path.is_file():
+                raise InputError(
+                    f"{where} names {item.strip()}, but {path} is absent; fetch it with "
+                    f"`dapo-data --only {item.strip()}` (or give a path)",
+                    setting,
+                )
+        elif not path.is_file():
+            what = "a folder" if path.is_dir() else "absent"
+            raise InputError(
+                f"{where}: {item.strip()} is {what}; give a .parquet or .jsonl file, or one of "
+                f"{', '.join(HUB_DATASETS)} (fetched by dapo-data)",
+                setting,
+            )
+        out.append(path)
+    return out
+
+
+def load_eval_files(
+    spec: str,  # comma-separated paths or `HUB_DATASETS` names (`eval_files`)
+    setting: str = "eval_data",  # the field or flag, as errors name it
+) -> list[MathExample]:
+    "The examples of every file of `spec`, in order; a row without `data_source` takes its file's stem."
+    examples = []
+    for path in eval_files(spec, setting):
+        got = load_math_dataset(path)
+        if not got:  # else every held-out accuracy would be n/a
+            raise InputError(f"{setting} = {path} holds no problems; give a file with rows, or {setting}=null", setting)
+        for ex in got:
+            ex.data_source = ex.data_source or path.stem
+        examples += got
+    return examples

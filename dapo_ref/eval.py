@@ -15,8 +15,8 @@ from .reward import normalize_answer, score_batch
 from .interfaces import RolloutEngine, SamplingParams
 
 # %% auto #0
-__all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'majority_vote', 'maj_at_k', 'generate_checked',
-           'response_rows', 'evaluate']
+__all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'pass_ks', 'majority_vote', 'maj_at_k', 'generate_checked',
+           'response_rows', 'set_metrics', 'truths_of', 'source_groups', 'evaluate', 'eval_metrics']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
@@ -64,6 +64,16 @@ def pass_at_k_batch(
     factors = torch.where(in_range, 1.0 - k / i, torch.ones((), dtype=torch.float64))  # (P, n)
     fail = factors.prod(1)  # (P,) C(n-c,k)/C(n,k)
     return torch.where(n - c.squeeze(1) < k, torch.ones_like(fail), 1.0 - fail)  # (P,)
+
+# %% ../nbs/08_eval.ipynb #519b2539
+def pass_ks(
+    n: int,  # samples per problem, n >= 1
+) -> list[int]:
+    "The k of the pass@k curve for n samples: 1, 2, 4, ... (powers of two <= n), then n when it is not one."
+    if n < 1:
+        raise ValueError(f"pass_ks needs n >= 1 samples per problem, got n={n}")
+    ks = [1 << i for i in range(n.bit_length())]  # 2**i <= n
+    return ks if ks[-1] == n else ks + [n]
 
 # %% ../nbs/08_eval.ipynb #d8308306
 INVALID = "[INVALID]"  # the reward module's prediction for a response with no extractable answer
@@ -165,6 +175,33 @@ def response_rows(
         )
     ]
 
+# %% ../nbs/08_eval.ipynb #560472d9
+def set_metrics(
+    correct,  # (P, k) bool verdicts of P problems
+    preds: list[list[str | None]],  # P lists of k extracted answers
+    truths: list[str],  # P ground truths
+) -> dict:
+    "avg@k, pass@j for every j of `pass_ks(k)`, maj@k and n_prompts of one set of problems."
+    correct = _as_bool_matrix(correct)
+    return {
+        "avg@k": avg_at_k(correct),
+        **{f"pass@{j}": pass_at_k_batch(correct, j).mean().item() for j in pass_ks(correct.shape[1])},
+        "maj@k": maj_at_k(preds, truths, correct=correct),
+        "n_prompts": len(preds),
+    }
+
+
+def truths_of(examples: Sequence[MathExample]) -> list[str]:
+    return [ex.ground_truth for ex in examples]
+
+
+def source_groups(examples: Sequence[MathExample]) -> dict[str, list[int]]:
+    "data_source -> indices of its examples, in order of first appearance; an empty data_source is `unknown`."
+    groups: dict[str, list[int]] = {}
+    for p, ex in enumerate(examples):
+        groups.setdefault(ex.data_source or "unknown", []).append(p)
+    return groups
+
 # %% ../nbs/08_eval.ipynb #d39b40de
 def evaluate(
     engine: RolloutEngine,  # generates k completions per prompt
@@ -182,6 +219,7 @@ def evaluate(
     return_per_prompt: bool = False,  # add "per_prompt": per-problem predictions and counts
     progress: bool = False,  # pass use_tqdm=True to the engine (a progress bar per call)
     samples: list | None = None,  # when a list: one row per response appended (samples.jsonl, `track`)
+    breakdown: bool = False,  # add pass@j for every j of `pass_ks(k)`, and "by_source": `set_metrics` per data_source
 ) -> dict:
     "Sample k responses per prompt and report avg@k, pass@k (any of k correct), maj@k, length and truncation."
     if not examples:
@@ -229,7 +267,7 @@ def evaluate(
     res = {
         "avg@k": avg_at_k(correct),
         "pass@k": pass_at_k_batch(correct, k).mean().item(),  # n = k: any of the k samples correct
-        "maj@k": maj_at_k(preds, [ex.ground_truth for ex in examples], correct=correct),
+        "maj@k": maj_at_k(preds, truths_of(examples), correct=correct),
         "mean_length": lengths.mean().item(),
         "truncated_frac": truncated.double().mean().item(),
         "n_prompts": P,
@@ -237,6 +275,12 @@ def evaluate(
         "reward": reward,
         "reward_timeouts": timeouts,
     }
+    if breakdown:
+        res.update({key: v for key, v in set_metrics(correct, preds, truths_of(examples)).items() if "pass@" in key})
+        res["by_source"] = {
+            s: set_metrics(correct[idx], [preds[p] for p in idx], truths_of([examples[p] for p in idx]))
+            for s, idx in source_groups(examples).items()
+        }
     if return_per_prompt:
         votes = [majority_vote(ps) for ps in preds]
         res["per_prompt"] = [
@@ -250,3 +294,20 @@ def evaluate(
             for p, ex in enumerate(examples)
         ]
     return res
+
+# %% ../nbs/08_eval.ipynb #e314fd46
+def eval_metrics(
+    parts: list[dict],  # `evaluate(..., breakdown=True)` results of disjoint shards of one evaluation set
+) -> dict[str, float]:
+    "Flat `eval/<metric>` (all problems) and `eval/<source>/<metric>` keys, k written out (avg@32); problem-weighted means."
+    k = parts[0]["k"]
+    name = lambda m: m.replace("@k", f"@{k}")
+    out: dict[str, float] = {}
+    for prefix, sets in [("eval/", parts)] + [
+        (f"eval/{s}/", [p["by_source"][s] for p in parts if s in p["by_source"]])
+        for s in dict.fromkeys(s for p in parts for s in p["by_source"])
+    ]:
+        n = sum(x["n_prompts"] for x in sets)
+        for m in [key for key in sets[0] if key.startswith(("avg@", "pass@", "maj@"))]:
+            out[prefix + name(m)] = sum(x[m] * x["n_prompts"] for x in sets) / n
+    return out

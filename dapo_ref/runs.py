@@ -249,6 +249,7 @@ FROZEN = (  # change the experiment: a resumed run must keep them
 FREE = (  # may change on resume: applied from the next step on, written to config.yaml, one log line
     "total_steps",
     "eval_every",
+    "val_before_train",  # only the step-0 evaluation, which a resumed run has behind it
     "save_every",
     "export_every",
     "eval_k",

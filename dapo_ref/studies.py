@@ -215,7 +215,7 @@ def mechanism_summary(
     rows: list[dict],  # metrics rows of one run
     tail: int = 5,  # rollout steps averaged for the "end" statistics
 ) -> dict:
-    "One run's mechanism diagnostics: entropy, clipping, up-clipped probability, zero-advantage groups, cost, held-out accuracy."
+    "One run's mechanism diagnostics: entropy, clipping, up-clipped probability, all-right or all-wrong groups, cost, held-out accuracy."
     steps = [r for r in rows if r.get("step", 0) > 0]
     evals = [r for r in rows if "eval_acc" in r]
     m = lambda xs: statistics.fmean(xs) if xs else float("nan")
@@ -255,7 +255,7 @@ STUDY_METRICS = {  # key of mechanism_summary: (label, scale in the table)
     "pass_end": ("held-out pass@k end (%)", 100),
     "acc_mean": ("held-out avg@k, mean of evals (%)", 100),
     "pass_mean": ("held-out pass@k, mean of evals (%)", 100),
-    "zero_adv_frac": ("zero-advantage groups (% generated)", 100),
+    "zero_adv_frac": ("all-right or all-wrong groups (% generated)", 100),
     "gen_rounds": ("generation rounds per step", 1),
     "wall_train": ("training wall time (s)", 1),
     "len_mean": ("response length, mean over the run (tokens)", 1),
@@ -400,7 +400,7 @@ STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each]
             "zero_advantage.png",
             "Zero-advantage groups and what dynamic sampling pays for them",
             [
-                ("zero_adv_frac", "zero-advantage groups / generated", "grad_updates"),
+                ("zero_adv_frac", "all-right or all-wrong groups / generated", "grad_updates"),
                 ("gen_rounds", "generation rounds per step", "grad_updates"),
             ],
         ),
@@ -415,7 +415,7 @@ STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each]
             "zero_advantage.png",
             "Zero-advantage groups and what dynamic sampling pays for them",
             [
-                ("zero_adv_frac", "zero-advantage groups / generated", "grad_updates"),
+                ("zero_adv_frac", "all-right or all-wrong groups / generated", "grad_updates"),
                 ("gen_rounds", "generation rounds per step", "grad_updates"),
             ],
         ),

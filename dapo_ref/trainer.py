@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from . import dist
 from .core import DAPOConfig, InputError, validate
 from .cli import one_line, save_config
-from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
+from .data import MathExample, check_prompt_lengths, load_eval_files, load_math_dataset, prompt_token_ids
 from .reward_pool import check_plugin, is_plugin
 from dapo_ref.runs import (
     FROZEN,
@@ -104,16 +104,14 @@ def load_splits(cfg: DAPOConfig) -> tuple[list[MathExample], list[MathExample]]:
             TINY_N_TRAIN, TINY_N_EVAL, seed=0
         )  # fixed split: every seed is evaluated on the same problems
     train = load_math_dataset(cfg.train_data) if cfg.train_data else tiny[0]
-    if cfg.eval_data:
-        held_out = load_math_dataset(cfg.eval_data)
+    if cfg.eval_data:  # every file checked before any is read; each keeps its data_source
+        held_out = load_eval_files(cfg.eval_data)
     else:
         held_out = tiny[1] if cfg.train_data is None else []
     if not train:
         raise InputError(
             f"train_data = {cfg.train_data} holds no problems; give a file with rows in the DAPO-Math-17k schema"
         )
-    if cfg.eval_data and not held_out:  # else every held-out accuracy would be n/a
-        raise InputError(f"eval_data = {cfg.eval_data} holds no problems; give a file with rows, or eval_data=null")
     return train, held_out
 
 # %% ../nbs/09_trainer.ipynb #faefc769
@@ -316,10 +314,10 @@ def step(self: Trainer) -> dict:
 # %% ../nbs/09_trainer.ipynb #f797bc6e
 @patch
 def evaluate(self: Trainer) -> dict:
-    "Held-out avg@k, pass@k, maj@k (empty when there is no held-out set); each rank evaluates its share."
+    "Held-out avg@k, pass@k, maj@k, overall and per data_source (empty with no held-out set); each rank its share."
     if not self.eval_examples:
         return {}
-    from dapo_ref.eval import evaluate
+    from dapo_ref.eval import eval_metrics, evaluate
 
     cfg, t0 = self.cfg, time.perf_counter()
     d, D, t = rollout_groups(self.rank, self.world, cfg.vllm_tensor_parallel if self.world > 1 else 1)
@@ -338,6 +336,7 @@ def evaluate(self: Trainer) -> dict:
             seed=seed,
             reward=cfg.reward,
             samples=rows,
+            breakdown=True,
         )
         if mine
         else None
@@ -354,6 +353,7 @@ def evaluate(self: Trainer) -> dict:
         eval_maj=mean("maj@k"),
         eval_len=mean("mean_length"),
         time_eval=time.perf_counter() - t0,
+        **eval_metrics(parts),  # eval/<metric> and eval/<source>/<metric>
     )
 
 # %% ../nbs/09_trainer.ipynb #634c99a2
@@ -497,7 +497,8 @@ def _start(self: Trainer, resume: bool, overwrite: bool = False):
     if ck is None:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self._write(dict(step=0, grad_updates=0, **self.evaluate()))  # held-out accuracy before training
+        ev = self.evaluate() if cfg.val_before_train else {}  # held-out accuracy before training
+        self._write(dict(step=0, grad_updates=0, **ev))
 
 # %% ../nbs/09_trainer.ipynb #ec23f834
 @patch
@@ -544,7 +545,7 @@ def fit(
     self.export(self.out / "final")  # every rank: a collective for partitioned learners
     evals = [r["eval_acc"] for r in self.rows if "eval_acc" in r]
     summary = dict(
-        eval_start=evals[0] if evals else None,
+        eval_start=evals[0] if evals and "eval_acc" in self.rows[0] else None,  # none: val_before_train false
         eval_end=evals[-1] if evals else None,
         steps=self.step_idx,
         grad_updates=self.grad_updates,

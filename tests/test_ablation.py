@@ -298,3 +298,25 @@ def test_all_refuses_a_part(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--all", "--study", "overlong"])
     assert e.value.code == 2 and "--all runs every part" in capsys.readouterr().err
+
+
+def test_rows_add_one_switch_each():
+    "Row 1 sets all six switches; each later row changes exactly what it adds (row 4 two: punishment on, filter off)."
+    from dapo_ref.ablation import SWITCHES
+    from dapo_ref.core import DAPOConfig
+
+    assert set(row_switches("1-grpo")) == set(SWITCHES)
+    for (a, _, _), (b, _, add) in zip(ROWS, ROWS[1:]):
+        diff = {k for k in SWITCHES if row_switches(a)[k] != row_switches(b)[k]}
+        assert diff == set(add) and len(diff) == (2 if b == "4-soft-punish" else 1)
+    assert row_switches("6-dynamic-sampling") == dict(
+        eps_low=0.2,
+        eps_high=0.28,
+        loss_agg="token-mean",
+        overlong_filter=False,
+        soft_overlong_punishment=True,
+        dynamic_sampling=True,
+    )
+    assert row_switches("6-dynamic-sampling") == {k: getattr(DAPOConfig(), k) for k in SWITCHES}
+    with pytest.raises(ValueError, match="rows are: 1-grpo"):
+        row_switches("7-magic")

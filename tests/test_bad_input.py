@@ -636,6 +636,24 @@ CASES = [
         ("eval_data = empty.jsonl holds no problems", "eval_data=null"),
     ),
     Case(
+        "train-eval-data-second-file-absent",
+        "dapo-train",
+        lambda w: train_args(w, f"eval_data={w.data},nope.jsonl", out="runs/new"),
+        ("eval_data item 2 of 2: nope.jsonl is absent", "give a .parquet or .jsonl file"),
+    ),
+    Case(
+        "train-eval-data-list-empty-item",
+        "dapo-train",
+        lambda w: train_args(w, f"eval_data=[{w.data}, '']", out="runs/new"),
+        ("eval_data item 2 of 2 is empty", "separate paths with single commas"),
+    ),
+    Case(
+        "train-eval-data-name-not-fetched",
+        "dapo-train",
+        lambda w: train_args(w, "eval_data=aime-2024", out="runs/new"),
+        ("eval_data names aime-2024, but data/aime-2024.parquet is absent", "dapo-data --only aime-2024"),
+    ),
+    Case(
         "train-config-twice",
         "dapo-train",
         lambda w: ["--config", "recipes/tiny-cpu.yaml", "--config", "recipes/ablation-tiny.yaml"],

@@ -205,3 +205,14 @@ def test_cli_errors_one_line_exit_2(capsys):
         with cli_errors("dapo-x"):
             raise KeyError("bug")
     assert one_line(OSError()) == "OSError"
+
+
+def test_eval_data_takes_a_list_or_commas_and_expands_each_home(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/u")
+    want = "/home/u/a.parquet,b.jsonl"
+    assert config_from_dict({"eval_data": ["~/a.parquet", "b.jsonl"]}).eval_data == want  # a YAML list
+    assert config_from_dict({"eval_data": "~/a.parquet,b.jsonl"}).eval_data == want  # eval_data=a,b on the CLI
+    assert config_from_dict({"eval_data": "~/a.parquet"}).eval_data == "/home/u/a.parquet"  # one path as before
+    assert config_from_dict({}).val_before_train is True  # step-0 evaluation stays the default
+    with pytest.raises(ValueError, match="val_before_train: got 'no', expected true or false"):
+        config_from_dict({"val_before_train": "no"})

@@ -482,3 +482,19 @@ def test_check_prompt_lengths_names_file_row(tmp_path):
         check_prompt_lengths(exs, ids, n0 - 1)
     with pytest.raises(InputError, match=r"first: example 1,"):  # examples built in code have no file row
         check_prompt_lengths([make_example("a", 1), make_example("a b c", 1)], [[1], [1, 2, 3]], 2)
+
+
+def test_load_eval_files_keeps_each_files_data_source(tmp_path):
+    from dapo_ref.core import InputError
+    from dapo_ref.data import eval_files, load_eval_files
+
+    save_math_dataset([make_example("What is 1 + 1?", 2, data_source="")], tmp_path / "mine.jsonl")
+    save_math_dataset([make_example("What is 2 + 3?", 5, data_source="math")] * 2, tmp_path / "m.parquet")
+    held = load_eval_files(f"{tmp_path / 'mine.jsonl'},{tmp_path / 'm.parquet'}")
+    assert [(e.ground_truth, e.data_source) for e in held] == [("2", "mine"), ("5", "math")]  # stem; deduplicated
+    with pytest.raises(InputError, match=r"aime-2024.parquet is absent; fetch it with `dapo-data --only aime-2024`"):
+        eval_files("aime-2024", data_dir=tmp_path)
+    with pytest.raises(InputError, match="eval_data item 1 of 2: x.jsonl is absent"):
+        eval_files(f"x.jsonl,{tmp_path / 'mine.jsonl'}")
+    with pytest.raises(InputError, match="is a folder; give a .parquet or .jsonl file"):
+        eval_files(str(tmp_path))

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import dapo_ref.rollout
 from dapo_ref.data import make_example
-from dapo_ref.eval import avg_at_k, evaluate, maj_at_k, majority_vote, pass_at_k, pass_at_k_batch
+from dapo_ref.eval import avg_at_k, eval_metrics, evaluate, maj_at_k, majority_vote, pass_at_k, pass_at_k_batch, pass_ks
 from dapo_ref.eval_cli import main
 from dapo_ref.interfaces import Completion, RolloutEngine
 
@@ -225,6 +225,101 @@ def test_evaluate_rejects_misordered_completions():
             top_p=0.7,
             max_tokens=16,
         )
+
+
+# ---------------------------------------------------------------- the pass@k curve, per data_source
+
+
+def test_pass_ks_are_the_powers_of_two_then_n():
+    assert [pass_ks(n) for n in (1, 2, 3, 4, 5, 8, 32, 33)] == [
+        [1],
+        [1, 2],
+        [1, 2, 3],
+        [1, 2, 4],
+        [1, 2, 4, 5],
+        [1, 2, 4, 8],
+        [1, 2, 4, 8, 16, 32],
+        [1, 2, 4, 8, 16, 32, 33],
+    ]
+    with pytest.raises(ValueError, match="pass_ks needs n >= 1"):
+        pass_ks(0)
+
+
+def test_pass_at_k_curve_equals_hand_computation():
+    # n = 6 samples, two problems with c = 2 and c = 5 correct; pass@k = 1 - C(n-c, k) / C(n, k):
+    #   c = 2: k=1: 2/6 = 1/3;  k=2: 1 - C(4,2)/C(6,2) = 1 - 6/15 = 3/5;  k=4: 1 - C(4,4)/C(6,4) = 1 - 1/15 = 14/15;  k=6: 1
+    #   c = 5: k=1: 5/6;        k=2: C(1,2) = 0, so 1;                    k=4: 1;                                 k=6: 1
+    # means: pass@1 = (1/3 + 5/6)/2 = 7/12, pass@2 = (3/5 + 1)/2 = 4/5, pass@4 = (14/15 + 1)/2 = 29/30, pass@6 = 1
+    correct = torch.tensor([[1, 0, 1, 0, 0, 0], [1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    hand = {1: 7 / 12, 2: 4 / 5, 4: 29 / 30, 6: 1.0}
+    assert pass_ks(6) == list(hand)
+    for k, v in hand.items():
+        assert pass_at_k_batch(correct, k).mean().item() == pytest.approx(v, abs=1e-12), k
+
+
+# SCRIPT's problems as two sources, a = problems 0 and 2 (c = 3, 1 of k = 3), b = problems 1 and 3 (c = 1, 1).
+# pass@2 of c = 3 is 1, of c = 1 is 1 - C(2,2)/C(3,2) = 2/3; pass@3 is 1 for every problem (each has c >= 1).
+# all: avg@3 = 6/12 = 1/2, pass@1 = 1/2, pass@2 = (1 + 3 * 2/3)/4 = 3/4, pass@3 = 1, maj@3 = 1/4 (above)
+# a:   avg@3 = 4/6 = 2/3,  pass@1 = 2/3, pass@2 = (1 + 2/3)/2 = 5/6,   pass@3 = 1, maj@3 = 1/2 (problem 0 only)
+# b:   avg@3 = 2/6 = 1/3,  pass@1 = 1/3, pass@2 = 2/3,                 pass@3 = 1, maj@3 = 0
+SOURCES = ["a", "b", "a", "b"]
+HAND_FLAT = {
+    "eval/avg@3": 1 / 2,
+    "eval/pass@1": 1 / 2,
+    "eval/pass@2": 3 / 4,
+    "eval/pass@3": 1.0,
+    "eval/maj@3": 1 / 4,
+    "eval/a/avg@3": 2 / 3,
+    "eval/a/pass@1": 2 / 3,
+    "eval/a/pass@2": 5 / 6,
+    "eval/a/pass@3": 1.0,
+    "eval/a/maj@3": 1 / 2,
+    "eval/b/avg@3": 1 / 3,
+    "eval/b/pass@1": 1 / 3,
+    "eval/b/pass@2": 2 / 3,
+    "eval/b/pass@3": 1.0,
+    "eval/b/maj@3": 0.0,
+}
+
+
+def sourced_examples(sources=SOURCES):
+    return [make_example(q, a, data_source=s) for (q, a), s in zip(PROBLEMS, sources)]
+
+
+def run_breakdown(examples, script, **kw):
+    tok = byte_tokenizer()
+    return evaluate(
+        ScriptedEngine(tok, script), tok, examples, k=3, temperature=1.0, top_p=0.7, max_tokens=16, breakdown=True, **kw
+    )
+
+
+@pytest.mark.parametrize("batch_prompts", [1, 3, 64])
+def test_breakdown_per_source_equals_hand_computation(batch_prompts):
+    res = run_breakdown(sourced_examples(), SCRIPT, batch_prompts=batch_prompts)
+    for key, v in EXPECTED.items():  # the default keys keep their values
+        assert res[key] == pytest.approx(v, abs=1e-12), key
+    assert list(res["by_source"]) == ["a", "b"]
+    assert [res["by_source"][s]["n_prompts"] for s in "ab"] == [2, 2]
+    flat = eval_metrics([res])
+    assert set(flat) == set(HAND_FLAT)
+    for key, v in HAND_FLAT.items():
+        assert flat[key] == pytest.approx(v, abs=1e-12), key
+
+
+def test_eval_metrics_of_shards_weights_by_problems():
+    # shards of 1 and 3 problems (as ranks get them): the merged means are those of the whole set
+    parts = [run_breakdown(sourced_examples()[:1], SCRIPT[:1]), run_breakdown(sourced_examples()[1:], SCRIPT[1:])]
+    assert "b" not in parts[0]["by_source"]
+    flat = eval_metrics(parts)
+    assert set(flat) == set(HAND_FLAT)
+    for key, v in HAND_FLAT.items():
+        assert flat[key] == pytest.approx(v, abs=1e-12), key
+
+
+def test_breakdown_names_an_empty_data_source_unknown():
+    res = run_breakdown(sourced_examples(["", "", "a", "a"]), SCRIPT)
+    assert list(res["by_source"]) == ["unknown", "a"]
+    assert res["by_source"]["unknown"]["avg@k"] == pytest.approx(4 / 6, abs=1e-12)  # 3 + 1 of 6 samples
 
 
 # ---------------------------------------------------------------- dapo-eval end to end

@@ -765,3 +765,32 @@ def test_resume_checks_the_experiment_stored_in_the_checkpoint(tmp_path, capsys)
     assert not (run / "config.yaml").exists() and (run / "metrics.jsonl").read_bytes() == before  # nothing written
     assert main([*common, "total_steps=2", "--resume"]) == 0  # the same experiment resumes
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_val_before_train_and_per_source_metrics_at_step_0(tmp_path, policy, before):
+    "total_steps = 0: the step-0 row holds the held-out evaluation (overall and per data_source) only when asked."
+    import dataclasses
+
+    from dapo_ref.tiny import tiny_splits
+
+    train_ex, held = tiny_splits(64, 6, seed=0)
+    held = [dataclasses.replace(e, data_source="x" if i < 2 else "y") for i, e in enumerate(held)]  # 2 x, 4 y
+    cfg = tiny_cfg(tmp_path, total_steps=0, eval_k=2, val_before_train=before)
+    model, tok = fresh(policy)
+    tr = Trainer(cfg, train_examples=train_ex, eval_examples=held, model=model, tokenizer=tok, progress=False, log=None)
+    summary = tr.fit()
+    row = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert row["step"] == 0
+    if not before:
+        assert not any(k.startswith("eval") for k in row) and summary["eval_start"] is None
+        return
+    names = ["avg@2", "pass@1", "pass@2", "maj@2"]
+    assert {k for k in row if k.startswith("eval/")} == {f"eval/{s}{m}" for s in ("", "x/", "y/") for m in names}
+    for m in names:  # the overall mean is the problem-weighted mean of the sources: (2 x + 4 y) / 6
+        assert row[f"eval/{m}"] == pytest.approx((2 * row[f"eval/x/{m}"] + 4 * row[f"eval/y/{m}"]) / 6, abs=1e-12)
+    assert (row["eval/avg@2"], row["eval/pass@2"], row["eval/maj@2"]) == pytest.approx(
+        (row["eval_acc"], row["eval_pass"], row["eval_maj"]), abs=1e-12
+    )
+    assert row["eval/pass@1"] == pytest.approx(row["eval_acc"], abs=1e-12)  # pass@1 = c/n averaged = avg@k
+    assert summary["eval_start"] == row["eval_acc"]
