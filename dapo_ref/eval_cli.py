@@ -14,14 +14,22 @@ from safetensors import SafetensorError
 from .arch import arch_from_config, kv_bytes_per_token, n_params
 from .core import DAPOConfig, REWARD_MODES, REWARD_PLUGIN, InputError
 from .cli import ArgParser, cli_errors, interrupts, one_line
-from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_token_ids
+from dapo_ref.data import (
+    HUB_DATASETS,
+    MathExample,
+    check_prompt_lengths,
+    eval_files,
+    load_math_dataset,
+    prompt_token_ids,
+)
 from .reward_pool import check_plugin
 from .eval import evaluate
 from .testbeds import resolve_model
 
 # %% auto #0
-__all__ = ['WRITTEN_BY', 'LOAD_ERRORS', 'check_output_file', 'check_device', 'load_model_config', 'check_model',
-           'weights_problem', 'generation_memory', 'available_memory', 'check_generation_memory', 'main', 'vllm_engine']
+__all__ = ['WRITTEN_BY', 'LOAD_ERRORS', 'check_output_file', 'check_device', 'data_files', 'load_model_config', 'check_model',
+           'weights_problem', 'generation_memory', 'available_memory', 'check_generation_memory', 'report_lines',
+           'main', 'vllm_engine']
 
 # %% ../nbs/08_eval_cli.ipynb #37f2a250
 def _parser() -> argparse.ArgumentParser:
@@ -36,7 +44,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--model", required=True, help="local folder (save_pretrained), hub name, or 'tiny' (the embedded tiny model)"
     )
-    ap.add_argument("--data", required=True, help=".parquet or .jsonl file in the DAPO-Math-17k schema")
+    ap.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        metavar="FILE",
+        help=".parquet or .jsonl files in the DAPO-Math-17k schema, or names fetched by dapo-data ("
+        + ", ".join(HUB_DATASETS)
+        + "), space- or comma-separated as the trainer's eval_data; metrics per data_source and overall",
+    )
     ap.add_argument("--k", type=int, default=d.eval_k, help="samples per problem (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=d.eval_temperature, help="(default: %(default)s)")
     ap.add_argument("--top-p", type=float, default=d.eval_top_p, help="(default: %(default)s)")
@@ -160,15 +176,30 @@ def check_device(
         raise InputError(f"{flag} {device}: dapo-eval runs on cpu or cuda; give one of them")
 
 
+def data_files(
+    data: str | list[str],  # `--data`: paths or `HUB_DATASETS` names, each may be comma-separated (`eval_data`)
+) -> list[Path]:
+    "The files of `--data`, each checked; a name is resolved as the trainer's `eval_data` (data/<name>.parquet)."
+    spec = ",".join([data] if isinstance(data, str) else data)
+    for item in map(str.strip, spec.split(",")):
+        if not item or (item in HUB_DATASETS and not Path(item).exists()):
+            continue  # `eval_files` names an empty item, or a name dapo-data has not fetched
+        f = Path(item).expanduser()
+        if f.suffix.lower() not in (".parquet", ".jsonl"):
+            raise InputError(f"--data {item}: expected a .parquet or .jsonl file, got '{f.suffix}'")
+        if f.is_dir():
+            raise InputError(f"--data {item} is a folder; give one .parquet or .jsonl file")
+        if not f.is_file():
+            raise InputError(
+                f"--data {item}: no such file; give a .parquet or .jsonl file, or a name dapo-data fetches "
+                f"({', '.join(HUB_DATASETS)})"
+            )
+    return eval_files(",".join(str(Path(i.strip()).expanduser()) for i in spec.split(",")), "--data")
+
+
 def _check_args(args) -> None:
-    "Raise `InputError` naming the flag for a missing file or an out-of-range value."
-    data = Path(args.data).expanduser()
-    if data.suffix.lower() not in (".parquet", ".jsonl"):
-        raise InputError(f"--data {args.data}: expected a .parquet or .jsonl file, got '{data.suffix}'")
-    if data.is_dir():
-        raise InputError(f"--data {args.data} is a folder; give one .parquet or .jsonl file")
-    if not data.is_file():
-        raise InputError(f"--data {args.data}: no such file")
+    "Raise `InputError` naming the flag for a missing file or an out-of-range value; sets `args.data_files`."
+    args.data_files = data_files(args.data)
     for flag, ok, allowed in [
         ("--k", args.k >= 1, ">= 1"),
         ("--max-tokens", args.max_tokens >= 1, ">= 1"),
@@ -200,7 +231,8 @@ def _check_args(args) -> None:
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise InputError("--backend vllm: vllm is not installed here; pip install -e '.[scale]', or use --backend hf")
     check_device(args.device)
-    check_output_file(args.out, args.overwrite, inputs={"--data": args.data, "--model": args.model})
+    inputs = {f"--data{f' item {i + 1}' if len(args.data_files) > 1 else ''}": f for i, f in enumerate(args.data_files)}
+    check_output_file(args.out, args.overwrite, inputs={**inputs, "--model": args.model})
 
 # %% ../nbs/08_eval_cli.ipynb #a664d8f9
 def _offline() -> bool:
@@ -330,11 +362,18 @@ def check_generation_memory(
 def _prepare(args):
     "Every check that can fail on the user's input, cheapest first; returns what `main` needs to evaluate."
     _check_args(args)
-    examples = load_math_dataset(args.data, dedup=args.dedup)
+    examples = []
+    for path in args.data_files:  # as `load_eval_files`, with --dedup: a row without data_source takes the file's stem
+        got = load_math_dataset(path, dedup=args.dedup)
+        if not got and len(args.data_files) > 1:
+            raise InputError(f"--data {path}: no problems to evaluate; give a file with rows, or leave it out")
+        for ex in got:
+            ex.data_source = ex.data_source or path.stem
+        examples += got
     if args.limit:
         examples = examples[: args.limit]
     if not examples:
-        raise InputError(f"--data {args.data}: no problems to evaluate")
+        raise InputError(f"--data {','.join(args.data)}: no problems to evaluate")
     name, config = check_model(args.model)
     from transformers import AutoTokenizer
 
@@ -371,8 +410,23 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 # %% ../nbs/08_eval_cli.ipynb #4c091367
+def report_lines(
+    res: dict,  # `evaluate(..., breakdown=True)`
+) -> list[str]:
+    "The lines printed under dapo-eval's summary: the pass@k curve of all problems, then every metric per data_source."
+    k = res["k"]
+    curve = lambda r: "  ".join(f"{m} {v:.4f}" for m, v in r.items() if m.startswith("pass@") and m != "pass@k")
+    lines = [f"  all ({res['n_prompts']} problems): {curve(res)}"]
+    if len(res["by_source"]) > 1:
+        lines += [
+            f"  {s} ({r['n_prompts']} problems): avg@{k} {r['avg@k']:.4f}  {curve(r)}  maj@{k} {r['maj@k']:.4f}"
+            for s, r in res["by_source"].items()
+        ]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
-    "The `dapo-eval` command: evaluate a model on a parquet/JSONL file, print one line, write JSON."
+    "The `dapo-eval` command: evaluate a model on parquet/JSONL files, print a summary line and the breakdown, write JSON."
     args = _parser().parse(argv)
     with interrupts("dapo-eval", "nothing was written; run the command again"):
         return _main(args)
@@ -400,12 +454,16 @@ def _main(args) -> int:
         reward=args.reward,
         return_per_prompt=True,
         progress=True,
+        breakdown=True,
     )
+    for p, ex in zip(res["per_prompt"], examples):
+        p["data_source"] = ex.data_source
     seconds = time.time() - t0
     settings = {
         "written_by": WRITTEN_BY,
         "model": args.model,
-        "data": args.data,
+        "data": ",".join(args.data),
+        "data_files": [str(f) for f in args.data_files],
         "temperature": args.temperature,
         "top_p": args.top_p,
         "max_tokens": args.max_tokens,
@@ -425,10 +483,11 @@ def _main(args) -> int:
     )
     k = args.k
     print(
-        f"dapo-eval {args.model} on {args.data}: avg@{k} {res['avg@k']:.4f}  pass@{k} {res['pass@k']:.4f}  "
+        f"dapo-eval {args.model} on {','.join(args.data)}: avg@{k} {res['avg@k']:.4f}  pass@{k} {res['pass@k']:.4f}  "
         f"maj@{k} {res['maj@k']:.4f}  ({res['n_prompts']} problems x {k} samples, mean length "
         f"{res['mean_length']:.1f} tokens, {res['truncated_frac']:.1%} truncated, {seconds:.1f} s) -> {out}"
     )
+    print("\n".join(report_lines(res)))
     return 0
 
 # %% ../nbs/08_eval_cli.ipynb #68cade6d

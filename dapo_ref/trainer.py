@@ -39,6 +39,7 @@ from .learner import TorchLearner, model_path, stage_model, load_tokenizer
 from .algorithm import Group, PromptSampler, Rollout, dapo_step, seed_of
 from .sharded import ShardedRollout
 from .track import SampleLog, Trackers, check_trackers
+from .throughput import PERF_KEYS, PerfMeter
 
 # %% auto #0
 __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'TIMING_KEYS', 'check_run', 'load_splits', 'learner_class', 'strip_timing',
@@ -134,6 +135,7 @@ TIMING_KEYS = (
     "tokens_per_s",
     "gen_tokens_per_s",
     "wall",
+    *PERF_KEYS,  # throughput, MFU, peak memory, ETA (`throughput.PerfMeter`)
 )
 
 
@@ -217,6 +219,7 @@ class Trainer:
                 f"model = {cfg.model}: some weights hold NaN or infinite values; the model is damaged: "
                 "export or copy it again, or start from another model"
             )
+        self.perf = PerfMeter(self.learner, cfg, self.world)  # the perf/ keys of every row
         self.engine = engine or make_engine(cfg, self.learner, tokenizer, self.pad_id)
         self.sampler = PromptSampler(len(train_examples), cfg.seed)  # line 2's data order
         main = self.rank == 0
@@ -279,7 +282,7 @@ def after_update(self: Trainer, update: dict):
 @patch
 def step(self: Trainer) -> dict:
     "One rollout step: `algorithm.dapo_step` (Algorithm 1 lines 2-11, then line 3) with this run's watch, guard and samples; its metrics row."
-    cfg, t0 = self.cfg, time.perf_counter()
+    cfg, t0 = self.cfg, self.perf.begin()  # the step's clock; its per-phase peak memory restarts
     self.step_idx += 1
     timer, watch = {}, SamplingWatch(self.sampling_timeout, self.log)
     metrics, kept = dapo_step(
@@ -288,8 +291,8 @@ def step(self: Trainer) -> dict:
         self.sampler,
         cfg,
         self.step_idx,
-        on_round=lambda buf: watch(buf, self.step_idx),
-        after_update=self.after_update,
+        on_round=self.perf.phase("generate", lambda buf: watch(buf, self.step_idx)),
+        after_update=self.perf.phase("update", self.after_update),
         timer=timer,
     )
     if self.samples is not None and cfg.samples_per_step:  # rank 0: the responses of the first kept groups
@@ -308,6 +311,7 @@ def step(self: Trainer) -> dict:
         time_step=dt,
         tokens_per_s=n_tok / dt,
         gen_tokens_per_s=n_tok / max(gen, 1e-9),
+        **self.perf.row(n_tok, gen, kept, timer, cfg.total_steps - self.step_idx),  # perf/: rates, MFU, memory, ETA
     )
     return row
 

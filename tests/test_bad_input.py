@@ -468,6 +468,24 @@ CASES = [
         ("--data", "parts.parquet is a folder", "give one .parquet or .jsonl file"),
     ),
     Case(
+        "eval-data-second-missing",
+        "dapo-eval",
+        lambda w: (a := eval_args(w))[: a.index("--data") + 2] + ["missing.jsonl"] + a[a.index("--data") + 2 :],
+        ("--data missing.jsonl: no such file", "give a .parquet or .jsonl file, or a name dapo-data fetches"),
+    ),
+    Case(
+        "eval-data-second-missing-comma",
+        "dapo-eval",
+        lambda w: eval_args(w, data=f"{w.data},missing.parquet"),
+        ("--data missing.parquet: no such file", "give a .parquet or .jsonl file"),
+    ),
+    Case(
+        "eval-data-name-unfetched",
+        "dapo-eval",
+        lambda w: eval_args(w, data=f"{w.data},aime-2024"),
+        ("--data item 2 of 2 names aime-2024, but data/aime-2024.parquet is absent", "`dapo-data --only aime-2024`"),
+    ),
+    Case(
         "eval-temperature-inf",
         "dapo-eval",
         lambda w: eval_args(w, "--temperature", "inf"),

@@ -544,3 +544,73 @@ def test_generation_memory_matches_a_real_cache(tiny_model_dir):
     assert need["kv_cache"] == cached
     assert need["n_params"] == sum(p.numel() for p in model.parameters())  # tied embeddings counted once
     assert need["weights"] == 4 * need["n_params"]
+
+
+def tiny_sets(folder, sizes=(3, 5)):
+    "Two parquet files of tiny-task problems, data_source set-a and set-b, written by `save_math_dataset`."
+    from dapo_ref.data import save_math_dataset
+    from dapo_ref.tiny import tiny_splits
+
+    _, held = tiny_splits(1, sum(sizes), seed=0)
+    a, b = held[: sizes[0]], held[sizes[0] :]
+    for ex in a:
+        ex.data_source = "set-a"
+    for ex in b:
+        ex.data_source = "set-b"
+    return save_math_dataset(a, folder / "a.parquet"), save_math_dataset(b, folder / "b.parquet"), a + b
+
+
+def test_cli_several_files_per_source(tmp_path, capsys):
+    fa, fb, examples = tiny_sets(tmp_path)
+    out = tmp_path / "r.json"
+    k = 4
+    args = ["--model", "tiny", "--data", fa, fb, "--k", k, "--max-tokens", 48, "--device", "cpu", "--out", out]
+    stdout = run_cli(args, capsys)
+    res = json.loads(out.read_text())
+    summary = [l for l in stdout.splitlines() if l.startswith("dapo-eval ")]
+    assert len(summary) == 1 and f"on {fa},{fb}: avg@4" in summary[0]
+    assert res["data_files"] == [str(fa), str(fb)] and res["n_prompts"] == 8
+    assert [p["data_source"] for p in res["per_prompt"]] == ["set-a"] * 3 + ["set-b"] * 5
+    assert [p["ground_truth"] for p in res["per_prompt"]] == [ex.ground_truth for ex in examples]
+    by = res["by_source"]
+    assert list(by) == ["set-a", "set-b"] and [by[s]["n_prompts"] for s in by] == [3, 5]
+    curve = ["pass@1", "pass@2", "pass@4"]
+    for r in [res, *by.values()]:
+        assert {"avg@k", "maj@k", *curve} <= set(r)
+    # every number from the per-problem counts, by hand: avg@k = correct / samples, pass@j = mean 1 - C(k-c,j)/C(k,j)
+    for s, rows in [(None, res["per_prompt"])] + [
+        (s, [p for p in res["per_prompt"] if p["data_source"] == s]) for s in by
+    ]:
+        r = res if s is None else by[s]
+        c = [p["n_correct"] for p in rows]
+        assert r["avg@k"] == pytest.approx(sum(c) / (k * len(c)), abs=1e-12)
+        for j in (1, 2, 4):
+            want = sum(1 - math.comb(k - x, j) / math.comb(k, j) for x in c) / len(c)
+            assert r[f"pass@{j}"] == pytest.approx(want, abs=1e-12)
+    # the overall avg@k is the problem-weighted mean of the per-source ones
+    for m in ["avg@k", "maj@k"]:
+        assert res[m] == pytest.approx(sum(by[s][m] * by[s]["n_prompts"] for s in by) / 8, abs=1e-12)
+    assert 0 < res["avg@k"] < 1  # the tiny model solves some, not all: the mean is not trivially equal
+    lines = stdout.splitlines()
+    at = lines.index(summary[0])
+    assert lines[at + 1] == "  all (8 problems): " + "  ".join(f"{m} {res[m]:.4f}" for m in curve)
+    assert lines[at + 2].startswith(f"  set-a (3 problems): avg@4 {by['set-a']['avg@k']:.4f}  pass@1")
+    assert lines[at + 3].endswith(f"maj@4 {by['set-b']['maj@k']:.4f}")
+    # the trainer's comma-separated spelling is the same evaluation
+    out2 = tmp_path / "comma.json"
+    run_cli(args[:3] + [f"{fa},{fb}"] + args[5:-1] + [out2], capsys)
+    res2 = json.loads(out2.read_text())
+    assert (res2["by_source"], res2["per_prompt"]) == (by, res["per_prompt"])
+
+
+def test_cli_registry_name(tmp_path, capsys, monkeypatch):
+    "`--data aime-2024` is data/aime-2024.parquet under the working directory, as the trainer's eval_data."
+    monkeypatch.chdir(tmp_path)
+    fa, _, examples = tiny_sets(tmp_path)
+    (tmp_path / "data").mkdir()
+    fa.rename(tmp_path / "data" / "aime-2024.parquet")
+    run_cli(["--model", "tiny", "--data", "aime-2024", "--k", 1, "--max-tokens", 4, "--device", "cpu"], capsys)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["data"] == "aime-2024" and res["data_files"] == ["data/aime-2024.parquet"]
+    assert [p["ground_truth"] for p in res["per_prompt"]] == [ex.ground_truth for ex in examples[:3]]
+    assert list(res["by_source"]) == ["set-a"]

@@ -153,3 +153,26 @@ def test_missing_tracker_is_refused_in_one_line(tmp_path):
 def test_unknown_tracker_is_refused(tmp_path):
     p = _train(["report_to=comet", f"output_dir={tmp_path / 'run'}"], timeout=120)
     assert p.returncode == 2 and "report_to" in p.stderr and "tensorboard" in p.stderr, p.stderr[-2000:]
+
+
+def test_trackers_receive_the_perf_keys(tracked_run):
+    "TensorBoard and W&B get the throughput and ETA keys of every step's metrics row, with its values."
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [json.loads(l) for l in (tracked_run / "metrics.jsonl").read_text().splitlines()]
+    ev = EventAccumulator(str(tracked_run / "tb"))
+    ev.Reload()
+    keys = ["perf/rollout_tokens_per_s", "perf/learner_tokens_per_s", "perf/eta_s"]
+    for k in keys:
+        want = [(r["step"], r[k]) for r in rows if k in r]
+        assert [r["step"] for r in rows if k in r] == [1, 2], k
+        got = [(e.step, e.value) for e in ev.Scalars(k)]  # float32 in the event file
+        assert [s for s, _ in got] == [s for s, _ in want] and all(
+            v == pytest.approx(w, rel=1e-6, abs=1e-6) for (_, v), (_, w) in zip(got, want)
+        ), (k, got, want)
+    assert "perf/learner_mfu" not in ev.Tags()["scalars"]  # the CPU: no peak, no MFU
+    run_id = (tracked_run / "wandb_run_id").read_text().strip()
+    data = next((tracked_run / "wandb").glob(f"offline-run-*/run-{run_id}.wandb")).read_bytes()
+    for k in keys:  # the key's name and each of its values (as JSON) are in the W&B run's records
+        assert k.encode() in data, k
+        assert all(json.dumps(r[k]).encode() in data for r in rows if k in r), k

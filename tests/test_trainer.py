@@ -794,3 +794,56 @@ def test_val_before_train_and_per_source_metrics_at_step_0(tmp_path, policy, bef
     )
     assert row["eval/pass@1"] == pytest.approx(row["eval_acc"], abs=1e-12)  # pass@1 = c/n averaged = avg@k
     assert summary["eval_start"] == row["eval_acc"]
+
+
+def test_learner_mfu_by_hand(policy):
+    "perf/learner_mfu = 4 forwards of (2 FLOPs per matmul weight per token + causal attention) / seconds / peak."
+    from types import SimpleNamespace
+    from dapo_ref.arch import arch_from_config
+    from dapo_ref.throughput import PerfMeter, device_peak_flops, learner_flops
+
+    model = policy[0]
+    c = model.config
+    h, L, dq = c.hidden_size, c.num_hidden_layers, c.num_attention_heads * (c.hidden_size // c.num_attention_heads)
+    assert c.tie_word_embeddings  # the embedding is the LM head: counted once, as the head's matmul
+    W = sum(p.numel() for p in model.parameters()) - h  # every weight but the final norm's
+    fwd = lambda S: 2 * W * S + 4 * L * dq * S * (S + 1) / 2  # weights, then 4 dq FLOPs per (query, key) pair
+    seqs = [3 + 7, 3 + 22, 5 + 1]  # prompt + response of three trained sequences
+    flops = 4 * (fwd(10) + fwd(25) + fwd(6))  # old log-probs: 1 forward; update: forward + backward (2)
+    assert learner_flops(arch_from_config(c), seqs) == pytest.approx(flops, rel=1e-12)
+
+    cpu = SimpleNamespace(device=torch.device("cpu"), model=model)
+    meter = PerfMeter(cpu, SimpleNamespace(dtype="bfloat16"), world=2)
+    assert meter.peak is None  # the CPU has no peak: no MFU key, never a made-up number
+    meter.begin()
+    kept = [
+        SimpleNamespace(prompt_ids=[0] * 3, responses=[[1] * 7, [1] * 22]),
+        SimpleNamespace(prompt_ids=[0] * 5, responses=[[1]]),
+    ]
+    timer = dict(logprobs=0.5, update=1.5)
+    row = meter.row(1000, 4.0, kept, timer, steps_left=3)
+    assert "perf/learner_mfu" not in row
+    assert row["perf/rollout_tokens_per_s"] == 250.0 and row["perf/learner_tokens_per_s"] == 41 / 2.0
+    meter.peak, meter.arch = device_peak_flops("NVIDIA H100 80GB HBM3"), arch_from_config(c)  # as on 2 H100 SXM
+    row = meter.row(1000, 4.0, kept, timer, steps_left=3)
+    assert row["perf/learner_mfu"] == pytest.approx(flops / 2.0 / (2 * 989.5e12), rel=1e-12)
+
+
+def test_short_cpu_run_logs_throughput_and_eta(tmp_path):
+    "Two CPU steps: rollout and learner tokens/s and the ETA in every step's row, no MFU or GPU memory; timing keys."
+    cfg = tiny_cfg(tmp_path, total_steps=2, eval_k=1, val_before_train=False)
+    train(cfg, progress=False, log=None)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    B = cfg.prompts_per_step * cfg.group_size
+    for r in rows[1:]:
+        for k in ("perf/rollout_tokens_per_s", "perf/learner_tokens_per_s", "perf/eta_s"):
+            assert math.isfinite(r[k]) and r[k] >= 0, (k, r[k])
+        assert r["perf/rollout_tokens_per_s"] > 0 and r["perf/learner_tokens_per_s"] > 0
+        gen_tokens = r["resp_len_mean"] * r["groups_seen"] * cfg.group_size  # every response generated
+        assert r["perf/rollout_tokens_per_s"] == pytest.approx(gen_tokens / r["time_generate"], rel=1e-12)
+        trained = r["perf/learner_tokens_per_s"] * (r["time_logprobs"] + r["time_update"])  # a whole token count
+        assert trained == pytest.approx(round(trained), rel=1e-9) and round(trained) >= 2 * B, trained
+        assert not any(k.startswith("perf/peak_mem_gb") or k == "perf/learner_mfu" for k in r)  # CPU: not measured
+        assert not any(k.startswith("perf/") for k in strip_timing(r))  # machine-dependent, like time_*
+    assert rows[1]["perf/eta_s"] > 0 and rows[2]["perf/eta_s"] == 0  # one step left after step 1; none after the last
