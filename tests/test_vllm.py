@@ -578,9 +578,11 @@ def test_four_ranks_two_independent_tp2_engines(tmp_path):
         pa, pb = {tuple(q) for q in a["prompts"]}, {tuple(q) for q in b["prompts"]}
         assert (len(pa), len(pb)) == (5, 4) and not pa & pb  # uneven, disjoint shares of the round's 9 prompts
     assert [x["groups_seen"] for x in rows] == [tp_worker.VLLM_GEN * x["gen_rounds"] for x in rows]  # each group once
+    from dapo_ref.trainer import strip_timing
+
     untimed = lambda rows: [
-        {k: v for k, v in x.items() if not k.endswith("per_s")} for x in rows
-    ]  # rates: each rank's clock
+        {k: v for k, v in strip_timing(x).items() if not k.endswith("per_s")} for x in rows
+    ]  # rates and the ETA (perf/eta_s): each rank's clock
     assert all(untimed(x["rows"]) == untimed(rows) for x in r)  # every rank's step rows agree
     for s in range(len(rows)):
         union = [tuple(map(tuple, pr)) for x in r for pr in x["trained"][s]]
