@@ -55,7 +55,8 @@ def init_distributed(
         if backend == "nccl":
             torch.cuda.set_device(local_rank())
         kw = {} if timeout is None else dict(timeout=datetime.timedelta(seconds=timeout))
-        if "WORLD_SIZE" not in os.environ:  # a lone process: a one-rank group, its rendezvous in this process's memory
+        if int(os.environ.get("WORLD_SIZE", 1)) == 1:  # a lone process (or a launch of one): its rendezvous in this
+            # process's memory; no MASTER_ADDR needed, even where a parent left WORLD_SIZE=1 in our environment
             # (a TCP store on a port found free can lose that port to another process before it binds)
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             kw.update(store=dist.HashStore(), rank=0, world_size=1)
