@@ -16,8 +16,9 @@ sides, as one rank of the colocated run does: the DeepSpeed ZeRO-3 learner and a
 mode, on the GPU; eager and without sleep mode on the CPU, where vLLM has none). The phases, each followed by the
 device's free memory (torch.cuda.mem_get_info) next to `dapo-plan`'s per-phase prediction for this shape:
 
-1. `build`:   `Trainer` with zero_stage 3 and rollout_backend vllm (learner, engine, the first weight sync); the learner
-              on attn_implementation flash_attention_2 where flash-attn is installed (the GPU recipes' kernel), else sdpa;
+1. `build`:   `Trainer` with zero_stage 3 and rollout_backend vllm (learner, engine, the first weight sync; vLLM the
+              only engine, no transformers copy of the policy beside it); the learner on attn_implementation
+              flash_attention_2 where flash-attn is installed (the GPU recipes' kernel), else sdpa;
 2. `step`:    one DAPO step (Algorithm 1: generate, reward, advantages, updates; the engine asleep during the update);
 3. `sync`:    the engine's log-probs of freshly sampled tokens against the learner's on the same tokens (the weights the
               engine serves are the learner's after the step);
@@ -361,6 +362,17 @@ def main(argv: list[str] | None = None) -> int:
             linear_is_torchs=torch.nn.functional.linear is torch._C._nn.linear,
         )
         checks["F.linear is torch's own after the ZeRO-3 build"] = phases[-1]["linear_is_torchs"]
+        if with_vllm:  # vLLM generates: no transformers copy of the policy may sit beside it (a second model's memory)
+            copies = [
+                k
+                for k, v in vars(tr).items()
+                if v is not tr.learner.model
+                and type(v).__name__.endswith(("ForCausalLM", "RolloutEngine"))
+                and type(v).__name__ != "VLLMRolloutEngine"
+            ]
+            checks["vLLM is the only engine: no transformers copy of the policy beside it"] = (
+                type(tr.engine).__name__ == "VLLMRolloutEngine" and not copies
+            )
         stage = "step"
         row = tr.step()
         phase(
