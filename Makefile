@@ -40,15 +40,13 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed-lib
 	$(BIN)/dapo-train --config recipes/tiny-cpu.yaml output_dir=runs/tiny-cpu-$$(date +%Y%m%d-%H%M%S)
 
-# The notebooks (two cores), the docs site (mostly Chromium waiting on pages) and the vLLM venv (mostly disk) run side
-# by side, the last two niced so the notebooks keep the cores, each target's output printed whole when it ends; then
-# pytest on every core; then the vLLM tests (beside pytest they were slower: vLLM's CPU threads compete with it).
+# pytest on every core, and beside it, niced so that pytest keeps the cores and they take only what it leaves idle,
+# the notebooks, the docs site (mostly Chromium waiting on pages) and the vLLM venv (mostly disk), each target's
+# output printed whole when it ends; then the vLLM tests (beside pytest they were slower: vLLM's CPU threads compete).
 NICE ?=
 test: lint check-export check-clean
-	@echo "make test: $$(date +%T) notebooks, docs and .venv-vllm"
-	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest docs venv-vllm NICE="nice -n 15"
-	@echo "make test: $$(date +%T) pytest"
-	$(MAKE) --no-print-directory pytest
+	@echo "make test: $$(date +%T) pytest, and beside it the notebooks, docs and .venv-vllm"
+	$(MAKE) --no-print-directory -j4 --output-sync=target pytest nbtest docs venv-vllm NICE="nice -n 15"
 	@echo "make test: $$(date +%T) vLLM tests"
 	$(MAKE) --no-print-directory test-vllm
 	@echo "make test: $$(date +%T) all checks passed"
@@ -97,7 +95,7 @@ testbeds: install
 # (cells flagged slow/gpu in settings.ini tst_flags skipped), its saved outputs checked against the fresh ones
 # (.ci/nbcheck.py).
 nbtest: install
-	$(PY) .ci/nbtest.py
+	$(NICE) $(PY) .ci/nbtest.py
 
 # On every core (pytest-xdist), one thread per worker; tests sharing a launch stay on one worker (tests/conftest.py).
 # The 15 slowest tests are listed at the end (their table: tests/README.md).
