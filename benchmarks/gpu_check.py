@@ -85,7 +85,12 @@ RUNS = {  # recipe fields of the two variants
 }
 VLLM_FIELDS = {  # the engine's fields of each variant (an hf-backend config may not carry them)
     "gpu": dict(vllm_gpu_memory_utilization=0.4, vllm_enforce_eager=False, vllm_enable_chunked_prefill=True),
-    "cpu": dict(vllm_gpu_memory_utilization=0.3, vllm_enforce_eager=True, vllm_enable_chunked_prefill=False),
+    "cpu": dict(
+        vllm_gpu_memory_utilization=0.3,
+        vllm_enforce_eager=True,
+        vllm_enable_chunked_prefill=False,
+        rollout_correction="token_truncate",  # the update weighted by the engine's own log-probs (nbs/04b)
+    ),
 }
 # a sync check passes when the engine's and the learner's log-probs of the same tokens differ by less than this (mean
 # |d|): float32 on both sides differs by kernel rounding (~1e-6); bf16 kernels by ~1e-2 (verl reports 1e-3..3e-2);
@@ -380,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             grad_updates=row["grad_updates"],
             skipped=row.get("skipped_updates", 0),
             rollout_logp_diff_mean=row.get("rollout_logp_diff_mean"),
+            **{k: v for k, v in row.items() if k.startswith(("rollout_w_", "rollout_seq_"))},  # rollout correction
             **{k: row[k] for k in ("time_generate", "time_logprobs", "time_update", "tokens_per_s") if k in row},
         )
         checks["one DAPO step applied its updates"] = row["grad_updates"] >= 1 and not row.get("skipped_updates", 0)

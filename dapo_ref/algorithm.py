@@ -13,10 +13,11 @@ from torch import Tensor
 
 from .core import DAPOConfig
 from .data import MathExample
-from .reward import score_batch, overlong_penalty
+from .reward import extra_means, score_batch, overlong_penalty
 from .advantage import group_advantages
 from .sampling import DynamicSamplingBuffer
 from .interfaces import Completion, Learner, RolloutBatch, RolloutEngine, sampling_params_from_config
+from .rollout_correction import rollout_weight_stats
 
 # %% auto #0
 __all__ = ['PromptSampler', 'seed_of', 'round_seed', 'Group', 'score_groups', 'Rollout', 'collect', 'make_batch', 'rollout_gap',
@@ -75,6 +76,7 @@ class Group:
     acc: list[bool]  # (G,) correct
     rewards: list[float]  # (G,) score + overlong_penalty_factor * Eq. 13 (when soft_overlong_punishment)
     preds: list[str]  # (G,) extracted answers
+    extra: list[dict]  # (G,) a reward's other numeric keys (logged as reward/<key>, kept in samples.jsonl)
     logps: list | None = None  # (G,) the sampling engine's log-probs of each response's tokens; None if not reported
 
 
@@ -98,6 +100,9 @@ def score_groups(
         mode=cfg.reward,
         timeout=cfg.reward_timeout,
         return_preds=True,
+        answer_format=cfg.answer_format,  # Answer: line or \boxed{}, per data_source
+        rows=[examples[i] for i in indices for _ in range(G)],  # data_source, extra_info, ... for plug-ins
+        weights=cfg.reward_weights,
     )  # (P*G,)
     if stats is not None:
         for k in ("reward_timeouts", "reward_errors"):
@@ -116,6 +121,7 @@ def score_groups(
             accs[p * G : (p + 1) * G].tolist(),
             rewards[p * G : (p + 1) * G].tolist(),
             preds[p * G : (p + 1) * G],
+            (m.get("extra") or [{}] * len(comps))[p * G : (p + 1) * G],
             None if any(c.logprobs is None for c in comps) else [c.logprobs for c in comps[p * G : (p + 1) * G]],
         )
         for p, i in enumerate(indices)
@@ -257,6 +263,7 @@ def train_on(
         [sum(float(t.exp().sum()) for t in lp), sum(float(t.sum()) for t in en), sum(t.numel() for t in lp)]
     )
     stats = dict(entropy=s[1] / max(s[2], 1), prob_mean=s[0] / max(s[2], 1), **rollout_gap(learner, minis, olds))
+    stats.update(rollout_weight_stats(learner, minis, olds))  # the correction's weights w (04b)
     updates = []
     for mini, (old_logp, _) in zip(minis, olds):
         updates.append(learner.update(mini, old_logp))  # line 11: maximise J_DAPO (Eq. 8) on the mini-batch
@@ -286,6 +293,7 @@ def step_metrics(
         resp_len_mean=_mean(lens),
         resp_len_max=max(lens),
         truncated_frac=_mean(float(t) for g in seen for t in g.truncated),
+        **extra_means(x for g in seen for x in g.extra),  # reward/<key>: a plug-in's keys, each reward's score
         **extra,
     )
     for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "up_clipped_prob", "loss", "grad_norm"):

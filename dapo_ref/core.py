@@ -9,9 +9,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
 # %% auto #0
-__all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS', 'PATH_FIELDS',
-           'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'DAPOHyperparams', 'DAPOConfig', 'InputError',
-           'short', 'validate']
+__all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'ROLLOUT_CORRECTIONS', 'ANSWER_FORMATS',
+           'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS', 'PATH_FIELDS', 'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of',
+           'knob', 'answer_formats', 'DAPOHyperparams', 'DAPOConfig', 'InputError', 'short', 'validate']
 
 # %% ../nbs/00_core.ipynb #e040a55c
 @dataclass(frozen=True)
@@ -55,17 +55,50 @@ def knob(
     "A config field declared once: default, help, allowed range and sources. Validation, the docs table and errors read it."
     return field(default=default, metadata=dict(help=help, allowed=allowed, paper=paper, script=script, why=why))
 
-# %% ../nbs/00_core.ipynb #a388af98
+# %% ../nbs/00_core.ipynb #a388af90
 REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
 REWARD_PLUGIN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # your own: `reward: package.module:function`
 REPORT_TO = ("none", "tensorboard", "wandb")  # experiment trackers `report_to` may name (TRL's field)
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# rollout correction (04b): w = pi_old / pi_rollout per token or per sequence, truncated at C or masked outside [1/C, C]
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 _REWARD = Allowed(
-    lambda v: v in REWARD_MODES or REWARD_PLUGIN.fullmatch(v) is not None,
-    "one of " + ", ".join(REWARD_MODES) + ", or a plug-in package.module:function",
+    lambda v: all(p in REWARD_MODES or REWARD_PLUGIN.fullmatch(p) is not None for p in v.split(",")),
+    "one of " + ", ".join(REWARD_MODES) + ", or a plug-in package.module:function, or a list of these",
 )
+ANSWER_FORMATS = ("answer_line", "boxed")  # `Answer: ...` on the last line (DAPO-Math-17k), or the last \boxed{...}
 
 
+def answer_formats(
+    spec: str,  # `boxed`, or per data_source: `answer_line,math-500=boxed` (a bare item is the default)
+) -> tuple[str, dict[str, str]]:  # (the default format, {data_source: format})
+    "The answer format of every row: a default and the data sources that differ; `ValueError` on a bad spec."
+    default, by_source = None, {}
+    for item in (s.strip() for s in spec.split(",")):
+        source, _, fmt = item.rpartition("=")
+        if fmt not in ANSWER_FORMATS or (not source and default) or ("=" in item and not source.strip()):
+            raise ValueError(f"answer_format item {item!r}")
+        if source:
+            by_source[source.strip()] = fmt
+        else:
+            default = fmt
+    return default or "answer_line", by_source
+
+
+def _formats_ok(v: str) -> bool:
+    try:
+        return bool(answer_formats(v))
+    except ValueError:
+        return False
+
+
+def _numbers_ok(v: str) -> bool:
+    try:
+        return all(math.isfinite(float(x)) for x in v.split(","))
+    except ValueError:
+        return False
+
+# %% ../nbs/00_core.ipynb #a388af98
 @dataclass
 class DAPOHyperparams:
     "The algorithm's knobs with the paper's defaults (the reference script's where the paper is silent)."
@@ -87,6 +120,22 @@ class DAPOHyperparams:
         one_of(*LOSS_AGGS),
         "token-mean (Eq. 12)",
         "token-mean",
+    )
+    rollout_correction: str = knob(
+        "none",
+        "weight w = pi_old / pi_rollout of the sampled tokens, per token or sequence, truncated or masked (04b)",
+        one_of(*ROLLOUT_CORRECTIONS),
+        "not in the paper",
+        "absent",
+        "none: the paper's objective, whose samples are pi_old's own",
+    )
+    rollout_correction_threshold: float = knob(
+        2.0,
+        "C: truncation bound of w, or masking outside [1/C, C]",
+        gt(1),
+        "not in the paper",
+        "absent",
+        "2: verl's and TRL's default",
     )
     # --- group sampling and dynamic sampling (Eq. 11, Algorithm 1) ---
     group_size: int = knob(16, "G: responses per prompt", ge(1), "16", "16")
@@ -113,6 +162,28 @@ class DAPOHyperparams:
         "-",
         "-",
         "math-verify's bound (unused by the default reward)",
+    )
+    reward_weights: str | None = knob(
+        None,
+        "weights of the rewards `reward` lists, one each, e.g. [1.0, 0.5]; null = 1 each",
+        Allowed(_numbers_ok, "finite numbers, one per reward of `reward`: {}: [1.0, 0.5], or null for 1 each"),
+        "-",
+        "-",
+        "TRL's reward_weights: the reward is the weighted sum",
+    )
+    answer_format: str = knob(
+        "answer_line",
+        "what the rule reward, pred and maj@k read: answer_line (`Answer: x`) or boxed (last \\boxed{x})",
+        Allowed(_formats_ok, "answer_line or boxed, or per data_source: {}: answer_line,math-500=boxed"),
+        "Answer: (DAPO-Math-17k)",
+        "answer_line (math_dapo)",
+        "script: the DAPO-Math-17k prompt asks for an Answer: line",
+    )
+    apply_chat_template: bool = knob(
+        True, "prompts through the tokenizer's chat template (when it has one)", None, "not stated", "on"
+    )
+    system_prompt: str | None = knob(
+        None, "a system message put before each prompt's messages; null = none", None, "not stated", "none"
     )
     # --- overlong reward shaping (Section 3.4, Eq. 13) ---
     l_max: int = knob(20480, "L_max: maximum response length, expected + cache", ge(1), "16384 + 4096", "20480")
@@ -262,6 +333,12 @@ def _divisors(n: int) -> str:
 def _rules(c) -> Iterator[tuple[str, bool, str]]:
     "The cross-field rules, in order: (the field an error names, the rule holds, the error naming the fix)."
     world, tp, sp, per = c.nnodes * c.gpus_per_node, c.vllm_tensor_parallel, c.sequence_parallel_size, c.gpus_per_node
+    n_rewards, n_weights = len(c.reward.split(",")), len((c.reward_weights or c.reward).split(","))
+    yield (
+        "reward_weights",
+        n_weights == n_rewards,
+        f"reward_weights = {c.reward_weights}: {n_weights} weights for {n_rewards} rewards; give one per reward",
+    )
     yield (
         "l_cache",
         c.l_cache < c.l_max,
@@ -351,6 +428,29 @@ def _rules(c) -> Iterator[tuple[str, bool, str]]:
             f"(its all-reduce over the network every layer); use one of {_divisors(per)}"
         ),
     )
+    yield from _correction_rules(c)  # rollout_correction's, in the next cell
+
+# %% ../nbs/00_core.ipynb #4ad5b4e2
+def _correction_rules(c) -> Iterator[tuple[str, bool, str]]:
+    "The rules of `rollout_correction` (04b): the engine's log-probs must exist and be over the learner's vocabulary."
+    rc = c.rollout_correction
+    yield (
+        "rollout_correction",
+        rc == "none" or c.rollout_backend == "vllm",
+        (
+            f"rollout_correction = {rc} needs the log-probs of the sampled tokens from the engine that sampled them, which "
+            "rollout_backend = hf does not return; set rollout_backend: vllm or rollout_correction: none"
+        ),
+    )
+    for f, full in (("top_p", 1.0), ("top_k", -1)):
+        yield (
+            f,
+            rc == "none" or getattr(c, f) == full,
+            (
+                f"{f} = {getattr(c, f)} with rollout_correction = {rc}: the engine's log-probs are then of a distribution "
+                f"renormalised over fewer tokens than the learner's; set {f}: {full} or rollout_correction: none"
+            ),
+        )
 
 # %% ../nbs/00_core.ipynb #a08b1d9c
 PATH_FIELDS = ("model", "train_data", "eval_data", "output_dir")  # paths (or hub names): `~` expanded, never empty
@@ -399,8 +499,9 @@ def _check_type(name: str, value: Any, tp: str, allowed: Allowed | None = None) 
         return int(value)
     if want is str and name == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value) or "none"  # report_to: [tensorboard, wandb] in YAML
-    if want is str and name == "eval_data" and isinstance(value, list) and all(isinstance(v, str) for v in value):
-        value = ",".join(value)  # eval_data: [a.parquet, b.jsonl] in YAML; eval_data=a.parquet,b.jsonl
+    if want is str and name in ("eval_data", "reward", "reward_weights") and isinstance(value, list):
+        if all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+            value = ",".join(map(str, value))  # eval_data: [a.parquet, b.jsonl] in YAML; eval_data=a.parquet,b.jsonl
     if want is str and isinstance(value, str):
         if name not in PATH_FIELDS:
             return value

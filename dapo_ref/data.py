@@ -16,9 +16,11 @@ from .core import InputError, short
 from .cli import ArgParser, cli_errors, one_line
 
 # %% auto #0
-__all__ = ['PROMPT_TEMPLATE', 'DEFAULT_STYLE', 'HUB_DATASETS', 'MathExample', 'make_example', 'example_from_row',
-           'example_to_row', 'dedup_examples', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids',
-           'check_prompt_lengths', 'sha256', 'fetch_dataset', 'main', 'eval_files', 'load_eval_files']
+__all__ = ['PROMPT_TEMPLATE', 'BOXED_TEMPLATE', 'PROMPT_TEMPLATES', 'DEFAULT_STYLE', 'HUB_DATASETS', 'RECIPE_DATASETS',
+           'UPSTREAM_KEEP', 'extract_boxed', 'MathExample', 'make_example', 'example_from_row', 'example_to_row',
+           'dedup_examples', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids', 'prompt_ids_for',
+           'check_prompt_lengths', 'convert_upstream', 'sha256', 'fetch_dataset', 'main', 'eval_files',
+           'load_eval_files']
 
 # %% ../nbs/01_data.ipynb #793c5e71
 PROMPT_TEMPLATE = (
@@ -26,6 +28,25 @@ PROMPT_TEMPLATE = (
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
     'Remember to put your answer on its own line after "Answer:".'
 )
+BOXED_TEMPLATE = (
+    "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."  # Qwen2.5-Math's
+)
+PROMPT_TEMPLATES = {"answer_line": PROMPT_TEMPLATE, "boxed": BOXED_TEMPLATE}  # the template of each `answer_format`
+
+# %% ../nbs/01_data.ipynb #b0c5ed02
+def extract_boxed(
+    response: str,  # the decoded response text
+) -> str | None:  # the content of the last \boxed{...}, braces matched; None without a closed one
+    "verl math_dapo's `remove_boxed(last_boxed_only_string(response))`: the last `\\boxed{`, to the `}` that closes it."
+    i = response.rfind("\\boxed{")
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i + len("\\boxed"), len(response)):
+        depth += {"{": 1, "}": -1}.get(response[j], 0)
+        if depth == 0:
+            return response[i + len("\\boxed{") : j]
+    return None  # unclosed
 
 # %% ../nbs/01_data.ipynb #ce8d9abc
 DEFAULT_STYLE = "rule-lighteval/MATH_v2"  # reward_model.style of DAPO-Math-17k and AIME-2024
@@ -55,11 +76,12 @@ def make_example(
     problem: str,  # the problem text, inserted into `PROMPT_TEMPLATE`
     answer,  # the reference answer; an int is stored as its decimal string
     data_source="tiny",  # `data_source` column
+    template: str = PROMPT_TEMPLATE,  # `PROMPT_TEMPLATES[answer_format]`, or your own with `{problem}`
     **extra_info,  # stored in `extra_info`
 ) -> MathExample:
-    "A one-message `MathExample` whose user message is `PROMPT_TEMPLATE` applied to `problem`."
+    "A one-message `MathExample` whose user message is `template` (the DAPO-Math-17k one by default) applied to `problem`."
     return MathExample(
-        prompt=[{"role": "user", "content": PROMPT_TEMPLATE.format(problem=problem)}],
+        prompt=[{"role": "user", "content": template.format(problem=problem)}],
         ground_truth=str(answer),
         data_source=data_source,
         extra_info=dict(extra_info),
@@ -336,18 +358,33 @@ def save_math_dataset(
 def prompt_token_ids(
     example: MathExample,  # the prompt to encode
     tokenizer,  # a transformers tokenizer
+    chat: bool = True,  # through the chat template when the tokenizer has one (`apply_chat_template`)
+    system_prompt: str | None = None,  # a system message before the row's messages, unless it has one
 ) -> list[int]:
-    "Token ids of the prompt: chat template with generation prompt if the tokenizer has one, else the user message."
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(example.prompt, add_generation_prompt=True, tokenize=False)
+    "Token ids of the prompt: chat template with generation prompt if the tokenizer has one (and `chat`), else the text."
+    msgs = example.prompt
+    if system_prompt and not any(m["role"] == "system" for m in msgs):
+        msgs = [{"role": "system", "content": system_prompt}, *msgs]
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     else:
-        if len(example.prompt) > 1:
+        if chat and len(msgs) > 1:
             raise ValueError(
-                f"the prompt has {len(example.prompt)} messages but the tokenizer has no chat_template; "
-                "only a single user message can be encoded without one (set tokenizer.chat_template)"
+                f"the prompt has {len(msgs)} messages but the tokenizer has no chat_template; only a single user "
+                "message can be encoded without one (set tokenizer.chat_template, or apply_chat_template: false "
+                "to join the messages' text)"
             )
-        text = example.question
+        text = "\n\n".join(m["content"] for m in msgs)  # one message: its text, as before
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_ids_for(
+    examples: Sequence[MathExample],  # the prompts to encode
+    tokenizer,  # a transformers tokenizer
+    cfg,  # a `DAPOConfig`: its `apply_chat_template` and `system_prompt`
+) -> list[list[int]]:
+    "`prompt_token_ids` of every example, with the config's chat template setting and system prompt."
+    return [prompt_token_ids(e, tokenizer, cfg.apply_chat_template, cfg.system_prompt) for e in examples]
 
 # %% ../nbs/01_data.ipynb #cc67f4db
 def check_prompt_lengths(
@@ -371,7 +408,33 @@ def check_prompt_lengths(
 HUB_DATASETS = {  # name: (hub dataset repository, file in it), as the reference recipe's prepare script fetches them
     "dapo-math-17k": ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet"),
     "aime-2024": ("BytedTsinghua-SIA/AIME-2024", "data/aime-2024.parquet"),
+    "aime-2025": ("yentinglin/aime_2025", "data/train-00000-of-00001.parquet"),  # problem, answer, id, ...
+    "math-500": ("HuggingFaceH4/MATH-500", "test.jsonl"),  # problem, solution, answer, subject, level, unique_id
 }
+RECIPE_DATASETS = ("dapo-math-17k", "aime-2024")  # what `dapo-data` fetches unless --only names others
+UPSTREAM_KEEP = ("id", "unique_id", "subject", "level", "year", "url")  # upstream columns kept in extra_info
+
+
+def convert_upstream(
+    name: str,  # a `HUB_DATASETS` name not in the DAPO-Math-17k schema: aime-2025, math-500
+    path: str | Path,  # the upstream .parquet or .jsonl file: a problem (or question) and an answer column
+    answer_format: str = "answer_line",  # which `PROMPT_TEMPLATES` instruction the prompts get
+) -> list[MathExample]:
+    "The upstream rows as DAPO-Math-17k examples: the problem in the format's template, data_source = `name`."
+    path = Path(path)
+    rows = _parquet_all(path) if path.suffix == ".parquet" else [r for _, r in _jsonl_rows(path)]
+    out = []
+    for i, r in enumerate(rows):
+        q = r.get("problem", r.get("question"))
+        if not isinstance(q, str) or r.get("answer") is None:
+            raise InputError(f"row {i} of {path.name} ({name}): needs a problem (or question) text and an answer")
+        keep = {k: r[k] for k in UPSTREAM_KEEP if isinstance(r.get(k), (str, int))}
+        out.append(make_example(q, r["answer"], name, PROMPT_TEMPLATES[answer_format], index=i, **keep))
+    return out
+
+
+def _parquet_all(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
 
 
 def sha256(path: str | Path) -> str:
@@ -387,6 +450,7 @@ def fetch_dataset(
     name: str,  # a key of HUB_DATASETS
     out_dir: str | Path,  # where <name>.parquet goes
     revision: str | None = None,  # a branch, tag or commit of the hub repository; None: main
+    answer_format: str = "answer_line",  # the prompt template of a converted set (`convert_upstream`)
 ) -> dict:
     "Fetch `name` (the hub or its cache), validate and deduplicate it, write out_dir/<name>.parquet; return counts and checksums."
     repo, fname = HUB_DATASETS[name]
@@ -399,8 +463,12 @@ def fetch_dataset(
             f"cannot fetch {fname} of {repo} ({type(e).__name__}: {one_line(e)[:200]}); check the network, "
             "or unset HF_HUB_OFFLINE (with it only the local cache is read)"
         ) from None
-    rows = pq.ParquetFile(src).metadata.num_rows
-    examples = load_math_dataset(src, verbose=False)  # validated, first row of each prompt kept
+    if name in RECIPE_DATASETS:
+        rows = pq.ParquetFile(src).metadata.num_rows
+        examples = load_math_dataset(src, verbose=False)  # validated, first row of each prompt kept
+    else:  # another schema: converted, then validated and deduplicated as a file of ours would be
+        got = convert_upstream(name, src, answer_format)
+        rows, (examples, _) = len(got), dedup_examples(example_from_row(example_to_row(e)) for e in got)
     dest = Path(out_dir) / f"{name}.parquet"
     tmp = dest.with_name(f".{name}.tmp.parquet")
     save_math_dataset(examples, tmp)
@@ -422,14 +490,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgParser(
         prog="dapo-data",
         description="Fetch DAPO-Math-17k and AIME-2024 from the hub into the files the "
-        "recipes name (data/dapo-math-17k.parquet, data/aime-2024.parquet), deduplicated, with checksums.",
+        "recipes name (data/dapo-math-17k.parquet, data/aime-2024.parquet), deduplicated, with checksums; "
+        "--only aime-2025 or math-500 converts those sets into the same schema.",
     )
     ap.add_argument("--out", default="data", help="folder for <name>.parquet (default: data, as the recipes name them)")
     ap.add_argument("--only", choices=sorted(HUB_DATASETS), action="append", help="fetch only this one (repeatable)")
     ap.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of both repositories")
     ap.add_argument("--overwrite", action="store_true", help="replace <name>.parquet files that exist")
+    ap.add_argument(
+        "--answer-format",
+        choices=sorted(PROMPT_TEMPLATES),
+        default="answer_line",
+        help="the instruction converted sets (aime-2025, math-500) get (default: %(default)s)",
+    )
     args = ap.parse(argv)
-    names = args.only or list(HUB_DATASETS)
+    names = args.only or list(RECIPE_DATASETS)
     with cli_errors("dapo-data"):
         out = Path(args.out).expanduser()
         if out.exists() and not out.is_dir():
@@ -439,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"{there[0]} exists; pass --overwrite to replace it, or --out another folder")
         out.mkdir(parents=True, exist_ok=True)
         for n in names:
-            r = fetch_dataset(n, out, args.revision)
+            r = fetch_dataset(n, out, args.revision, args.answer_format)
             print(
                 f"{n}: {r['rows']} rows of {r['repo']}/{r['file']} (sha256 {r['source_sha256'][:16]}), {r['unique']} "
                 f"unique prompts -> {r['out']} (sha256 {r['sha256']})",

@@ -16,7 +16,7 @@ from .interfaces import RolloutEngine, SamplingParams
 
 # %% auto #0
 __all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'pass_ks', 'majority_vote', 'maj_at_k', 'generate_checked',
-           'response_rows', 'set_metrics', 'truths_of', 'source_groups', 'evaluate', 'eval_metrics']
+           'response_rows', 'set_metrics', 'truths_of', 'source_groups', 'evaluate', 'reward_args', 'eval_metrics']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
@@ -155,6 +155,8 @@ def response_rows(
     lengths: Tensor,  # (P, k) response tokens
     truncated: Tensor,  # (P, k)
     reward: str,  # the reward mode
+    extra: list | None = None,  # P*k dicts: a reward's other keys (`score_batch`'s metrics["extra"])
+    scores: Tensor | None = None,  # (P*k,) the reward's scores; None: +1 / -1 from `accs`
 ) -> list[dict]:
     "samples.jsonl rows (`track.SampleLog`) of one evaluation batch, one per response."
     k = lengths.shape[1]
@@ -165,13 +167,22 @@ def response_rows(
             response=t,
             pred=p,
             ground_truth=str(g),
-            score=1.0 if a else -1.0,
+            score=(1.0 if a else -1.0) if scores is None else float(scores[i]),
             length=int(n),
             truncated=bool(tr),
             reward_mode=reward,
+            **x,
         )
-        for i, (t, g, p, a, n, tr) in enumerate(
-            zip(texts, truths, preds, accs.tolist(), lengths.flatten().tolist(), truncated.flatten().tolist())
+        for i, (t, g, p, a, n, tr, x) in enumerate(
+            zip(
+                texts,
+                truths,
+                preds,
+                accs.tolist(),
+                lengths.flatten().tolist(),
+                truncated.flatten().tolist(),
+                extra or [{}] * len(texts),
+            )
         )
     ]
 
@@ -220,6 +231,10 @@ def evaluate(
     progress: bool = False,  # pass use_tqdm=True to the engine (a progress bar per call)
     samples: list | None = None,  # when a list: one row per response appended (samples.jsonl, `track`)
     breakdown: bool = False,  # add pass@j for every j of `pass_ks(k)`, and "by_source": `set_metrics` per data_source
+    reward_weights: str | None = None,  # one per reward of a comma-separated `reward` (`DAPOConfig.reward_weights`)
+    answer_format: str = "answer_line",  # answer_line | boxed, or per data_source (`DAPOConfig.answer_format`)
+    chat: bool = True,  # prompts through the chat template (`DAPOConfig.apply_chat_template`)
+    system_prompt: str | None = None,  # a system message before each prompt (`DAPOConfig.system_prompt`)
 ) -> dict:
     "Sample k responses per prompt and report avg@k, pass@k (any of k correct), maj@k, length and truncation."
     if not examples:
@@ -239,7 +254,7 @@ def evaluate(
     timeouts = 0
     for b, start in enumerate(range(0, P, batch_prompts)):
         batch = examples[start : start + batch_prompts]
-        prompts = [prompt_token_ids(ex, tokenizer) for ex in batch]
+        prompts = [prompt_token_ids(ex, tokenizer, chat, system_prompt) for ex in batch]
         params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + b)
         outs = generate_checked(engine, prompts, params, progress)
         texts, truths = [], []
@@ -249,7 +264,8 @@ def evaluate(
                 texts.append(tokenizer.decode(out.token_ids, skip_special_tokens=True))
                 truths.append(ex.ground_truth)
                 lengths[start + q, j], truncated[start + q, j] = len(out.token_ids), out.truncated
-        _, accs, m, batch_preds = score_batch(texts, truths, mode=reward, return_preds=True)  # (len(batch) * k,)
+        kw = dict(answer_format=answer_format, rows=[ex for ex in batch for _ in range(k)], weights=reward_weights)
+        scores, accs, m, batch_preds = score_batch(texts, truths, reward, return_preds=True, **kw)  # (len(batch) * k,)
         if samples is not None:
             samples += response_rows(
                 [tokenizer.decode(p, skip_special_tokens=True) for p in prompts],
@@ -260,6 +276,8 @@ def evaluate(
                 lengths[start : start + len(batch)],
                 truncated[start : start + len(batch)],
                 reward,
+                m["extra"],
+                scores,
             )
         timeouts += m["reward_timeouts"]
         correct[start : start + len(batch)] = accs.view(len(batch), k)
@@ -294,6 +312,17 @@ def evaluate(
             for p, ex in enumerate(examples)
         ]
     return res
+
+# %% ../nbs/08_eval.ipynb #e0a1b2c3
+def reward_args(cfg) -> dict:
+    "`evaluate`'s reward and prompt keywords from a `DAPOConfig`: held-out responses are judged as training ones are."
+    return dict(
+        reward=cfg.reward,
+        reward_weights=cfg.reward_weights,
+        answer_format=cfg.answer_format,
+        chat=cfg.apply_chat_template,
+        system_prompt=cfg.system_prompt,
+    )
 
 # %% ../nbs/08_eval.ipynb #e314fd46
 def eval_metrics(

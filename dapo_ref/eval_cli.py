@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 
 from .arch import arch_from_config, kv_bytes_per_token, n_params
-from .core import DAPOConfig, REWARD_MODES, REWARD_PLUGIN, InputError
+from .core import DAPOConfig, REWARD_MODES, InputError
 from .cli import ArgParser, cli_errors, interrupts, one_line
 from dapo_ref.data import (
     HUB_DATASETS,
@@ -87,6 +87,23 @@ def _parser() -> argparse.ArgumentParser:
         + ", or a plug-in package.module:function (default: %(default)s)",
     )
     ap.add_argument("--math-verify", action="store_true", help="same as --reward math-verify")
+    ap.add_argument(
+        "--reward-weights", default=None, metavar="W", help="one weight per reward of a comma-separated --reward"
+    )
+    ap.add_argument(
+        "--answer-format",
+        default=d.answer_format,
+        metavar="FORMAT",
+        help="what is read as the answer: answer_line (`Answer: x`) or boxed (the last \\boxed{x}), or per "
+        "data_source, e.g. answer_line,math-500=boxed (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--apply-chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=d.apply_chat_template,
+        help="prompts through the tokenizer's chat template when it has one (default: on)",
+    )
+    ap.add_argument("--system-prompt", default=None, help="a system message before each prompt (default: none)")
     ap.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="(default: %(default)s)"
     )
@@ -214,12 +231,18 @@ def _check_args(args) -> None:
     ]:
         if not ok:
             raise InputError(f"{flag} = {getattr(args, flag[2:].replace('-', '_'))} is out of range: allowed {allowed}")
-    if args.reward not in REWARD_MODES and REWARD_PLUGIN.fullmatch(args.reward) is None:
-        raise InputError(
-            f"--reward {args.reward}: use one of {', '.join(REWARD_MODES)}, or a plug-in package.module:function"
-        )
-    if REWARD_PLUGIN.fullmatch(args.reward):
-        check_plugin(args.reward)  # imports and signature, before the model loads
+    for flag, field, value in [
+        ("--reward", "reward", args.reward),
+        ("--reward-weights", "reward_weights", args.reward_weights),
+        ("--answer-format", "answer_format", args.answer_format),
+    ]:
+        try:  # the trainer's fields, checked by their one declaration (`DAPOConfig`)
+            DAPOConfig(**{"reward": args.reward, field: value})
+        except InputError as e:
+            if e.field == field:
+                allowed = str(e).partition(": allowed ")[2]
+                raise InputError(f"{flag} {value}: use {allowed}" if allowed else f"{flag}: {e}") from None
+    check_plugin(args.reward)  # each plug-in's import and signature, before the model loads
     if args.math_verify and args.reward not in ("dapo-reference", "math-verify"):
         raise InputError(f"--math-verify and --reward {args.reward} disagree; pass one of them")
     if args.math_verify:
@@ -384,7 +407,7 @@ def _prepare(args):
             f"--model {args.model}: cannot load its tokenizer ({one_line(e)[:300]}); the folder needs the "
             "files tokenizer.save_pretrained writes"
         ) from None
-    ids = [prompt_token_ids(ex, tokenizer) for ex in examples]
+    ids = [prompt_token_ids(ex, tokenizer, args.apply_chat_template, args.system_prompt) for ex in examples]
     check_prompt_lengths(examples, ids, args.max_prompt_length, "--max-prompt-length")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.backend == "vllm":
@@ -452,6 +475,10 @@ def _main(args) -> int:
         seed=args.seed,
         batch_prompts=args.batch_prompts,
         reward=args.reward,
+        reward_weights=args.reward_weights,
+        answer_format=args.answer_format,
+        chat=args.apply_chat_template,
+        system_prompt=args.system_prompt,
         return_per_prompt=True,
         progress=True,
         breakdown=True,
@@ -471,6 +498,10 @@ def _main(args) -> int:
         "limit": args.limit,
         "dedup": args.dedup,
         "math_verify": args.reward == "math-verify",
+        "reward_weights": args.reward_weights,
+        "answer_format": args.answer_format,
+        "apply_chat_template": args.apply_chat_template,
+        "system_prompt": args.system_prompt,
         "dtype": args.dtype,
         "backend": args.backend,
         "tensor_parallel": args.tensor_parallel,
@@ -531,7 +562,10 @@ def vllm_engine(args, name: str, tokenizer, examples: Sequence[MathExample]):
         tensor_parallel_size=args.tensor_parallel,
         dtype=args.dtype,
         seed=args.seed,
-        max_model_len=max(len(prompt_token_ids(e, tokenizer)) for e in examples) + args.max_tokens,
+        max_model_len=max(
+            len(prompt_token_ids(e, tokenizer, args.apply_chat_template, args.system_prompt)) for e in examples
+        )
+        + args.max_tokens,
         enable_chunked_prefill=not cpu,
         enforce_eager=cpu,
     )

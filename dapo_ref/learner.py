@@ -16,6 +16,7 @@ from .core import DAPOConfig
 from .interfaces import Learner, RolloutBatch
 from .testbeds import resolve_model
 from .loss import policy_loss, overlong_filter
+from .rollout_correction import batch_weights
 from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, use_varlen_attention
 from .guards import UpdateGuard
 
@@ -301,6 +302,7 @@ class MicroBatchLearner(Learner):
                 old[j, : len(old_logp[i])] = old_logp[i]
             logp, _ = forward_logprobs(self.net, mb, cfg.temperature, device=self.device, sp=self.sp)  # (b, T)
             lmask = self.loss_mask(sub, mask).to(logp.device)  # (b, T) overlong filtering applied
+            w = batch_weights(sub, old, lmask, cfg)  # (b, T) rollout correction (04b), or None
             dt = torch.promote_types(
                 logp.dtype, torch.float32
             )  # float32 for a bf16 policy; a float64 one stays float64
@@ -313,6 +315,7 @@ class MicroBatchLearner(Learner):
                 eps_high=cfg.eps_high,
                 clip_c=cfg.clip_c,
                 agg=cfg.loss_agg,
+                weights=None if w is None else w.to(logp.device, dt),
                 **denoms,
             )
             yield loss, m, int(lmask.sum())

@@ -106,6 +106,7 @@ def policy_loss(
     num_tokens: int | float | Tensor | None = None,  # token-mean: loss tokens of the whole mini-batch
     num_seqs: int | float | Tensor | None = None,  # seq-mean-*: rows with a loss token in the whole mini-batch
     max_len: int | float | None = None,  # seq-mean-token-sum-norm: the config's l_max
+    weights: Tensor | None = None,  # (B, T) rollout correction w (04b), a constant; None = off
 ) -> tuple[Tensor, dict[str, float]]:
     "DAPO policy loss (Eq. 8), decoupled-clip, optionally dual-clipped, aggregated by `agg`; (this batch's share of the loss, metrics)."
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
@@ -126,6 +127,7 @@ def policy_loss(
     log_ratio = torch.where(keep, logp - old_logp, torch.zeros_like(logp))  # (B, T) 0 on padding
     ratio = log_ratio.clamp(-20.0, 20.0).exp()  # (B, T) Eq. 6
     tok_loss = clipped_token_loss(ratio, adv, eps_low, eps_high, clip_c)  # (B, T)
+    tok_loss = tok_loss if weights is None else tok_loss * weights.detach().to(tok_loss.dtype)  # (B, T) w: no grad
     loss = agg_loss(tok_loss, keep, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)  # 0-dim
 
     with torch.no_grad():

@@ -10,8 +10,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .core import REWARD_MODES
-from .reward_pool import MATH_VERIFY_TIMEOUT, is_plugin, math_verify_equal, plugin_batch, verify_pairs
+from .core import REWARD_MODES, answer_formats
+from .data import extract_boxed
+from .reward_pool import MATH_VERIFY_TIMEOUT, combine, is_plugin, math_verify_equal, verify_pairs
+from .reward_pool import extra_means  # noqa: F401 (for algorithm, which imports reward, not reward_pool)
 
 # %% auto #0
 __all__ = ['REFERENCE_WINDOW', 'extract_answer', 'extract_answer_reference', 'normalize_reference', 'normalize_answer',
@@ -175,7 +177,7 @@ def normalize_answer(
 # %% ../nbs/02_reward.ipynb #cbce2a3e
 def _check_mode(mode: str):
     "The caller's contract: a known mode (a recipe's `reward:` was validated by `DAPOConfig` already)."
-    assert mode in REWARD_MODES or is_plugin(mode), (
+    assert all(m in REWARD_MODES or is_plugin(m) for m in mode.split(",")), (
         f"reward mode = {mode!r}: use one of {', '.join(REWARD_MODES)}, or a plug-in "
         "package.module:function (the `reward:` field of a recipe)"
     )
@@ -189,22 +191,26 @@ def score_response(
     mode: str = "dapo-reference",  # "dapo-reference" | "dapo-strict" | "math-verify" (REWARD_MODES)
     window: int | None = REFERENCE_WINDOW,  # only the last `window` characters are searched; None = all
     timeout_s: float = MATH_VERIFY_TIMEOUT,  # per-call bound on the math-verify comparison
+    answer_format: str = "answer_line",  # "answer_line" (`Answer: x`) | "boxed" (the last \boxed{x})
 ) -> dict:  # {"score": ±1.0, "acc": bool, "pred": str}
     "Eq. 7: +1.0 if the response's final answer is equivalent to the ground truth under `mode`, else -1.0."
     mode = "math-verify" if use_math_verify else mode
     _check_mode(mode)
-    if is_plugin(mode):  # the plug-in in its bounded worker pool, like a whole round of one
-        s, a, _, p = score_batch([response], [ground_truth], mode, timeout_s, window=window, return_preds=True)
+    if is_plugin(mode) or "," in mode:  # plug-ins, several rewards: in the bounded worker pool, a round of one
+        s, a, _, p = score_batch(
+            [response], [ground_truth], mode, timeout_s, window=window, return_preds=True, answer_format=answer_format
+        )
         return {"score": float(s[0]), "acc": bool(a[0]), "pred": p[0]}
     assert window is None or window >= 1, (
         f"window = {window}: the number of trailing characters searched must be >= 1, or None for all"
     )
     tail = response if window is None else response[-window:]
+    boxed = answer_format == "boxed"
     if mode == "dapo-reference":  # verbatim: no match reads as "[INVALID]", which is normalised and compared too
-        raw = extract_answer_reference(tail)
+        raw = extract_boxed(tail) if boxed else extract_answer_reference(tail)
         pred, gt = normalize_reference("[INVALID]" if raw is None else raw), normalize_reference(str(ground_truth))
         return {"score": 1.0 if pred == gt else -1.0, "acc": pred == gt, "pred": pred}
-    raw = extract_answer(tail)
+    raw = extract_boxed(tail) if boxed else extract_answer(tail)
     if raw is None:
         return {"score": -1.0, "acc": False, "pred": "[INVALID]"}
     pred, gt = normalize_answer(raw), normalize_answer(ground_truth)
@@ -223,6 +229,9 @@ def score_batch(
     window: int | None = REFERENCE_WINDOW,  # trailing characters searched, as in `score_response`
     workers: int | None = None,  # math-verify worker processes; None = default_workers()
     return_preds: bool = False,  # also return the B normalised predictions
+    answer_format: str = "answer_line",  # answer_line | boxed, or per data_source (`core.answer_formats`)
+    rows: Sequence | None = None,  # B data rows (`MathExample`): their data_source picks the format; plug-ins get them
+    weights: str | None = None,  # `reward_weights`, one per reward of a comma-separated `mode`
 ):  # (scores (B,) float32, accs (B,) bool, metrics) [+ preds]
     "Eq. 7 for a whole round: `score_response`'s verdicts, with math-verify calls run in parallel and bounded in time."
     _check_mode(mode)
@@ -231,15 +240,18 @@ def score_batch(
             f"score_batch got {len(responses)} responses and {len(ground_truths)} ground truths; "
             "pass one ground truth per response (repeat each G times)"
         )
-    if is_plugin(mode):  # a reward of your own, in the bounded pool: the response whole, `pred` for reading only
-        out = plugin_batch(responses, ground_truths, mode, timeout, workers)
-        preds = [extract_answer(r if window is None else r[-window:]) or "[INVALID]" for r in responses]
-        return (*out, preds) if return_preds else out
+    fmt, by_source = answer_formats(answer_format)
+    fmts = [by_source.get(r.data_source, fmt) for r in rows] if rows else [fmt] * len(responses)
+    if is_plugin(mode) or "," in mode:  # your own rewards, several with weights: `reward_pool.combine`
+        kw = dict(window=window, workers=workers, return_preds=True, answer_format=answer_format, rows=rows)
+        one = lambda m: score_batch(responses, ground_truths, m, timeout, **kw)  # a built-in mode
+        out = combine(responses, ground_truths, mode, timeout, workers, rows, weights, one)
+        return out if return_preds else out[:3]
     string_mode = "dapo-strict" if mode == "math-verify" else mode
     memo = {}  # (response tail, ground truth) -> verdict: a group often repeats both
     res = [
-        memo.get(k) or memo.setdefault(k, score_response(*k, mode=string_mode, window=None))
-        for k in ((r if window is None else r[-window:], str(g)) for r, g in zip(responses, ground_truths))
+        memo.get(k) or memo.setdefault(k, score_response(*k[:2], mode=string_mode, window=None, answer_format=k[2]))
+        for k in ((r if window is None else r[-window:], str(g), f) for r, g, f in zip(responses, ground_truths, fmts))
     ]
     t = time.perf_counter()
     todo, gts = {}, {}  # (gold, pred) -> indices still to ask math-verify about; normalised ground truths
@@ -263,6 +275,7 @@ def score_batch(
         "reward_errors": count["error"],
         "reward_math_verify_calls": len(todo),
         "reward_math_verify_s": time.perf_counter() - t,
+        "extra": [{} for _ in res],  # a plug-in's other keys per response (`reward_pool.combine`)
     }
     return (scores, accs, metrics, [d["pred"] for d in res]) if return_preds else (scores, accs, metrics)
 

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from typing import Callable
 
 from .core import REWARD_MODES, REWARD_PLUGIN, InputError
 
 # %% auto #0
-__all__ = ['MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'default_workers', 'verify_pairs', 'math_verify_equal', 'is_plugin',
-           'check_plugin', 'plugin_batch']
+__all__ = ['MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'PLUGIN_FORMS', 'default_workers', 'verify_pairs', 'math_verify_equal',
+           'is_plugin', 'plugin_form', 'check_plugin', 'plugin_results', 'plugin_batch', 'combine', 'extra_means']
 
 # %% ../nbs/01b_reward_pool.ipynb #a1e0c003
 MATH_VERIFY_TIMEOUT = 5.0  # seconds one math-verify comparison may take before it scores -1 (DAPOConfig.reward_timeout)
@@ -27,11 +28,12 @@ class _VerifyPool:
     def __init__(
         self,
         start_timeout: float = 60.0,  # seconds the server may take to import math-verify
-        plugin: str | None = None,
-    ):  # a reward plug-in `package.module:function` instead of math-verify
+        plugin: str | None = None,  # a reward plug-in `package.module:function` instead of math-verify
+        form: str = "pair",  # how the server calls the plug-in (`plugin_form`)
+    ):
         server = Path(importlib.util.find_spec("dapo_ref.verify_server").origin).read_text()  # torch-free program
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", server, *([plugin] if plugin else [])],
+            [sys.executable, "-c", server, *([plugin, form] if plugin else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -129,7 +131,8 @@ def verify_pairs(
     pairs: list,  # (gold, pred) LaTeX strings, `$`-wrapped as math-verify parses them
     timeout: float = MATH_VERIFY_TIMEOUT,  # per-call limit in seconds, from the call's start in a worker
     workers: int | None = None,  # parallel calls; None = default_workers()
-    plugin: str | None = None,  # a reward plug-in: pairs are (ground truth, response), verdicts its scores
+    plugin: str | None = None,  # a reward plug-in: pairs are (ground truth, its call's arguments), verdicts its results
+    form: str = "pair",  # the plug-in's form (`plugin_form`)
 ) -> list:  # 1 (equivalent), 0 (not), "timeout" or "error" (worker died), one per pair
     "math-verify (or a reward plug-in) on many pairs at once, in a pool of worker processes started once and reused."
     if not pairs:
@@ -141,7 +144,7 @@ def verify_pairs(
         pools = _POOL["pools"]
         for attempt in (0, 1):  # a dead server is replaced once
             if key not in pools:
-                pools[key] = _VerifyPool(plugin=plugin)
+                pools[key] = _VerifyPool(plugin=plugin, form=form)
             try:
                 return pools[key].run([list(p) for p in pairs], timeout, workers or default_workers())
             except BaseException as e:  # died, or interrupted mid-call (its reply would come out of turn): discard
@@ -164,31 +167,137 @@ def math_verify_equal(
 
 # %% ../nbs/01b_reward_pool.ipynb #790eedff
 def is_plugin(mode: str) -> bool:
-    "Whether a reward mode names a plug-in, `package.module:function`, rather than a built-in mode."
-    return REWARD_PLUGIN.fullmatch(mode) is not None
+    "Whether a reward mode names a plug-in, `package.module:function` (or a comma-separated list holds one)."
+    return any(REWARD_PLUGIN.fullmatch(m) is not None for m in mode.split(","))
 
 
-def check_plugin(spec: str):
-    "Refuse, naming it and the fix, a reward plug-in that does not import, is not a function, or cannot take (response, ground_truth)."
-    module, _, name = spec.partition(":")
+PLUGIN_FORMS = {  # form: how it is written, as the error for a function of none of them says it
+    "verl": "verl's {}(data_source, solution_str, ground_truth, extra_info=None)",
+    "batch": "TRL's {}(prompts, completions, **columns)",
+    "pair": "{}(response, ground_truth)",
+}
+
+
+def plugin_form(fn) -> str | None:
+    "Which form `fn` is written in (a key of `PLUGIN_FORMS`), from its signature; None when none of them."
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except Exception as e:
-        raise InputError(
-            f"reward = {spec}: cannot load it ({type(e).__name__}: {e}); give package.module:function of a "
-            "module importable here (on PYTHONPATH), or one of " + ", ".join(REWARD_MODES)
-        ) from None
-    if not callable(fn):
-        raise InputError(f"reward = {spec}: {name} is a {type(fn).__name__}, not a function")
-    try:
-        inspect.signature(fn).bind("response", "ground truth")
-    except TypeError:
-        raise InputError(
-            f"reward = {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(response, ground_truth); "
-            "define it as def " + name + "(response, ground_truth, **kw)"
-        ) from None
-    except ValueError:
-        pass  # a builtin without a signature: called as it is
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return "pair"  # a builtin without a signature: called as it is
+
+    def binds(*a, **k) -> bool:
+        try:
+            return sig.bind(*a, **k) is not None
+        except TypeError:
+            return False
+
+    cols = dict(data_source=[], ground_truth=[], extra_info=[], ability=[])
+    if "completions" in sig.parameters and binds(prompts=[], completions=[], **cols):
+        return "batch"
+    if "solution_str" in sig.parameters and binds(data_source="", solution_str="", ground_truth="", extra_info={}):
+        return "verl"
+    return "pair" if binds("response", "ground truth") else None
+
+
+def check_plugin(spec: str) -> dict[str, str]:
+    "Each plug-in of `spec` (one or a comma-separated list) and its form; `InputError` naming it and the fix when it does not load or fits no form."
+    forms = {}
+    for part in (p for p in spec.split(",") if REWARD_PLUGIN.fullmatch(p)):
+        module, _, name = part.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except Exception as e:
+            raise InputError(
+                f"reward = {part}: cannot load it ({type(e).__name__}: {e}); give package.module:function of a "
+                "module importable here (on PYTHONPATH), or one of " + ", ".join(REWARD_MODES)
+            ) from None
+        if not callable(fn):
+            raise InputError(f"reward = {part}: {name} is a {type(fn).__name__}, not a function")
+        forms[part] = plugin_form(fn)
+        if forms[part] is None:
+            raise InputError(
+                f"reward = {part}: {name}{inspect.signature(fn)} cannot be called as {name}(response, ground_truth), "
+                f"nor as {PLUGIN_FORMS['verl'].format(name)}, nor as {PLUGIN_FORMS['batch'].format(name)}; "
+                "define it in one of these forms"
+            )
+    return forms
+
+# %% ../nbs/01b_reward_pool.ipynb #b1a00010
+def _columns(row) -> dict:
+    "A data row's columns as plug-ins receive them (a `MathExample`, or None: empty ones)."
+    if row is None:
+        return dict(prompt=[], data_source="", ground_truth="", extra_info={}, ability="")
+    return dict(
+        prompt=row.prompt,
+        data_source=row.data_source,
+        ground_truth=row.ground_truth,
+        extra_info=row.extra_info,
+        ability=row.ability,
+    )
+
+
+def _jobs(form: str, responses, ground_truths, rows, workers: int) -> tuple[list, list]:
+    "The server's jobs for one plug-in, and for each the responses it answers (one each; a batch chunk: several)."
+    cols = [_columns(r) for r in rows]
+    if form == "pair":
+        return [(str(g), r) for r, g in zip(responses, ground_truths)], [[i] for i in range(len(responses))]
+    if form == "verl":
+        return [
+            (
+                str(g),
+                dict(data_source=c["data_source"], solution_str=r, ground_truth=str(g), extra_info=c["extra_info"]),
+            )
+            for r, g, c in zip(responses, ground_truths, cols)
+        ], [[i] for i in range(len(responses))]
+    n = -(-len(responses) // max(1, min(workers, len(responses))))  # chunk size: up to `workers` chunks
+    idx = [list(range(s, min(s + n, len(responses)))) for s in range(0, len(responses), n)]
+    jobs = [
+        (
+            str(ix[0]),
+            dict(
+                prompts=[cols[i]["prompt"] for i in ix],
+                completions=[responses[i] for i in ix],
+                columns={
+                    k: [cols[i][k] if k != "ground_truth" else str(ground_truths[i]) for i in ix]
+                    for k in ("data_source", "ground_truth", "extra_info", "ability")
+                },
+            ),
+        )
+        for ix in idx
+    ]
+    return jobs, idx
+
+
+def plugin_results(
+    responses: Sequence[str],  # B decoded responses, passed whole
+    ground_truths: Sequence,  # B reference answers
+    spec: str,  # one plug-in, package.module:function
+    timeout: float = MATH_VERIFY_TIMEOUT,  # seconds per call before it scores -1
+    workers: int | None = None,  # worker processes; None = default_workers()
+    rows: Sequence
+    | None = None,  # B data rows (`MathExample`): data_source, extra_info, ... for verl's and TRL's forms
+) -> tuple[
+    list, list, dict, list
+]:  # (B results: a float, a dict, or "timeout" / "error"; B accs or None; counts; B extras)
+    "One plug-in's results on a round, in the bounded pool: per response its score, its `acc` if it gave one, its other numeric keys."
+    workers = workers or default_workers()
+    form = check_plugin(spec)[spec]
+    jobs, idx = _jobs(form, responses, ground_truths, rows or [None] * len(responses), workers)
+    verdicts = verify_pairs(jobs, timeout, workers, plugin=spec, form=form)
+    res = [None] * len(responses)
+    for v, ix in zip(verdicts, idx):
+        for j, i in enumerate(ix):
+            res[i] = v[j] if isinstance(v, list) and form == "batch" else v
+            res[i] = "error" if res[i] is None else res[i]  # TRL's None: no verdict
+    name = spec.rpartition(":")[2]
+    scores, accs, extras = [], [], []
+    for v in res:
+        d = v if isinstance(v, dict) else {"score": v} if isinstance(v, float) else {"score": -1.0}
+        scores.append(d["score"])
+        accs.append(bool(d["acc"]) if "acc" in d else None)
+        extras.append({**{k: x for k, x in d.items() if k != "score"}, f"{name}/failed": float(isinstance(v, str))})
+    counts = dict(reward_timeouts=sum(v == "timeout" for v in res), reward_errors=sum(v == "error" for v in res))
+    return scores, accs, counts, extras
 
 
 def plugin_batch(
@@ -197,16 +306,67 @@ def plugin_batch(
     spec: str,  # the plug-in, package.module:function
     timeout: float = MATH_VERIFY_TIMEOUT,  # seconds per call before it scores -1
     workers: int | None = None,  # worker processes; None = default_workers()
-):  # (scores (B,) float32, accs (B,) bool, metrics)
+    rows: Sequence | None = None,  # B data rows (`MathExample`), for verl's and TRL's forms
+):  # (scores (B,) float32, accs (B,) bool, metrics with "extra": B dicts)
     "Eq. 7 by a plug-in: its scores from the bounded worker pool; -1 for a call out of time or failing (counted)."
     t = time.perf_counter()
-    verdicts = verify_pairs([(str(g), r) for r, g in zip(responses, ground_truths)], timeout, workers, plugin=spec)
-    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-    scores = torch.tensor([float(v) if num(v) else -1.0 for v in verdicts], dtype=torch.float32)  # (B,)
+    s, a, counts, extras = plugin_results(responses, ground_truths, spec, timeout, workers, rows)
+    scores = torch.tensor(s, dtype=torch.float32)  # (B,)
+    accs = torch.tensor([x if x is not None else y > 0 for x, y in zip(a, s)], dtype=torch.bool)  # (B,)
     metrics = {
-        "reward_timeouts": sum(v == "timeout" for v in verdicts),
-        "reward_errors": sum(v == "error" for v in verdicts),
+        **counts,
         "reward_math_verify_calls": 0,
         "reward_math_verify_s": time.perf_counter() - t,
+        "extra": extras,
     }
-    return scores, scores > 0, metrics
+    return scores, accs, metrics
+
+# %% ../nbs/01b_reward_pool.ipynb #b1a00012
+def combine(
+    responses: Sequence[str],  # B decoded responses
+    ground_truths: Sequence,  # B reference answers
+    mode: str,  # one reward or a comma-separated list: built-in modes and plug-ins
+    timeout: float,  # seconds per plug-in or math-verify call
+    workers: int | None,  # worker processes; None = default_workers()
+    rows: Sequence | None,  # B data rows (`MathExample`) or None
+    weights: str | None,  # `reward_weights`: comma-separated, one per reward; None = 1 each
+    builtin: Callable,  # builtin(mode) -> (scores, accs, metrics, preds) of a built-in mode (`reward.score_batch`)
+):  # (scores (B,) float32, accs (B,) bool, metrics with "extra", B preds)
+    "The weighted sum of several rewards; acc from the first that gives one per response, else total score > 0."
+    parts = mode.split(",")
+    w = [float(x) for x in weights.split(",")] if weights else [1.0] * len(parts)
+    if len(w) != len(parts):
+        raise ValueError(f"reward_weights = {weights}: {len(w)} weights for {len(parts)} rewards; give one per reward")
+    B, t = len(responses), time.perf_counter()
+    total, accs, extras, preds = [0.0] * B, [None] * B, [{} for _ in range(B)], None
+    metrics = dict(reward_timeouts=0, reward_errors=0, reward_math_verify_calls=0)
+    for part, wt in zip(parts, w):
+        name = part.rpartition(":")[2]
+        if REWARD_PLUGIN.fullmatch(part):
+            s, a, m, ex = plugin_results(responses, ground_truths, part, timeout, workers, rows)
+            ex = [{(f"{name}/{k}" if len(parts) > 1 and "/" not in k else k): x for k, x in e.items()} for e in ex]
+        else:
+            s, a, m, p = builtin(part)
+            s, a, ex, preds = s.tolist(), a.tolist(), [{} for _ in range(B)], preds or p
+        for k in metrics:
+            metrics[k] += m.get(k, 0)
+        for i in range(B):
+            total[i] += wt * s[i]
+            accs[i] = a[i] if accs[i] is None else accs[i]
+            extras[i].update(ex[i], **({name: float(s[i])} if len(parts) > 1 else {}))
+    metrics.update(reward_math_verify_s=time.perf_counter() - t, extra=extras)
+    preds = preds or builtin("dapo-strict")[3]  # no built-in reward: the answers read as the format says, for reading
+    acc = torch.tensor([x if x is not None else y > 0 for x, y in zip(accs, total)], dtype=torch.bool)  # (B,)
+    return torch.tensor(total, dtype=torch.float32), acc, metrics, preds
+
+
+def extra_means(
+    extras,  # per-response dicts of numbers (`metrics["extra"]` of `score_batch`)
+) -> dict[str, float]:
+    "`reward/<key>`: the mean of each key over the responses that have it."
+    sums: dict[str, list] = {}
+    for e in extras:
+        for k, x in e.items():
+            s = sums.setdefault(k, [0.0, 0])
+            s[0], s[1] = s[0] + x, s[1] + 1
+    return {f"reward/{k}": s / n for k, (s, n) in sums.items()}

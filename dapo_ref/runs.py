@@ -207,7 +207,9 @@ FROZEN = (  # change the experiment: a resumed run must keep them
     "eps_low",
     "eps_high",
     "clip_c",
-    "loss_agg",  # the objective
+    "loss_agg",
+    "rollout_correction",
+    "rollout_correction_threshold",  # the objective
     "group_size",
     "prompts_per_step",
     "gen_batch_size",
@@ -216,6 +218,10 @@ FROZEN = (  # change the experiment: a resumed run must keep them
     "max_num_gen_batches",
     "reward",
     "reward_timeout",
+    "reward_weights",
+    "answer_format",  # what the reward reads
+    "apply_chat_template",
+    "system_prompt",  # the prompts the policy sees
     "l_max",
     "l_cache",
     "overlong_penalty_factor",  # reward and lengths

@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from . import dist
 from .core import DAPOConfig, InputError, validate
 from .cli import one_line, save_config
-from .data import MathExample, check_prompt_lengths, load_eval_files, load_math_dataset, prompt_token_ids
+from .data import MathExample, check_prompt_lengths, load_eval_files, load_math_dataset, prompt_ids_for
 from .reward_pool import check_plugin, is_plugin
 from dapo_ref.runs import (
     FROZEN,
@@ -207,7 +207,7 @@ class Trainer:
         except LOAD_ERRORS as e:
             raise InputError(f"model = {cfg.model}: cannot load its tokenizer ({one_line(e)[:300]})") from None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.prompt_ids = [prompt_token_ids(e, tokenizer) for e in train_examples]
+        self.prompt_ids = prompt_ids_for(train_examples, tokenizer, cfg)  # chat template, system prompt: cfg's
         check_prompt_lengths(train_examples, self.prompt_ids, cfg.max_prompt_length)  # names the row in the file
         try:
             self.learner = learner_class(cfg).build(cfg, self.pad_id, model=model)
@@ -261,9 +261,10 @@ def sample_rows(groups: list[Group], tokenizer, examples: list[MathExample], ste
             length=len(r),
             truncated=t,
             reward_mode=mode,
+            **x,  # a reward's other keys
         )
         for g in groups
-        for r, p, s, w, t in zip(g.responses, g.preds, g.scores, g.rewards, g.truncated)
+        for r, p, s, w, t, x in zip(g.responses, g.preds, g.scores, g.rewards, g.truncated, g.extra)
     ]
 
 
@@ -321,7 +322,7 @@ def evaluate(self: Trainer) -> dict:
     "Held-out avg@k, pass@k, maj@k, overall and per data_source (empty with no held-out set); each rank its share."
     if not self.eval_examples:
         return {}
-    from dapo_ref.eval import eval_metrics, evaluate
+    from dapo_ref.eval import eval_metrics, evaluate, reward_args
 
     cfg, t0 = self.cfg, time.perf_counter()
     d, D, t = rollout_groups(self.rank, self.world, cfg.vllm_tensor_parallel if self.world > 1 else 1)
@@ -338,7 +339,7 @@ def evaluate(self: Trainer) -> dict:
             top_p=cfg.eval_top_p,
             max_tokens=cfg.l_max,
             seed=seed,
-            reward=cfg.reward,
+            **reward_args(cfg),  # reward, weights, answer format, prompt style
             samples=rows,
             breakdown=True,
         )

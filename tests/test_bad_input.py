@@ -750,6 +750,36 @@ CASES = [
         ("reward = no_such_pkg.rewards:judge: cannot load it",),
     ),
     Case(
+        "train-reward-plugin-no-form",
+        "dapo-train",
+        lambda w: train_args(w, "reward=math:sqrt", out="runs/new"),
+        ("reward = math:sqrt: sqrt(x, /) cannot be called as sqrt(response, ground_truth), nor as verl's",),
+    ),
+    Case(
+        "train-reward-weights-count",
+        "dapo-train",
+        lambda w: train_args(w, "reward_weights=[1.0, 0.5]", out="runs/new"),
+        ("reward_weights = 1.0,0.5: 2 weights for 1 rewards; give one per reward",),
+    ),
+    Case(
+        "train-answer-format-unknown",
+        "dapo-train",
+        lambda w: train_args(w, "answer_format=box", out="runs/new"),
+        ("answer_format = 'box' is out of range: allowed answer_line or boxed",),
+    ),
+    Case(
+        "eval-answer-format-unknown",
+        "dapo-eval",
+        lambda w: eval_args(w, "--answer-format", "latex"),
+        ("--answer-format latex: use answer_line or boxed",),
+    ),
+    Case(
+        "eval-reward-plugin-no-form",
+        "dapo-eval",
+        lambda w: eval_args(w, "--reward", "math:sqrt"),
+        ("reward = math:sqrt: sqrt(x, /) cannot be called as sqrt(response, ground_truth)",),
+    ),
+    Case(
         "train-report-to-unknown",
         "dapo-train",
         lambda w: train_args(w, "report_to=comet", out="runs/new"),

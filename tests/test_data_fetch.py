@@ -103,3 +103,63 @@ def test_dataset_not_in_the_cache_is_one_line(tmp_path):
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert "dapo-data: error: cannot fetch data/aime-2024.parquet of BytedTsinghua-SIA/AIME-2024" in p.stderr
     assert not (tmp_path / "data" / "aime-2024.parquet").exists()
+
+
+def test_aime_2025_and_math_500_are_converted_into_the_schema(tmp_path):
+    """aime-2025 and math-500 in their upstream schemas (a problem, an answer and metadata columns; parquet and JSONL, as
+    published), written here as small real files in a fake cache: `dapo-data --only` converts them into the
+    DAPO-Math-17k schema with the format's prompt template and data_source = the name."""
+    import json
+
+    import pyarrow as pa, pyarrow.parquet as pq
+
+    from dapo_ref.data import BOXED_TEMPLATE, PROMPT_TEMPLATE, convert_upstream
+
+    cache, upstream = tmp_path / "hub", {}
+    aime_q = "Find the sum of all integer bases $b>9$ ..."
+    aime = [
+        dict(id="0", problem=aime_q, answer="70", url="u0", year="2025"),
+        dict(id="1", problem="On $\\triangle ABC$ points ...", answer="588", url="u1", year="2025"),
+        dict(id="0", problem=aime_q, answer="70", url="u0", year="2025"),  # a repeated row: dropped
+    ]
+    math = [
+        dict(
+            problem="Convert $(0,3)$ to polar coordinates.",
+            solution="...",
+            answer="\\left( 3, \\frac{\\pi}{2} \\right)",
+            subject="Precalculus",
+            level=2,
+            unique_id="test/precalculus/807.json",
+        ),
+        dict(problem="What is $1+1$?", solution="...", answer="2", subject="Prealgebra", level=1, unique_id="t/1.json"),
+    ]
+    for name, rows in [("aime-2025", aime), ("math-500", math)]:
+        repo_id, fname = HUB_DATASETS[name]
+        repo = cache / f"datasets--{repo_id.replace('/', '--')}"
+        f = repo / "snapshots" / SHA / fname
+        f.parent.mkdir(parents=True)
+        if f.suffix == ".parquet":
+            pq.write_table(pa.Table.from_pylist(rows), f)
+        else:
+            f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(SHA)
+        upstream[name] = (f, rows)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    for name, unique in (("aime-2025", 2), ("math-500", 2)):
+        p = run(["--out", str(tmp_path / "data"), "--only", name, "--answer-format", "boxed"], env)
+        assert p.returncode == 0, p.stderr
+        f, rows = upstream[name]
+        got = load_math_dataset(tmp_path / "data" / f"{name}.parquet", verbose=False)
+        assert f"{name}: {len(rows)} rows of" in p.stdout and len(got) == unique
+        assert [e.ground_truth for e in got] == [r["answer"] for r in rows[:unique]]
+        assert [e.prompt for e in got] == [
+            [{"role": "user", "content": BOXED_TEMPLATE.format(problem=r["problem"])}] for r in rows[:unique]
+        ]
+        assert {e.data_source for e in got} == {name}
+    got = load_math_dataset(tmp_path / "data" / "math-500.parquet", verbose=False)
+    assert got[0].extra_info == dict(index=0, unique_id="test/precalculus/807.json", subject="Precalculus", level=2)
+    # the default template: DAPO-Math-17k's `Answer:` instruction
+    assert convert_upstream("aime-2025", upstream["aime-2025"][0])[1].question == PROMPT_TEMPLATE.format(
+        problem=aime[1]["problem"]
+    )

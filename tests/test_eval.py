@@ -1,7 +1,7 @@
 """Tests of dapo_ref.eval that are not part of the lesson: brute-force and property checks of the metrics,
 `evaluate` with a scripted engine, and the `dapo-eval` command end to end on a tiny random Qwen2 model."""
 
-import itertools, json, math
+import itertools, json, math, os
 from collections import Counter
 from fractions import Fraction
 
@@ -614,3 +614,36 @@ def test_cli_registry_name(tmp_path, capsys, monkeypatch):
     assert res["data"] == "aime-2024" and res["data_files"] == ["data/aime-2024.parquet"]
     assert [p["ground_truth"] for p in res["per_prompt"]] == [ex.ground_truth for ex in examples[:3]]
     assert list(res["by_source"]) == ["set-a"]
+
+
+# ---------------------------------------------------------------- the boxed answer format, by every reward form
+
+BOX_PLUGINS = """
+from dapo_ref.data import extract_boxed
+def pair(response, ground_truth):
+    return 1.0 if extract_boxed(response) == ground_truth else -1.0
+def verl(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": pair(solution_str, ground_truth), "acc": extract_boxed(solution_str) == ground_truth}
+def trl(prompts, completions, **columns):
+    return [pair(c, g) for c, g in zip(completions, columns["ground_truth"])]
+"""
+BOX_SCRIPT = [["\\boxed{2}", "so \\boxed{3}", "\\boxed{2} then \\boxed{5}", "Answer: 2"]]  # truth 2
+
+
+@pytest.mark.parametrize("reward", ["dapo-reference", "box_mod:pair", "box_mod:verl", "box_mod:trl"])
+def test_cli_boxed_format_by_every_form(tiny_model_dir, tmp_path, capsys, monkeypatch, reward):
+    "--answer-format boxed: +1 for the right last \\boxed{}, -1 for a wrong one or none, by the built-in reward and each plug-in form."
+    (tmp_path / "box_mod.py").write_text(BOX_PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setattr(
+        dapo_ref.rollout, "HFRolloutEngine", lambda *a, **kw: ScriptedEngine(byte_tokenizer(), BOX_SCRIPT)
+    )
+    data = write_jsonl(tmp_path / "box.jsonl", [("What is 1 + 1?", 2)], duplicate_first=False)
+    out = tmp_path / "r.json"
+    args = ["--model", tiny_model_dir, "--data", data, "--k", 4, "--max-tokens", 32, "--reward", reward, "--out", out]
+    run_cli(args + ["--answer-format", "boxed", "--no-apply-chat-template"], capsys)
+    res = json.loads(out.read_text())
+    assert res["per_prompt"][0]["n_correct"] == 1 and res["avg@k"] == 0.25  # only the first: the last box counts
+    assert res["per_prompt"][0]["preds"] == ["2", "3", "5", "[INVALID]"] and res["maj@k"] == 1.0  # 2, 3, 5 tie: first
+    assert (res["answer_format"], res["apply_chat_template"]) == ("boxed", False)

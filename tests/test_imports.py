@@ -103,7 +103,7 @@ def test_modules_and_export_cells_stay_short():
 
 # The ladder of issue #36: the algorithm and the implementations of its two interfaces sit side by side above
 # `interfaces` and the pure pieces, and neither side imports the other; the run (`trainer`) picks and wires them.
-PURE = {"core", "data", "reward", "advantage", "loss", "sampling"}
+PURE = {"core", "data", "reward", "advantage", "loss", "rollout_correction", "sampling"}
 IMPLEMENTATIONS = {"rollout", "vllm_rollout", "learner", "scale", "sharded"}
 
 

@@ -13,8 +13,9 @@ plus random extra padding, as a collate function does, so a padding-dependent no
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from dapo_ref.core import LOSS_AGGS
+from dapo_ref.core import LOSS_AGGS, ROLLOUT_CORRECTIONS
 from dapo_ref.loss import agg_loss, clipped_token_loss, loss_counts, overlong_filter, policy_loss
+from dapo_ref.rollout_correction import rollout_weights
 
 SETTINGS = dict(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 U = 2.0**-24  # float32 unit roundoff u: a correctly rounded float32 op has relative error <= u
@@ -77,8 +78,9 @@ def cut(x: torch.Tensor, rows: list[int], width: int, fill: float = 0.0) -> torc
     return torch.cat([x, x.new_full((len(rows), width - x.shape[1]), fill)], dim=1)
 
 
-def split_loss_and_grad(logp, old, adv, mask, split, agg, max_len):
-    "Loss summed over micro-batches and ranks, and the ranks' summed gradient, with denominators counted as a trainer would."
+def split_loss_and_grad(logp, old, adv, mask, split, agg, max_len, correction=None):
+    """Loss summed over micro-batches and ranks, and the ranks' summed gradient, with denominators counted as a trainer
+    would; `correction` = (engine log-probs (B, T), mode): each micro-batch's weights from its own rows, as the learner's."""
     world, micro, ranks, pads = split
     widths = [int(mask[rows].sum(-1).max()) + p for rows, p in zip(micro, pads)]  # collate: longest row + extra
     # each rank counts its own micro-batches; an all-reduce SUM gives the mini-batch's counts
@@ -93,6 +95,11 @@ def split_loss_and_grad(logp, old, adv, mask, split, agg, max_len):
     total = 0.0
     for rows, w, r in zip(micro, widths, ranks):
         a = adv[rows] if adv.dim() == 1 else cut(adv, rows, w)
+        wt = None
+        if correction is not None:
+            wt = rollout_weights(
+                cut(old, rows, w, -1.0), cut(correction[0], rows, w, -1.0), cut(mask, rows, w, False), correction[1]
+            )
         loss, _ = policy_loss(
             cut(leaves[r], rows, w, -1.0),
             cut(old, rows, w, -1.0),
@@ -103,6 +110,7 @@ def split_loss_and_grad(logp, old, adv, mask, split, agg, max_len):
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             max_len=max_len,
+            weights=wt,
         )
         assert loss.grad_fn is not None  # every micro-batch can be backpropagated, empty or not
         if not bool(cut(mask, rows, w, False).any()):
@@ -134,6 +142,34 @@ def test_any_split_over_micro_batches_and_ranks_gives_the_full_batch_loss_and_gr
         ((grad - full.grad).abs() <= GRAD_TOL * full.grad.abs()).all()
     )  # elementwise, see GRAD_TOL; zeros exact
     assert bool((grad[~mask] == 0).all())  # padding and filtered rows: exactly zero
+
+
+@settings(**{**SETTINGS, "max_examples": 40})
+@given(mini_batches(), st.data(), st.sampled_from(LOSS_AGGS), st.sampled_from(ROLLOUT_CORRECTIONS[1:]))
+def test_the_split_invariance_holds_with_rollout_correction(batch, data, agg, mode):
+    """The same property with the rollout correction on: every micro-batch computes its weights from its own rows (a
+    sequence's weight needs only its row). Token weights are elementwise, the same bits on both sides; a sequence
+    weight sums a row in float64 over another padded width, so its float32 value can differ by one rounding: 2u
+    relative per token, added to both bounds (loss: 2u * scale; gradient: GRAD_TOL + 2u), with `scale` the aggregation
+    of |w * token loss|."""
+    logp, old, adv, mask, truncated = batch
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    roll = old - torch.randn(old.shape, generator=g) * 0.5  # (B, T) the engine's log-probs: w spread over e^{+-1}
+    wt = rollout_weights(old, roll, mask, mode)  # (B, T)
+    full = logp.detach().clone().requires_grad_()
+    ref, _ = policy_loss(full, old, adv, mask, clip_c=10.0, agg=agg, max_len=mask.shape[1], weights=wt)
+    ref.backward()
+    split = data.draw(splits(len(mask)))
+    total, grad = split_loss_and_grad(logp, old, adv, mask, split, agg, mask.shape[1], correction=(roll, mode))
+    r = (logp - old).exp()
+    tok = (clipped_token_loss(r, adv if adv.dim() == 2 else adv[:, None], 0.2, 0.28, 10.0) * wt).abs()
+    scale = agg_loss(tok, mask, agg, max_len=mask.shape[1]).item()
+    B, T = mask.shape
+    assert abs(total - ref.item()) <= (loss_tol(B, T) + 2 * U) * scale
+    assert bool(((grad - full.grad).abs() <= (GRAD_TOL + 2 * U) * full.grad.abs()).all())
+    assert bool((grad[~mask] == 0).all()) and bool(
+        (grad[mask & (wt == 0)] == 0).all()
+    )  # masked by the correction: none
 
 
 def test_a_mini_batch_without_loss_tokens_gives_an_exact_zero_that_backpropagates():

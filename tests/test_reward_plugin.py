@@ -108,9 +108,22 @@ def _train(args, env):
 
 
 def test_training_with_a_hanging_plugin_goes_on(plugins, tmp_path):
-    "Two steps scored by a plug-in that hangs on about half of the responses (limit 0.5 s): the run ends, every timeout counted."
+    """Two steps scored by a plug-in that hangs on about half of the responses (limit 0.5 s): the run ends, every timeout
+    counted. Held out: 4 problems at the end only (each hanging call costs its 0.5 s; the 64 problems at both ends
+    cost ~30 s of waiting and showed nothing more)."""
+    from dapo_ref.data import save_math_dataset
+    from dapo_ref.tiny import tiny_splits
+
+    held = save_math_dataset(tiny_splits(64, 4, seed=0)[1][:4], tmp_path / "held.jsonl")
     p = _train(
-        ["total_steps=2", "reward=test_plugins_mod:hang", "reward_timeout=0.5", f"output_dir={tmp_path / 'run'}"],
+        [
+            "total_steps=2",
+            "reward=test_plugins_mod:hang",
+            "reward_timeout=0.5",
+            f"eval_data={held}",
+            "val_before_train=false",
+            f"output_dir={tmp_path / 'run'}",
+        ],
         {"PYTHONPATH": os.environ["PYTHONPATH"]},
     )
     assert p.returncode == 0, p.stderr[-3000:]

@@ -698,6 +698,14 @@ def test_gpu_check_cpu(tmp_path):
     assert any("sleep" in x for x in s["skipped"]) and any("compiled" in x for x in s["skipped"])
     assert set(s["plan"]["phases_gb"]) >= {"load", "update"}  # dapo-plan's prediction for the shape was read
     assert "[skipped] sleep/wake" in p.stdout and "[ok] fused" in p.stdout
+    # the CPU run's update is corrected (rollout_correction: token_truncate, nbs/04b) with vLLM's own log-probs: the
+    # gap is float32 kernel rounding, non-zero and far below the sync tolerance (mean |d| < 1e-3), so every weight
+    # w = e^d sits within 1e-2 of 1 and none is beyond C = 2. Engine log-probs shifted by one token would put
+    # |d| ~ 1 (log-probs of other tokens), w far from 1: the alignment is checked too.
+    step = s["phases"][1]
+    assert step["rollout_logp_diff_mean"] > 0 and abs(step["rollout_w_mean"] - 1) < 1e-2, step
+    assert step["rollout_w_max"] < 1.01 and step["rollout_w_truncated_frac"] == step["rollout_w_masked_frac"] == 0, step
+    assert step["rollout_seq_log_w_std"] >= 0 and step["grad_updates"] >= 1 and step["skipped"] == 0, step
 
 
 # ---------------------------------------------------------------- nbs/09b_one_gpu.ipynb: its CPU-sized twin

@@ -1,0 +1,274 @@
+"""The reward plug-in forms practitioners write (verl's per-sample `compute_score`, TRL's per-batch function, the short
+form), dict results, several weighted rewards and the boxed answer format: through `score_batch`, through a training
+run on the tiny model with a scripted engine (every response's verdict known), and through the real `dapo-train`
+(what each form receives from the data rows)."""
+
+import json, os, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+from dapo_ref.cli import config_from_dict
+from dapo_ref.data import BOXED_TEMPLATE, make_example, prompt_token_ids
+from dapo_ref.interfaces import Completion, RolloutEngine
+from dapo_ref.reward import score_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGINS = r"""
+import json, os
+from dapo_ref.data import extract_boxed
+
+
+def _log(rec):
+    if os.environ.get("FORMS_LOG"):
+        with open(os.environ["FORMS_LOG"], "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def _box(text, gt):
+    return 1.0 if extract_boxed(text[-300:]) == str(gt) else -1.0
+
+
+def pair_boxed(response, ground_truth):
+    return _box(response, ground_truth)
+
+
+def verl_boxed(data_source, solution_str, ground_truth, extra_info=None):
+    _log(dict(form="verl", data_source=data_source, ground_truth=ground_truth, extra_info=extra_info))
+    s = _box(solution_str, ground_truth)
+    return {"score": s, "acc": s > 0, "boxed": float("\\boxed{" in solution_str), "pred": "a string: not logged"}
+
+
+def trl_boxed(prompts, completions, **columns):
+    _log(dict(form="trl", n=len(completions), prompts=prompts, columns={k: columns[k] for k in sorted(columns)}))
+    return [_box(c, g) for c, g in zip(completions, columns["ground_truth"])]
+
+
+def trl_none(prompts, completions, **columns):
+    return [None if len(c) % 3 == 0 else 0.5 for c in completions]
+"""
+
+
+@pytest.fixture()
+def forms(tmp_path, monkeypatch):
+    (tmp_path / "forms_mod.py").write_text(PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # the server's
+    monkeypatch.setenv("FORMS_LOG", str(tmp_path / "calls.jsonl"))
+    return tmp_path
+
+
+def boxed(gt, right: bool) -> str:
+    return f"... so the answer is \\boxed{{{gt if right else int(gt) + 1}}}."
+
+
+def test_each_form_scores_boxed_answers(forms):
+    "+1 for the right \\boxed{}, -1 for a wrong one, by the built-in reward in boxed format and by each plug-in form."
+    rows = [
+        make_example(f"What is {i} + {i}?", 2 * i, data_source="boxed-set", template=BOXED_TEMPLATE, index=i)
+        for i in range(3)
+    ]
+    rows = [r for r in rows for _ in range(2)]  # G = 2
+    texts = [boxed(r.ground_truth, j % 2 == 0) for j, r in enumerate(rows)]
+    want = [1.0, -1.0] * 3
+    for mode in [
+        "dapo-reference",
+        "dapo-strict",
+        "forms_mod:pair_boxed",
+        "forms_mod:verl_boxed",
+        "forms_mod:trl_boxed",
+    ]:
+        s, a, m, p = score_batch(
+            texts, [r.ground_truth for r in rows], mode, 30.0, answer_format="boxed", rows=rows, return_preds=True
+        )
+        assert s.tolist() == want and a.tolist() == [x > 0 for x in want], mode
+        assert p == [str(2 * (j // 2) + j % 2) for j in range(6)], mode  # the boxed answer read, right or wrong
+    # the default format reads `Answer:` lines: none here, so every response scores -1 (as the issue's user saw)
+    assert score_batch(texts, [r.ground_truth for r in rows])[0].tolist() == [-1.0] * 6
+    # by data_source: the same responses, the set's format named for its source only
+    s = score_batch(texts, [r.ground_truth for r in rows], answer_format="answer_line,boxed-set=boxed", rows=rows)[0]
+    assert s.tolist() == want
+    # the verl form got each row's columns; the TRL form the rows' messages and columns, one per completion
+    calls = [json.loads(l) for l in (forms / "calls.jsonl").read_text().splitlines()]
+    verl = sorted((c["ground_truth"], c["extra_info"]["index"]) for c in calls if c["form"] == "verl")
+    assert verl == sorted((r.ground_truth, r.extra_info["index"]) for r in rows)
+    assert {c["data_source"] for c in calls if c["form"] == "verl"} == {"boxed-set"}
+    trl = [c for c in calls if c["form"] == "trl"]
+    assert sum(c["n"] for c in trl) == 6 and all(
+        set(c["columns"]) == {"ability", "data_source", "extra_info", "ground_truth"} for c in trl
+    )
+    assert all(len(v) == c["n"] and len(c["prompts"]) == c["n"] for c in trl for v in c["columns"].values())
+    assert sorted(g for c in trl for g in c["columns"]["ground_truth"]) == sorted(r.ground_truth for r in rows)
+    assert all(p[0]["content"].endswith("within \\boxed{}.") for c in trl for p in c["prompts"])
+
+
+def test_weighted_rewards_dict_keys_and_no_verdict(forms):
+    "Two rewards with weights: the total is the weighted sum, each logged on its own; dict keys and None counted."
+    rows = [make_example("What is 1 + 1?", 2, template=BOXED_TEMPLATE)] * 4
+    texts = [boxed(2, True), boxed(2, False), "ab", "abc"]  # the last has length 3: trl_none gives no verdict
+    s, a, m = score_batch(
+        texts,
+        ["2"] * 4,
+        "forms_mod:verl_boxed,forms_mod:trl_none",
+        30.0,
+        rows=rows,
+        weights="1.0,0.5",
+        answer_format="boxed",
+    )
+    trl = [0.5, 0.5, 0.5, -1.0]  # None -> -1
+    verl = [1.0, -1.0, -1.0, -1.0]
+    assert s.tolist() == [v + 0.5 * t for v, t in zip(verl, trl)]  # exact: halves and integers
+    assert a.tolist() == [True, False, False, False]  # the verl form's own acc, not total > 0 (0.5 - 1 < 0 anyway)
+    assert m["reward_errors"] == 1
+    ex = m["extra"]
+    assert [e["verl_boxed"] for e in ex] == verl and [e["trl_none"] for e in ex] == trl
+    assert [e["verl_boxed/boxed"] for e in ex] == [1.0, 1.0, 0.0, 0.0] and [e["trl_none/failed"] for e in ex] == [
+        0,
+        0,
+        0,
+        1,
+    ]
+    assert "verl_boxed/pred" not in ex[0]  # a string is not a number to log
+    # acc without an `acc` key: total score > 0
+    assert score_batch(texts, ["2"] * 4, "forms_mod:trl_none", 30.0)[1].tolist() == [True, True, True, False]
+
+
+# ---------------------------------------------------------------- a training run whose every verdict is known
+
+
+class BoxedEngine(RolloutEngine):
+    "Answers every prompt with G responses alternating a right and a wrong \\boxed{} answer (prompt ids -> answer)."
+
+    def __init__(self, tokenizer, answers):
+        self.tok, self.answers = tokenizer, answers
+
+    def generate(self, prompts, params, use_tqdm=False):
+        out = []
+        for q, p in enumerate(prompts):
+            for j in range(params.n):
+                ids = self.tok.encode(boxed(self.answers[tuple(p)], j % 2 == 0), add_special_tokens=False)
+                out.append(Completion(q, ids + [self.tok.eos_token_id], "stop"))
+        return out
+
+    def load_weights(self, named_tensors):
+        pass
+
+
+def test_training_and_held_out_score_boxed_answers_by_every_form(forms, tmp_path):
+    "One tiny run (1 step, step-0 and final evaluation) scored by the built-in reward and the three plug-in forms at once."
+    from dapo_ref.trainer import Trainer, load_tokenizer
+    from dapo_ref.track import read_samples
+
+    tok = load_tokenizer("tiny")
+    exs = [
+        make_example(f"What is {i} + 3?", i + 3, data_source="boxed-set", template=BOXED_TEMPLATE, index=i)
+        for i in range(6)
+    ]
+    names = ["dapo-reference", "forms_mod:pair_boxed", "forms_mod:verl_boxed", "forms_mod:trl_boxed"]
+    cfg = config_from_dict(
+        dict(
+            model="tiny",
+            reward=names,
+            reward_weights=[1.0, 0.5, 0.25, 0.25],
+            answer_format="boxed",
+            group_size=4,
+            prompts_per_step=2,
+            gen_batch_size=2,
+            mini_batch_size=8,
+            l_max=48,
+            l_cache=8,
+            total_steps=1,
+            eval_k=2,
+            warmup_steps=0,
+            save_every=0,
+            samples_per_step=2,
+            output_dir=str(tmp_path / "run"),
+            reward_timeout=30.0,
+        )
+    )
+    answers = {tuple(prompt_token_ids(e, tok)): e.ground_truth for e in exs}
+    Trainer(cfg, exs[:4], exs[4:], tokenizer=tok, engine=BoxedEngine(tok, answers), log=None).fit()
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval_acc"] for r in rows] == [0.5, 0.5]  # half of the held-out responses right, step 0 and the end
+    step = rows[1]
+    assert step["acc"] == 0.5 and step["reward_errors"] == step["reward_timeouts"] == 0
+    for n in ["dapo-reference", "pair_boxed", "verl_boxed", "trl_boxed"]:
+        assert step[f"reward/{n}"] == 0.0  # +1 and -1 alike often
+    assert step["reward/verl_boxed/boxed"] == 1.0 and step["score_mean"] == 0.0
+    samples = read_samples(tmp_path / "run")
+    assert {s["split"] for s in samples} == {"train", "eval"} and len(samples) == 2 * 4 + 2 * (2 * 2)
+    for s in samples:
+        right = s["response"].endswith(f"\\boxed{{{s['ground_truth']}}}.")
+        for n in ["dapo-reference", "pair_boxed", "verl_boxed", "trl_boxed"]:
+            assert s[n] == (1.0 if right else -1.0), (n, s)
+        assert s["score"] == (2.0 if right else -2.0)  # 1 + 0.5 + 0.25 + 0.25, in training and held out
+        assert s["pred"] == s["response"][s["response"].rfind("{") + 1 : -2]
+
+
+# ---------------------------------------------------------------- the real dapo-train: what each form receives
+
+
+def test_dapo_train_passes_the_rows_columns_to_each_form(forms, tmp_path):
+    "verl's form gets data_source, ground_truth and extra_info of the row; TRL's the prompts and the other columns."
+    from dapo_ref.tiny import tiny_splits
+
+    out = tmp_path / "run"
+    args = [
+        "reward=[forms_mod:verl_boxed, forms_mod:trl_boxed]",
+        "reward_weights=[1.0, 0.5]",
+        "total_steps=1",
+        "prompts_per_step=2",
+        "gen_batch_size=2",
+        "group_size=2",
+        "mini_batch_size=4",
+        "l_max=16",
+        "l_cache=4",
+        "dynamic_sampling=false",
+        "eval_every=0",
+        "val_before_train=false",
+        "eval_k=1",
+        "save_every=0",
+        "samples_per_step=1",
+        "reward_timeout=30",
+        f"output_dir={out}",
+    ]
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_ref.train",
+            "--config",
+            str(ROOT / "recipes" / "tiny-cpu.yaml"),
+            "--threads",
+            "1",
+            "--quiet",
+            *args,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    train, held = tiny_splits(4000, 64, seed=0)
+    known = {(e.data_source, e.ground_truth, json.dumps(e.extra_info, sort_keys=True)) for e in train + held}
+    calls = [json.loads(l) for l in (forms / "calls.jsonl").read_text().splitlines()]
+    verl = [c for c in calls if c["form"] == "verl"]
+    assert len(verl) == 2 * 2 + 64  # the step's P * G responses, then the 64 held-out problems x eval_k = 1
+    assert all(
+        (c["data_source"], c["ground_truth"], json.dumps(c["extra_info"], sort_keys=True)) in known for c in verl
+    )
+    trl = [c for c in calls if c["form"] == "trl"]
+    assert sum(c["n"] for c in trl) == len(verl)
+    for c in trl:
+        cols = c["columns"]
+        rows = list(
+            zip(cols["data_source"], cols["ground_truth"], (json.dumps(x, sort_keys=True) for x in cols["extra_info"]))
+        )
+        assert set(cols) == {"ability", "data_source", "extra_info", "ground_truth"} and set(rows) <= known
+        assert all(p[-1]["role"] == "user" and "Answer:" in p[-1]["content"] for p in c["prompts"])
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    step = rows[-1]
+    assert step["score_mean"] == pytest.approx(step["reward/verl_boxed"] + 0.5 * step["reward/trl_boxed"], abs=1e-12)
+    assert step["reward/verl_boxed/boxed"] == 0.0  # the tiny policy writes `Answer:` lines, never a box
