@@ -405,10 +405,13 @@ def check_prompt_lengths(
     )
 
 # %% ../nbs/01_data.ipynb #53591f59
-HUB_DATASETS = {  # name: (hub dataset repository, file in it), as the reference recipe's prepare script fetches them
+HUB_DATASETS = {  # name: (hub dataset repository, file in it, or the names it may have), as the reference recipe's prepare script fetches them
     "dapo-math-17k": ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet"),
     "aime-2024": ("BytedTsinghua-SIA/AIME-2024", "data/aime-2024.parquet"),
-    "aime-2025": ("yentinglin/aime_2025", "data/train-00000-of-00001.parquet"),  # problem, answer, id, ...
+    "aime-2025": (  # problem, answer, id, ...; its file's name is not documented: the two it may have, in turn
+        "yentinglin/aime_2025",
+        ("data/train-00000-of-00001.parquet", "aime_2025_problems.parquet"),
+    ),
     "math-500": ("HuggingFaceH4/MATH-500", "test.jsonl"),  # problem, solution, answer, subject, level, unique_id
 }
 RECIPE_DATASETS = ("dapo-math-17k", "aime-2024")  # what `dapo-data` fetches unless --only names others
@@ -453,14 +456,23 @@ def fetch_dataset(
     answer_format: str = "answer_line",  # the prompt template of a converted set (`convert_upstream`)
 ) -> dict:
     "Fetch `name` (the hub or its cache), validate and deduplicate it, write out_dir/<name>.parquet; return counts and checksums."
-    repo, fname = HUB_DATASETS[name]
+    repo, names = HUB_DATASETS[name]
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
 
-    try:
-        src = Path(hf_hub_download(repo, fname, repo_type="dataset", revision=revision))
-    except Exception as e:
+    src = None
+    for fname in (names,) if isinstance(names, str) else names:  # a file name that is not certain: the next one
+        try:
+            src = Path(hf_hub_download(repo, fname, repo_type="dataset", revision=revision))
+            break
+        except EntryNotFoundError as e:  # not in the repository (or, offline, not in the cache): try the next name
+            err = e
+        except Exception as e:
+            err = e
+            break
+    if src is None:
         raise InputError(
-            f"cannot fetch {fname} of {repo} ({type(e).__name__}: {one_line(e)[:200]}); check the network, "
+            f"cannot fetch {fname} of {repo} ({type(err).__name__}: {one_line(err)[:200]}); check the network, "
             "or unset HF_HUB_OFFLINE (with it only the local cache is read)"
         ) from None
     if name in RECIPE_DATASETS:

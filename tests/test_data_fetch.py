@@ -134,7 +134,8 @@ def test_aime_2025_and_math_500_are_converted_into_the_schema(tmp_path):
         dict(problem="What is $1+1$?", solution="...", answer="2", subject="Prealgebra", level=1, unique_id="t/1.json"),
     ]
     for name, rows in [("aime-2025", aime), ("math-500", math)]:
-        repo_id, fname = HUB_DATASETS[name]
+        repo_id, names = HUB_DATASETS[name]
+        fname = names if isinstance(names, str) else names[-1]  # the last name it may have: the others tried first
         repo = cache / f"datasets--{repo_id.replace('/', '--')}"
         f = repo / "snapshots" / SHA / fname
         f.parent.mkdir(parents=True)
@@ -152,6 +153,7 @@ def test_aime_2025_and_math_500_are_converted_into_the_schema(tmp_path):
         f, rows = upstream[name]
         got = load_math_dataset(tmp_path / "data" / f"{name}.parquet", verbose=False)
         assert f"{name}: {len(rows)} rows of" in p.stdout and len(got) == unique
+        assert f"{f.name} (sha256" in p.stdout  # the file it found (aime-2025: its second name, after the first)
         assert [e.ground_truth for e in got] == [r["answer"] for r in rows[:unique]]
         assert [e.prompt for e in got] == [
             [{"role": "user", "content": BOXED_TEMPLATE.format(problem=r["problem"])}] for r in rows[:unique]
