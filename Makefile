@@ -19,7 +19,7 @@ installer = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip install -q --python $(1)/
 uninstaller = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip uninstall -q --python $(1)/bin/python,$(1)/bin/python -m pip --disable-pip-version-check uninstall -q -y)
 INSTALL := $(call installer,$(VENV))
 
-.PHONY: install demo lint test tiny-model testbeds check-export check-clean nbtest pytest docs docs-browser clean-docs venv-vllm test-vllm
+.PHONY: install demo lint test tiny-model testbeds check-export check-clean nbtest pytest pytest-after-nbtest docs docs-browser clean-docs venv-vllm test-vllm
 
 # The library alone (what `make demo` needs), then the dev extra on top (notebook tools, pytest, the docs site).
 # (not pyproject.toml: nbdev_export rewrites it, unchanged, on every export, which would reinstall after check-export)
@@ -40,13 +40,14 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed-lib
 	$(BIN)/dapo-train --config recipes/tiny-cpu.yaml output_dir=runs/tiny-cpu-$$(date +%Y%m%d-%H%M%S)
 
-# pytest on every core, and beside it, niced so that pytest keeps the cores and they take only what it leaves idle,
-# the notebooks, the docs site (mostly Chromium waiting on pages) and the vLLM venv (mostly disk), each target's
-# output printed whole when it ends; then the vLLM tests (beside pytest they were slower: vLLM's CPU threads compete).
+# The notebooks (two cores; some cells bound calls in time, so nothing else may starve them), then pytest on every
+# core; beside both, niced so that they take only what the cores leave idle, the docs site (mostly Chromium waiting on
+# pages) and the vLLM venv (mostly disk), each target's output printed whole when it ends; then the vLLM tests (beside
+# pytest they were slower: vLLM's CPU threads compete with it).
 NICE ?=
 test: lint check-export check-clean
-	@echo "make test: $$(date +%T) pytest, and beside it the notebooks, docs and .venv-vllm"
-	$(MAKE) --no-print-directory -j4 --output-sync=target pytest nbtest docs venv-vllm NICE="nice -n 15"
+	@echo "make test: $$(date +%T) notebooks then pytest, and beside them docs and .venv-vllm"
+	$(MAKE) --no-print-directory -j3 --output-sync=target pytest-after-nbtest docs venv-vllm NICE="nice -n 15"
 	@echo "make test: $$(date +%T) vLLM tests"
 	$(MAKE) --no-print-directory test-vllm
 	@echo "make test: $$(date +%T) all checks passed"
@@ -95,7 +96,12 @@ testbeds: install
 # (cells flagged slow/gpu in settings.ini tst_flags skipped), its saved outputs checked against the fresh ones
 # (.ci/nbcheck.py).
 nbtest: install
-	$(NICE) $(PY) .ci/nbtest.py
+	$(PY) .ci/nbtest.py
+
+# `make test`'s order: pytest starts when the notebooks are done (not niced: $(NICE) is only for docs and the venv)
+pytest-after-nbtest: nbtest
+	@echo "make test: $$(date +%T) pytest"
+	$(MAKE) --no-print-directory pytest
 
 # On every core (pytest-xdist), one thread per worker; tests sharing a launch stay on one worker (tests/conftest.py).
 # The 15 slowest tests are listed at the end (their table: tests/README.md).

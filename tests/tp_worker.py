@@ -142,7 +142,7 @@ def main(out: Path, tp: int):
             ),
             c,
         )[1]
-    prompt_ids = [T.prompt_token_ids(e, tok) for e in train]
+    prompt_ids = T.prompt_ids_for(train, tok, cfg)  # as the trainer encodes them (chat template, system prompt)
     eng = recording_engine(tok, {tuple(p): e.ground_truth for p, e in zip(prompt_ids, train)})
     tr = T.Trainer(
         cfg, train_examples=train, eval_examples=[], model=model, tokenizer=tok, engine=eng, progress=False, log=None
