@@ -89,6 +89,7 @@ VLLM_FIELDS = {  # the engine's fields of each variant (an hf-backend config may
         vllm_gpu_memory_utilization=0.3,
         vllm_enforce_eager=True,
         vllm_enable_chunked_prefill=False,
+        vllm_dtype="bfloat16",  # a bfloat16 engine beside the float32 learner: a real rollout-learner gap
         rollout_correction="token_truncate",  # the update weighted by the engine's own log-probs (nbs/04b)
     ),
 }
@@ -362,7 +363,15 @@ def main(argv: list[str] | None = None) -> int:
             "build",
             engine=type(tr.engine).__name__,
             learner=type(tr.learner).__name__,
-            **(dict(update_order=" ".join(order), eager=cfg.vllm_enforce_eager) if order is not None else {}),
+            **(
+                dict(
+                    update_order=" ".join(order),
+                    eager=cfg.vllm_enforce_eager,
+                    engine_dtype=str(tr.engine.llm.llm_engine.vllm_config.model_config.dtype).replace("torch.", ""),
+                )
+                if order is not None
+                else {}
+            ),
             attn=cfg.attn_implementation,
             linear_is_torchs=torch.nn.functional.linear is torch._C._nn.linear,
         )
@@ -390,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         checks["one DAPO step applied its updates"] = row["grad_updates"] >= 1 and not row.get("skipped_updates", 0)
         stage = "sync"
-        probe, tol = tr.prompt_ids[:4], SYNC_TOL[cfg.dtype]
+        probe, tol = tr.prompt_ids[:4], SYNC_TOL[cfg.vllm_dtype or cfg.dtype]  # the engine's dtype bounds the gap
         gap = logprob_gap(tr.engine, tr.learner, probe, run["l_max"])
         phase("sync", **{f"gap_{k}": v for k, v in gap.items()})
         checks[f"engine log-probs = learner's after the step (mean |d| < {tol:g})"] = gap["mean"] < tol

@@ -297,6 +297,11 @@ class DAPOConfig(DAPOHyperparams):
     vllm_enforce_eager: bool = knob(
         False, "vLLM without CUDA graphs or torch.compile: starts in seconds, decodes slower"
     )
+    vllm_dtype: str | None = knob(
+        None,
+        "vLLM engine dtype; null = the learner's dtype (bfloat16 beside a float32 learner: rollout_correction's case)",
+        Allowed(lambda v: v is None or v in ("float32", "bfloat16"), "float32, bfloat16, or null for dtype's"),
+    )
     dist_timeout: float = knob(
         1800.0,
         "seconds a rank may wait in one collective; the longest designed wait: ranks whose "
@@ -323,6 +328,7 @@ VLLM_FIELDS = (
     "vllm_gpu_memory_utilization",
     "vllm_enable_chunked_prefill",
     "vllm_enforce_eager",
+    "vllm_dtype",
 )
 
 

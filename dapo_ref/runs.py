@@ -244,6 +244,7 @@ FROZEN = (  # change the experiment: a resumed run must keep them
     "eval_data",
     "seed",
     "dtype",  # model, data, seed
+    "vllm_dtype",  # the sampling engine's numerics
     "rollout_backend",
     "nnodes",
     "gpus_per_node",

@@ -204,7 +204,7 @@ def vllm_engine_kwargs(
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         enable_chunked_prefill=cfg.vllm_enable_chunked_prefill,
         enforce_eager=cfg.vllm_enforce_eager,
-        dtype=cfg.dtype,
+        dtype=cfg.vllm_dtype or cfg.dtype,  # a bfloat16 engine may sample for a float32 learner
         seed=cfg.seed,
         load_format="dummy" if dummy_weights else "auto",
         logprobs_mode="processed_logprobs",  # the sampled tokens' log-probs after temperature / top-p: what was sampled
