@@ -2,7 +2,7 @@
 the engine's distribution differs from the learner's.
 
     nice -n 10 .venv/bin/python benchmarks/rollout_correction.py --out benchmarks/rollout_correction \
-        --engine-temperature 1.5 --steps 12 --seeds 0 1 2 --arms none token_truncate sequence_mask
+        --engine-temperature 1.5 --steps 12 --seeds 0 1 2 3 4 5 --arms none token_truncate sequence_mask
 
 Each run is recipes/tiny-cpu.yaml (the demo) for `--steps` rollout steps, held-out avg@8 at the start and the end,
 with one change: the rollout engine is `TemperedEngine` (below), which samples at `--engine-temperature`
@@ -109,7 +109,7 @@ def main(argv=None):
     ap.add_argument("--runs", default="/tmp/rollout_correction_runs", help="the runs' folders (checkpoints, exports)")
     ap.add_argument("--engine-temperature", type=float, default=1.5)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     ap.add_argument("--arms", nargs="+", default=["none", "token_truncate", "sequence_mask"])
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # the tiny model: one thread (benchmarks/README.md, bench_phases)

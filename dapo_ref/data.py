@@ -12,15 +12,15 @@ from typing import Iterable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .core import InputError, short
+from .core import InputError, answer_formats, short
 from .cli import ArgParser, cli_errors, one_line
 
 # %% auto #0
 __all__ = ['PROMPT_TEMPLATE', 'BOXED_TEMPLATE', 'PROMPT_TEMPLATES', 'DEFAULT_STYLE', 'HUB_DATASETS', 'RECIPE_DATASETS',
            'UPSTREAM_KEEP', 'extract_boxed', 'MathExample', 'make_example', 'example_from_row', 'example_to_row',
            'dedup_examples', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids', 'prompt_ids_for',
-           'check_prompt_lengths', 'convert_upstream', 'sha256', 'fetch_dataset', 'main', 'eval_files',
-           'load_eval_files']
+           'check_prompt_lengths', 'check_answer_sources', 'convert_upstream', 'sha256', 'fetch_dataset', 'main',
+           'eval_files', 'load_eval_files']
 
 # %% ../nbs/01_data.ipynb #793c5e71
 PROMPT_TEMPLATE = (
@@ -403,6 +403,23 @@ def check_prompt_lengths(
         f"{setting} = {limit}: {len(too_long)} of {len(examples)} prompts are longer (first: {where}, "
         f"{len(prompt_ids[i])} tokens; longest: {longest}); raise {setting} or drop those rows"
     )
+
+
+def check_answer_sources(
+    answer_format: str,  # `DAPOConfig.answer_format`, e.g. answer_line,math-500=boxed
+    *example_lists: Sequence[MathExample],  # the training and the held-out examples
+    setting: str = "answer_format",  # the field or flag, as the message names it
+) -> None:
+    "Raise `InputError` when `answer_format` names a data_source that no example has (its rows would keep the default)."
+    present = sorted({ex.data_source for exs in example_lists for ex in exs if ex.data_source})
+    absent = [s for s in answer_formats(answer_format)[1] if s not in present]
+    if absent:
+        aime = " (the published AIME-2024 file's rows are math_dapo)" if absent[0] == "aime-2024" else ""
+        raise InputError(
+            f"{setting} = {answer_format}: no training or evaluation row has data_source {absent[0]}{aime}; the "
+            f"rows' sources are {', '.join(present) or 'none'}: name one of them, or leave the format per source out",
+            "answer_format",
+        )
 
 # %% ../nbs/01_data.ipynb #53591f59
 HUB_DATASETS = {  # name: (hub dataset repository, file in it, or the names it may have), as the reference recipe's prepare script fetches them

@@ -171,7 +171,7 @@ def response_rows(
             length=int(n),
             truncated=bool(tr),
             reward_mode=reward,
-            **x,
+            **{f"reward/{k}": v for k, v in x.items()},  # a reward's other keys, as logged: never a field's name
         )
         for i, (t, g, p, a, n, tr, x) in enumerate(
             zip(

@@ -17,6 +17,7 @@ from .cli import ArgParser, cli_errors, interrupts, one_line
 from dapo_ref.data import (
     HUB_DATASETS,
     MathExample,
+    check_answer_sources,
     check_prompt_lengths,
     eval_files,
     load_math_dataset,
@@ -393,6 +394,7 @@ def _prepare(args):
         for ex in got:
             ex.data_source = ex.data_source or path.stem
         examples += got
+    check_answer_sources(args.answer_format, examples, setting="--answer-format")  # before --limit: every file's rows
     if args.limit:
         examples = examples[: args.limit]
     if not examples:

@@ -242,7 +242,7 @@ def score_batch(
         )
     fmt, by_source = answer_formats(answer_format)
     fmts = [by_source.get(r.data_source, fmt) for r in rows] if rows else [fmt] * len(responses)
-    if is_plugin(mode) or "," in mode:  # your own rewards, several with weights: `reward_pool.combine`
+    if is_plugin(mode) or "," in mode or weights:  # your own rewards, several or weighted: `reward_pool.combine`
         kw = dict(window=window, workers=workers, return_preds=True, answer_format=answer_format, rows=rows)
         one = lambda m: score_batch(responses, ground_truths, m, timeout, **kw)  # a built-in mode
         out = combine(responses, ground_truths, mode, timeout, workers, rows, weights, one)

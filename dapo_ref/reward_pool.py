@@ -14,8 +14,9 @@ from typing import Callable
 from .core import REWARD_MODES, REWARD_PLUGIN, InputError
 
 # %% auto #0
-__all__ = ['MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'PLUGIN_FORMS', 'default_workers', 'verify_pairs', 'math_verify_equal',
-           'is_plugin', 'plugin_form', 'check_plugin', 'plugin_results', 'plugin_batch', 'combine', 'extra_means']
+__all__ = ['MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'BATCH_COLUMNS', 'PLUGIN_FORMS', 'default_workers', 'verify_pairs',
+           'math_verify_equal', 'is_plugin', 'plugin_form', 'check_plugin', 'plugin_results', 'plugin_batch', 'combine',
+           'extra_means']
 
 # %% ../nbs/01b_reward_pool.ipynb #a1e0c003
 MATH_VERIFY_TIMEOUT = 5.0  # seconds one math-verify comparison may take before it scores -1 (DAPOConfig.reward_timeout)
@@ -171,6 +172,8 @@ def is_plugin(mode: str) -> bool:
     return any(REWARD_PLUGIN.fullmatch(m) is not None for m in mode.split(","))
 
 
+# the columns TRL's form gets besides prompts and completions
+BATCH_COLUMNS = ("data_source", "ground_truth", "extra_info", "ability")
 PLUGIN_FORMS = {  # form: how it is written, as the error for a function of none of them says it
     "verl": "verl's {}(data_source, solution_str, ground_truth, extra_info=None)",
     "batch": "TRL's {}(prompts, completions, **columns)",
@@ -178,25 +181,45 @@ PLUGIN_FORMS = {  # form: how it is written, as the error for a function of none
 }
 
 
+def _binds(sig, *a, **k) -> bool:
+    "Whether a call with these arguments fits the signature."
+    try:
+        return sig.bind(*a, **k) is not None
+    except TypeError:
+        return False
+
+
 def plugin_form(fn) -> str | None:
-    "Which form `fn` is written in (a key of `PLUGIN_FORMS`), from its signature; None when none of them."
+    "Which form `fn` is written in (a key of `PLUGIN_FORMS`), from its signature; None when none of them; any with `completions` is TRL's."
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return "pair"  # a builtin without a signature: called as it is
 
-    def binds(*a, **k) -> bool:
-        try:
-            return sig.bind(*a, **k) is not None
-        except TypeError:
-            return False
-
-    cols = dict(data_source=[], ground_truth=[], extra_info=[], ability=[])
-    if "completions" in sig.parameters and binds(prompts=[], completions=[], **cols):
+    binds = lambda *a, **k: _binds(sig, *a, **k)
+    if "completions" in sig.parameters:  # TRL's, whatever else it asks for (`check_plugin` checks the columns)
         return "batch"
     if "solution_str" in sig.parameters and binds(data_source="", solution_str="", ground_truth="", extra_info={}):
         return "verl"
     return "pair" if binds("response", "ground truth") else None
+
+
+def _check_batch(part: str, fn):
+    "`InputError` when a function in TRL's form asks for an argument the batch call does not give, or cannot take one it gives."
+    sig, given = inspect.signature(fn), ("prompts", "completions", *BATCH_COLUMNS)
+    required = [
+        p.name
+        for p in sig.parameters.values()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    missing = [n for n in required if n not in given]
+    if missing or not _binds(sig, prompts=[], completions=[], **dict.fromkeys(BATCH_COLUMNS, [])):
+        what = f"its parameter `{missing[0]}` is no column" if missing else "it cannot take every column"
+        raise InputError(
+            f"reward = {part}: {part.rpartition(':')[2]}{sig} is TRL's form, but {what} of those it gets: "
+            f"{', '.join(given)}; name one of them (or take **columns), and put other fields in each row's "
+            "extra_info (a dict) to read them from there"
+        )
 
 
 def check_plugin(spec: str) -> dict[str, str]:
@@ -214,6 +237,8 @@ def check_plugin(spec: str) -> dict[str, str]:
         if not callable(fn):
             raise InputError(f"reward = {part}: {name} is a {type(fn).__name__}, not a function")
         forms[part] = plugin_form(fn)
+        if forms[part] == "batch":
+            _check_batch(part, fn)
         if forms[part] is None:
             raise InputError(
                 f"reward = {part}: {name}{inspect.signature(fn)} cannot be called as {name}(response, ground_truth), "
@@ -256,10 +281,10 @@ def _jobs(form: str, responses, ground_truths, rows, workers: int) -> tuple[list
             str(ix[0]),
             dict(
                 prompts=[cols[i]["prompt"] for i in ix],
-                completions=[responses[i] for i in ix],
+                # TRL's chat form (the prompts are messages): each completion a list of one assistant message
+                completions=[[{"role": "assistant", "content": responses[i]}] for i in ix],
                 columns={
-                    k: [cols[i][k] if k != "ground_truth" else str(ground_truths[i]) for i in ix]
-                    for k in ("data_source", "ground_truth", "extra_info", "ability")
+                    k: [cols[i][k] if k != "ground_truth" else str(ground_truths[i]) for i in ix] for k in BATCH_COLUMNS
                 },
             ),
         )
@@ -332,7 +357,7 @@ def combine(
     weights: str | None,  # `reward_weights`: comma-separated, one per reward; None = 1 each
     builtin: Callable,  # builtin(mode) -> (scores, accs, metrics, preds) of a built-in mode (`reward.score_batch`)
 ):  # (scores (B,) float32, accs (B,) bool, metrics with "extra", B preds)
-    "The weighted sum of several rewards; acc from the first that gives one per response, else total score > 0."
+    "The weighted sum of the rewards (one alone: times its weight); acc from the first that gives one per response, else total score > 0."
     parts = mode.split(",")
     w = [float(x) for x in weights.split(",")] if weights else [1.0] * len(parts)
     if len(w) != len(parts):

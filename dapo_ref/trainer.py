@@ -185,7 +185,7 @@ class Trainer:
         )  # joins the launcher's group; (0, 1) alone
         check_run(cfg, self.world)
         tiny = cfg.model == "tiny" or cfg.model.startswith("tiny-")  # built in code: nothing to check before it loads
-        from dapo_ref.eval_cli import LOAD_ERRORS, check_model
+        from dapo_ref.eval_cli import LOAD_ERRORS, check_answer_sources, check_model
 
         if model is None and not tiny:
             check_model(cfg.model, "model =")  # the folder or hub name, config, tokenizer files
@@ -202,6 +202,7 @@ class Trainer:
             if eval_examples is None:
                 eval_examples = held
         self.train_examples, self.eval_examples = train_examples, eval_examples or []
+        check_answer_sources(cfg.answer_format, train_examples, self.eval_examples)  # a format per source: sources here
         try:
             self.tokenizer = tokenizer = tokenizer or load_tokenizer(cfg.model)
         except LOAD_ERRORS as e:
@@ -261,7 +262,7 @@ def sample_rows(groups: list[Group], tokenizer, examples: list[MathExample], ste
             length=len(r),
             truncated=t,
             reward_mode=mode,
-            **x,  # a reward's other keys
+            **{f"reward/{k}": v for k, v in x.items()},  # a reward's other keys, as logged: never a field's name
         )
         for g in groups
         for r, p, s, w, t, x in zip(g.responses, g.preds, g.scores, g.rewards, g.truncated, g.extra)

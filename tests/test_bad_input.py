@@ -768,6 +768,21 @@ CASES = [
         ("answer_format = 'box' is out of range: allowed answer_line or boxed",),
     ),
     Case(
+        "train-answer-format-source-absent",
+        "dapo-train",
+        lambda w: train_args(w, "answer_format=answer_line,aime-2024=boxed", out="runs/new"),
+        (
+            "answer_format = answer_line,aime-2024=boxed: no training or evaluation row has data_source aime-2024 "
+            "(the published AIME-2024 file's rows are math_dapo); the rows' sources are tiny:",
+        ),
+    ),
+    Case(
+        "eval-answer-format-source-absent",
+        "dapo-eval",
+        lambda w: eval_args(w, "--answer-format", "answer_line,math-500=boxed"),
+        ("--answer-format = answer_line,math-500=boxed: no training or evaluation row has data_source math-500;", "t:"),
+    ),
+    Case(
         "eval-answer-format-unknown",
         "dapo-eval",
         lambda w: eval_args(w, "--answer-format", "latex"),

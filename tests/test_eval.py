@@ -625,7 +625,7 @@ def pair(response, ground_truth):
 def verl(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": pair(solution_str, ground_truth), "acc": extract_boxed(solution_str) == ground_truth}
 def trl(prompts, completions, **columns):
-    return [pair(c, g) for c, g in zip(completions, columns["ground_truth"])]
+    return [pair(c[0]["content"], g) for c, g in zip(completions, columns["ground_truth"])]
 """
 BOX_SCRIPT = [["\\boxed{2}", "so \\boxed{3}", "\\boxed{2} then \\boxed{5}", "Answer: 2"]]  # truth 2
 

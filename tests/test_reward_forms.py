@@ -41,11 +41,15 @@ def verl_boxed(data_source, solution_str, ground_truth, extra_info=None):
 
 def trl_boxed(prompts, completions, **columns):
     _log(dict(form="trl", n=len(completions), prompts=prompts, columns={k: columns[k] for k in sorted(columns)}))
-    return [_box(c, g) for c, g in zip(completions, columns["ground_truth"])]
+    return [_box(c[0]["content"], g) for c, g in zip(completions, columns["ground_truth"])]  # TRL's chat completions
 
 
 def trl_none(prompts, completions, **columns):
-    return [None if len(c) % 3 == 0 else 0.5 for c in completions]
+    return [None if len(c[0]["content"]) % 3 == 0 else 0.5 for c in completions]
+
+
+def verl_clash(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": _box(solution_str, ground_truth), "pred": 7.0, "reward": 9.0, "length": 1.0, "step": 2.0}
 """
 
 
@@ -131,6 +135,53 @@ def test_weighted_rewards_dict_keys_and_no_verdict(forms):
     assert "verl_boxed/pred" not in ex[0]  # a string is not a number to log
     # acc without an `acc` key: total score > 0
     assert score_batch(texts, ["2"] * 4, "forms_mod:trl_none", 30.0)[1].tolist() == [True, True, True, False]
+    # a weight on a single reward is applied, built-in or plug-in alike
+    for mode in ["dapo-reference", "forms_mod:verl_boxed"]:
+        s = score_batch(texts, ["2"] * 4, mode, 30.0, rows=rows, weights="0.5", answer_format="boxed")[0]
+        assert s.tolist() == [0.5, -0.5, -0.5, -0.5], mode
+
+
+def test_a_dict_key_named_like_a_sample_field_is_written_as_logged(forms):
+    "A single plug-in's keys `pred`, `reward`, `length`, `step` go to samples.jsonl as reward/<key>, beside the fields."
+    from dapo_ref.algorithm import score_groups
+    from dapo_ref.eval import response_rows
+    from dapo_ref.trainer import load_tokenizer, sample_rows
+    import torch
+
+    tok = load_tokenizer("tiny")
+    exs = [make_example("What is 1 + 1?", 2, template=BOXED_TEMPLATE)]
+    cfg = config_from_dict(
+        dict(
+            model="tiny",
+            reward="forms_mod:verl_clash",
+            answer_format="boxed",
+            group_size=2,
+            soft_overlong_punishment=False,
+            reward_timeout=30.0,
+        )
+    )
+    ids = [tok.encode(boxed(2, right), add_special_tokens=False) + [tok.eos_token_id] for right in (True, False)]
+    comps = [Completion(0, i, "stop") for i in ids]
+    groups = score_groups(comps, tok, exs, [prompt_token_ids(exs[0], tok)], [0], cfg)
+    rows = sample_rows(groups, tok, exs, 3, cfg.reward)
+    for r, right in zip(rows, (True, False)):
+        assert (r["pred"], r["step"], r["length"]) == ("2" if right else "3", 3, len(comps[int(not right)].token_ids))
+        assert r["reward"] == r["score"] == (1.0 if right else -1.0)  # the reward's own `reward` key did not replace it
+        assert (r["reward/pred"], r["reward/reward"], r["reward/length"], r["reward/step"]) == (7.0, 9.0, 1.0, 2.0)
+    g = groups[0]
+    rows = response_rows(
+        ["q"],
+        ["a", "b"],
+        ["2", "2"],
+        g.preds,
+        torch.tensor(g.acc),
+        torch.tensor([[3, 4]]),
+        torch.tensor([[0, 0]]),
+        cfg.reward,
+        g.extra,
+    )
+    assert [(r["pred"], r["length"], r["reward/pred"]) for r in rows] == [("2", 3, 7.0), ("3", 4, 7.0)]
+    json.dumps(rows)  # one JSON line each
 
 
 # ---------------------------------------------------------------- a training run whose every verdict is known
@@ -200,7 +251,7 @@ def test_training_and_held_out_score_boxed_answers_by_every_form(forms, tmp_path
     for s in samples:
         right = s["response"].endswith(f"\\boxed{{{s['ground_truth']}}}.")
         for n in ["dapo-reference", "pair_boxed", "verl_boxed", "trl_boxed"]:
-            assert s[n] == (1.0 if right else -1.0), (n, s)
+            assert s[f"reward/{n}"] == (1.0 if right else -1.0), (n, s)  # as logged
         assert s["score"] == (2.0 if right else -2.0)  # 1 + 0.5 + 0.25 + 0.25, in training and held out
         assert s["pred"] == s["response"][s["response"].rfind("{") + 1 : -2]
 

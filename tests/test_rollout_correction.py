@@ -1,7 +1,8 @@
 """Rollout correction (nbs/04b_rollout_correction.ipynb): the weights of every mode against a float64 loop written from
 the definitions, the gradient they give, the learner's loss and a step's metrics with the correction threaded through
-micro-batches, and the config's refusals. The split invariance with the correction on is in test_loss_split.py; the
-real engine-learner gap (a bf16 vLLM engine beside a float32 learner) in test_vllm.py."""
+micro-batches, and the config's refusals. The split invariance with the correction on is in test_loss_split.py; a real
+engine-learner gap in test_vllm.py (test_gpu_check_cpu): vLLM's CPU build in bfloat16 (vllm_dtype) beside a float32
+learner, token_truncate on, responses of at most 24 tokens. Not run: a corrected bfloat16 engine on a GPU, long responses."""
 
 import math
 
