@@ -17,7 +17,7 @@ from .reward import extra_means, score_batch, overlong_penalty
 from .advantage import group_advantages
 from .sampling import DynamicSamplingBuffer
 from .interfaces import Completion, Learner, RolloutBatch, RolloutEngine, sampling_params_from_config
-from .rollout_correction import rollout_weight_stats
+from .rollout_correction import log_ratios, rollout_weight_stats
 
 # %% auto #0
 __all__ = ['PromptSampler', 'seed_of', 'round_seed', 'Group', 'score_groups', 'Rollout', 'collect', 'make_batch', 'rollout_gap',
@@ -233,13 +233,9 @@ def rollout_gap(
     """How far the sampler's policy is from the one the learner thinks sampled: per response token, d = learner's old
     log-prob - engine's log-prob of the sampled token; the mean and max |d| and the k3 estimate of KL(engine || learner),
     mean of e^d - 1 - d (>= 0, Schulman's estimator from samples of the engine). {} without engine log-probs."""
-    if any(m.rollout_logp is None for m in minis):
+    d = log_ratios(minis, olds)  # per response (T_i,), float64
+    if d is None:
         return {}
-    d = [
-        old.double() - torch.tensor(eng, dtype=torch.float64)
-        for m, (lp, _) in zip(minis, olds)
-        for old, eng in zip(lp, m.rollout_logp)
-    ]
     d = torch.cat(d) if d else torch.zeros(0, dtype=torch.float64)  # (tokens,)
     s = learner.all_sum([float(d.abs().sum()), float((torch.expm1(d) - d).sum()), d.numel()])  # each term >= 0, exactly
     mx = learner.all_max([float(d.abs().max()) if d.numel() else 0.0])[0]

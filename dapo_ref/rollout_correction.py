@@ -12,7 +12,7 @@ from torch import Tensor
 from .core import ROLLOUT_CORRECTIONS, InputError
 
 # %% auto #0
-__all__ = ['rollout_weights', 'batch_weights', 'rollout_weight_stats']
+__all__ = ['rollout_weights', 'batch_weights', 'log_ratios', 'rollout_weight_stats']
 
 # %% ../nbs/04b_rollout_correction.ipynb #b8ce1b0f
 def rollout_weights(
@@ -64,20 +64,30 @@ def batch_weights(
     )
 
 # %% ../nbs/04b_rollout_correction.ipynb #83888f88
+def log_ratios(
+    minis: list,  # `RolloutBatch`es: this process's part of each mini-batch, with the engine's log-probs (or None)
+    olds: list[tuple[list[Tensor], list[Tensor]]],  # the learner's old log-probs of the same responses
+) -> list[Tensor] | None:  # per response (T_i,) float64; None without engine log-probs
+    "log w = log pi_old - log pi_rollout of every sampled token, per response: the d that `rollout_gap` averages too."
+    if any(m.rollout_logp is None for m in minis):
+        return None
+    return [
+        old.double() - torch.tensor(eng, dtype=torch.float64)
+        for m, (lp, _) in zip(minis, olds)
+        for old, eng in zip(lp, m.rollout_logp)
+    ]
+
+
 def rollout_weight_stats(
     learner,  # a `MicroBatchLearner`: its config's threshold C, its sums over ranks
     minis: list,  # `RolloutBatch`es: this process's part of each mini-batch, with the engine's log-probs (or None)
     olds: list[tuple[list[Tensor], list[Tensor]]],  # the learner's old log-probs of the same responses
 ) -> dict:
     "The correction's weights over a step's tokens and responses, corrected or not: mean, max, fractions beyond C, spread of log W; {} without engine log-probs."
-    if any(m.rollout_logp is None for m in minis):
+    d = log_ratios(minis, olds)  # per response (T_i,) log w
+    if d is None:
         return {}
     log_c = math.log(learner.cfg.rollout_correction_threshold)
-    d = [
-        old.double() - torch.tensor(eng, dtype=torch.float64)
-        for m, (lp, _) in zip(minis, olds)
-        for old, eng in zip(lp, m.rollout_logp)
-    ]  # per response (T_i,) log w
     tok = torch.cat(d) if d else torch.zeros(0, dtype=torch.float64)  # (tokens,) log w
     seq = torch.stack([x.sum() for x in d]) if d else torch.zeros(0, dtype=torch.float64)  # (responses,) log W
     beyond = lambda x: [int((x > log_c).sum()), int((x.abs() > log_c).sum())]  # above C; outside [1/C, C]

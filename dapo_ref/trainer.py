@@ -16,6 +16,7 @@ from . import dist
 from .core import DAPOConfig, InputError, validate
 from .cli import one_line, save_config
 from .data import MathExample, check_prompt_lengths, load_eval_files, load_math_dataset, prompt_ids_for
+from .data import check_answer_sources
 from .reward_pool import check_plugin, is_plugin
 from dapo_ref.runs import (
     FROZEN,
@@ -180,12 +181,11 @@ class Trainer:
         log: Callable[[str], None] | None = print,
     ):
         self.cfg = cfg = validate(cfg)
-        self.rank, self.world = dist.init_distributed(
-            timeout=cfg.dist_timeout
-        )  # joins the launcher's group; (0, 1) alone
+        # joins the launcher's group; (0, 1) alone
+        self.rank, self.world = dist.init_distributed(timeout=cfg.dist_timeout)
         check_run(cfg, self.world)
         tiny = cfg.model == "tiny" or cfg.model.startswith("tiny-")  # built in code: nothing to check before it loads
-        from dapo_ref.eval_cli import LOAD_ERRORS, check_answer_sources, check_model
+        from dapo_ref.eval_cli import LOAD_ERRORS, check_model
 
         if model is None and not tiny:
             check_model(cfg.model, "model =")  # the folder or hub name, config, tokenizer files
