@@ -13,7 +13,7 @@ Three measurements, side by side in one run:
     6 runs each, interleaved, and the two losses (the same mini-batch loss up to float32 rounding).
 (b) Peak memory above the start (this process's VmHWM, Linux) of log-probs forward + backward at V = 152064 for T
     = 4096 response positions: the logits then `token_logprobs` vs `fused_token_logprobs`, each in a fresh process.
-(c) The 32B recipe's learner step on 128 ranks, simulated with the project's own balancing (`learner.balanced_share`,
+(c) The 32B recipe's learner step on 128 ranks, simulated with the project's own balancing (`sharded_learner.balanced_share`,
     by prompt + response tokens) and packing (`packing.pack_micro_batches`): 512 x 16 responses, mini-batches of
     512, micro_token_budget 22528. A pass costs its tokens plus one all-gather of the weights (every rank waits for
     the slowest at each pass, and a rank with fewer micro-batches runs dummy passes that still gather); the ideal
@@ -148,7 +148,7 @@ def simulate_32b(
     """(c): the learner step of one rollout step, in token-equivalents, against the ideal balanced step. With `sp` > 1,
     Ulysses sequence parallelism: groups of `sp` ranks share their sequences, each rank holding 1/sp of every token."""
     from dapo_ref.packing import pack_micro_batches
-    from dapo_ref.learner import balanced_share
+    from dapo_ref.sharded_learner import balanced_share
 
     B, groups = prompts * G, world // sp
     resp = lengths(B, l_max, median, 1.0, 0.05, seed)

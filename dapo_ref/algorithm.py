@@ -5,11 +5,10 @@
 # %% ../nbs/09_algorithm.ipynb #dbcb07aa
 from __future__ import annotations
 import random, time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch import Tensor
 
 from .core import DAPOConfig
 from .data import MathExample
@@ -17,11 +16,11 @@ from .reward import extra_means, score_batch, overlong_penalty
 from .advantage import group_advantages
 from .sampling import DynamicSamplingBuffer
 from .interfaces import Completion, Learner, RolloutBatch, RolloutEngine, sampling_params_from_config
-from .rollout_correction import log_ratios, rollout_weight_stats
+from .rollout_correction import rollout_gap, rollout_weight_stats
 
 # %% auto #0
-__all__ = ['PromptSampler', 'seed_of', 'round_seed', 'Group', 'score_groups', 'Rollout', 'collect', 'make_batch', 'rollout_gap',
-           'train_on', 'step_metrics', 'dapo_step']
+__all__ = ['PromptSampler', 'seed_of', 'Group', 'score_groups', 'Rollout', 'collect', 'make_batch', 'train_on', 'step_metrics',
+           'dapo_step']
 
 # %% ../nbs/09_algorithm.ipynb #b9c152cc
 class PromptSampler:
@@ -31,15 +30,13 @@ class PromptSampler:
         self,
         n: int,  # number of examples
         seed: int = 0,  # seed of the permutations
-        pos: int = 0,
-    ):  # prompts already drawn (from a checkpoint)
+        pos: int = 0,  # prompts already drawn (from a checkpoint)
+    ):
         self.n, self.seed, self.pos, self._epoch, self._perm = n, seed, pos, None, None
 
     def _order(self, epoch: int) -> list[int]:
-        perm = list(range(self.n))
-        random.Random(f"dapo_ref-data/{self.seed}/{epoch}").shuffle(
-            perm
-        )  # str seeds hash with sha512: stable across runs
+        perm = list(range(self.n))  # a str seed hashes with sha512: the same order on every run
+        random.Random(f"dapo_ref-data/{self.seed}/{epoch}").shuffle(perm)
         return perm
 
     def next(self, k: int) -> list[int]:
@@ -57,11 +54,6 @@ class PromptSampler:
 def seed_of(*parts) -> int:
     "A 63-bit seed from (seed, step, round, ...), stable across runs and Python versions."
     return random.Random("dapo_ref/" + "/".join(map(str, parts))).getrandbits(63)
-
-
-def round_seed(seed: int, step: int, rnd: int, rank: int = 0, world: int = 1) -> int:
-    "The sampling seed of one generation round (of one engine's share, with `world` > 1): a function of seed, step and round, so resume repeats it."
-    return seed_of(seed, step, rnd) if world == 1 else seed_of(seed, step, rnd, "rank", rank)
 
 # %% ../nbs/09_algorithm.ipynb #0717f802
 @dataclass
@@ -128,34 +120,24 @@ def score_groups(
     ]
 
 # %% ../nbs/09_algorithm.ipynb #4368b562
+@dataclass
 class Rollout:
-    "Lines 4-5 in one process: a rollout engine samples G responses per prompt from the old policy, the reward scores them."
+    "Lines 4-5: a rollout engine samples G responses per prompt from the old policy, the reward scores them."
 
-    def __init__(
-        self,
-        engine: RolloutEngine,  # holds the old policy (line 3 loads it)
-        tokenizer,  # decodes responses for the reward
-        examples: list[MathExample],  # the training set
-        prompt_ids: list[list[int]],  # its prompts' token ids
-        cfg: DAPOConfig,  # group_size, sampling, reward and overlong settings
-        dp: tuple[int, int] = (0, 1),  # (which, how many) engines share each round: the seed of this one's share
-        progress: bool = False,
-    ):  # the engine's progress bar
-        self.engine, self.tokenizer, self.examples, self.prompt_ids, self.cfg = (
-            engine,
-            tokenizer,
-            examples,
-            prompt_ids,
-            cfg,
-        )
-        self.dp, self.progress, self.stats = dp, progress, {}  # stats: seconds and reward counts, read by the driver
+    engine: RolloutEngine  # holds the old policy (line 3 loads it)
+    tokenizer: object  # decodes responses for the reward
+    examples: list[MathExample]  # the training set
+    prompt_ids: list[list[int]]  # its prompts' token ids
+    cfg: DAPOConfig  # group_size, sampling, reward and overlong settings
+    progress: bool = False  # the engine's progress bar
+    seed_key: tuple = ()  # more parts of each round's sampling seed (`sharded`: an engine's share of a round)
+    stats: dict = field(default_factory=dict)  # seconds and reward counts, read by the driver
 
     def groups(self, indices: list[int], step: int, rnd: int) -> list[Group]:
         "The P groups of one round: G responses for each of the prompts `indices`, scored, in their order."
         t0 = time.perf_counter()
-        params = sampling_params_from_config(
-            self.cfg, seed=round_seed(self.cfg.seed, step, rnd, *self.dp)
-        )  # n = G, l_max
+        seed = seed_of(self.cfg.seed, step, rnd, *self.seed_key)  # resume repeats it
+        params = sampling_params_from_config(self.cfg, seed=seed)  # n = G, l_max
         comps = (
             self.engine.generate([self.prompt_ids[i] for i in indices], params, use_tqdm=self.progress)
             if indices
@@ -192,7 +174,8 @@ def collect(
     while not buf.full:  # lines 7-8: until N groups are kept
         groups = rollout.groups(prompts.next(n), step, buf.rounds)  # lines 2, 4-5
         seen += groups
-        buf.add(groups, torch.tensor([a for g in groups for a in g.acc]))  # line 6: drop all-equal groups (Eq. 11)
+        acc = torch.tensor([a for g in groups for a in g.acc])  # (P*G,) correct or not
+        buf.add(groups, acc)  # line 6: drop all-correct, all-wrong groups (Eq. 11)
         if on_round is not None:
             on_round(buf)
     timeouts, errors = rollout.reward_counts()
@@ -225,23 +208,6 @@ def make_batch(
     )
 
 # %% ../nbs/09_algorithm.ipynb #3fa96a6e
-def rollout_gap(
-    learner: Learner,
-    minis: list[RolloutBatch],  # this process's part of each mini-batch, with the engine's log-probs (or None)
-    olds: list[tuple[list[Tensor], list[Tensor]]],  # the learner's old log-probs of the same responses
-) -> dict:
-    """How far the sampler's policy is from the one the learner thinks sampled: per response token, d = learner's old
-    log-prob - engine's log-prob of the sampled token; the mean and max |d| and the k3 estimate of KL(engine || learner),
-    mean of e^d - 1 - d (>= 0, Schulman's estimator from samples of the engine). {} without engine log-probs."""
-    d = log_ratios(minis, olds)  # per response (T_i,), float64
-    if d is None:
-        return {}
-    d = torch.cat(d) if d else torch.zeros(0, dtype=torch.float64)  # (tokens,)
-    s = learner.all_sum([float(d.abs().sum()), float((torch.expm1(d) - d).sum()), d.numel()])  # each term >= 0, exactly
-    mx = learner.all_max([float(d.abs().max()) if d.numel() else 0.0])[0]
-    return dict(rollout_logp_diff_mean=s[0] / max(s[2], 1), rollout_logp_diff_max=mx, rollout_kl_k3=s[1] / max(s[2], 1))
-
-
 def train_on(
     learner: Learner,  # `Learner`: log-probs and one optimizer step per mini-batch
     batch: RolloutBatch,  # the step's B responses (line 9)
@@ -251,15 +217,15 @@ def train_on(
 ) -> tuple[list[dict], dict]:
     "Algorithm 1 lines 10-11: the old log-probs of every mini-batch first, then one optimizer step per mini-batch."
     t0 = time.perf_counter()
-    minis = learner.minibatches(batch, mini_batch_size)  # line 10; this process's part of each (all of it alone)
+    minis = learner.minibatches(batch, mini_batch_size)  # line 10: one iteration per mini-batch
     olds = [learner.compute_logprobs(mini) for mini in minis]  # pi_theta_old: before any update
     t1 = time.perf_counter()
     lp, en = [t for l, _ in olds for t in l], [t for _, e in olds for t in e]
     s = learner.all_sum(
         [sum(float(t.exp().sum()) for t in lp), sum(float(t.sum()) for t in en), sum(t.numel() for t in lp)]
     )
-    stats = dict(entropy=s[1] / max(s[2], 1), prob_mean=s[0] / max(s[2], 1), **rollout_gap(learner, minis, olds))
-    stats.update(rollout_weight_stats(learner, minis, olds))  # the correction's weights w (04b)
+    stats = dict(entropy=s[1] / max(s[2], 1), prob_mean=s[0] / max(s[2], 1))
+    stats.update(**rollout_gap(learner, minis, olds), **rollout_weight_stats(learner, minis, olds))  # engine vs learner
     updates = []
     for mini, (old_logp, _) in zip(minis, olds):
         updates.append(learner.update(mini, old_logp))  # line 11: maximise J_DAPO (Eq. 8) on the mini-batch
@@ -313,7 +279,7 @@ def dapo_step(
     after_update: Callable | None = None,  # after each optimizer step (the driver's guard bookkeeping)
     timer: dict | None = None,
 ) -> tuple[dict, list[Group]]:
-    "One iteration of Algorithm 1: lines 2-11, then line 3 for the next; its metrics and the kept groups."
+    "The body of line 1's loop, one step: lines 2-11, then line 3 for the next; its metrics and the kept groups."
     lr = learner.lr  # this step's learning rate (the warm-up moves it after the step)
     kept, seen, gstats = collect(rollout, prompts, cfg, step, on_round)  # lines 2, 4-8
     batch = make_batch(kept, cfg.group_size)  # line 9

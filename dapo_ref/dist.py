@@ -4,14 +4,16 @@
 
 # %% ../nbs/00a_dist.ipynb #0210a2c6
 from __future__ import annotations
-import datetime, os
+import datetime, os, threading
+from typing import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 # %% auto #0
 __all__ = ['is_distributed', 'rank', 'world_size', 'local_rank', 'is_main', 'init_distributed', 'all_reduce',
-           'all_reduce_tensors', 'all_gather', 'broadcast_object', 'barrier', 'shard', 'interleave']
+           'all_reduce_tensors', 'all_gather', 'broadcast_object', 'barrier', 'shard', 'interleave', 'run_ranks']
 
 # %% ../nbs/00a_dist.ipynb #8a03d47f
 def is_distributed() -> bool:
@@ -137,3 +139,37 @@ def interleave(
     "Inverse of `shard`: the global order from the N ranks' shares."
     W, n = len(per_rank), sum(len(x) for x in per_rank)
     return [per_rank[p % W][p // W] for p in range(n)]
+
+# %% ../nbs/00a_dist.ipynb #4374f03a
+def run_ranks(world: int, fn: Callable[[int], object]) -> list:
+    "`fn(rank)` for every rank, each in its own thread, with this module's rank and collectives answered across them."
+    box, out, barrier, me = [None] * world, [None] * world, threading.Barrier(world), threading.local()
+
+    def gather(obj):
+        box[me.rank] = obj
+        barrier.wait()
+        got = list(box)
+        barrier.wait()
+        return got
+
+    def reduce(xs, op="sum"):
+        parts = gather([float(x) for x in xs])
+        return [{"sum": sum, "max": max, "min": min}[op](v) for v in zip(*parts)]
+
+    def reduce_tensors(ts):
+        parts = gather([t.detach().clone() for t in ts])
+        for j, t in enumerate(ts):
+            t.copy_(sum(p[j] for p in parts))  # rank order: the same sum on every rank
+
+    def body(r):
+        me.rank = r
+        out[r] = fn(r)
+
+    answers = dict(all_gather=gather, all_reduce=reduce, all_reduce_tensors=reduce_tensors, world_size=lambda: world)
+    with mock.patch.dict(globals(), rank=lambda: me.rank, **answers):  # what this module's callers look up
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return out

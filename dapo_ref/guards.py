@@ -75,6 +75,7 @@ MAX_BAD_UPDATES = 3  # skipped updates in a row that stop the run
 @torch.no_grad()
 def max_abs(
     tensors: Iterable[Tensor],  # this rank's weights: all of them, or its partition (ZeRO)
+    reduce: Callable = dist.all_reduce,  # over the ranks (a learner's `reduce`)
 ) -> float:
     "The largest |w| over `tensors` on all ranks; inf when one is not finite. One pass, one all-reduce."
     m = 0.0
@@ -83,7 +84,7 @@ def max_abs(
             continue  # an empty ZeRO partition
         v = float(t.detach().abs().max())
         m = max(m, v if math.isfinite(v) else math.inf)  # max(0.0, nan) would be 0.0
-    return dist.all_reduce([m], "max")[0]
+    return reduce([m], "max")[0]
 
 # %% ../nbs/08a_safeguards.ipynb #1fa3b317
 class UpdateGuard:
@@ -95,13 +96,14 @@ class UpdateGuard:
         self,
         weights: Callable[[], Iterable[Tensor]],  # this rank's part of the weights (`max_abs`)
         growth: float = WEIGHT_GROWTH,
+        reduce: Callable = dist.all_reduce,  # how the ranks decide together (a learner's `reduce`; alone, the value)
     ):
-        self.weights, self.growth = weights, growth
+        self.weights, self.growth, self.reduce = weights, growth, reduce
         self.reason, self.blown, self.wmax = None, None, None
 
     def max_abs(self) -> float:
         "The largest |weight| of the whole model (every rank its part, one all-reduce)."
-        return max_abs(self.weights())
+        return max_abs(self.weights(), self.reduce)
 
     def start(self):
         "Before an update: no verdict yet; the starting weights' largest |weight| at the first one."
@@ -115,7 +117,7 @@ class UpdateGuard:
         grad_norm: float,  # the global norm the step was clipped with (computed anyway)
     ) -> bool:
         "May the step run? Sets `reason` (None, or why not), the same on every rank: one all-reduce."
-        bad_loss, bad_g = dist.all_reduce([float(not math.isfinite(loss)), float(not math.isfinite(grad_norm))], "max")
+        bad_loss, bad_g = self.reduce([float(not math.isfinite(loss)), float(not math.isfinite(grad_norm))], "max")
         self.reason = (
             "the loss is not finite"
             if bad_loss

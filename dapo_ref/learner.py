@@ -4,14 +4,13 @@
 
 # %% ../nbs/08b_learner.ipynb #9f4c4d29
 from __future__ import annotations
-import copy, heapq, math
+import copy, math
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
 
-from . import dist
 from .core import DAPOConfig
 from .interfaces import Learner, RolloutBatch
 from .testbeds import resolve_model
@@ -21,39 +20,18 @@ from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, us
 from .guards import UpdateGuard
 
 # %% auto #0
-__all__ = ['METRIC_KEYS', 'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy', 'balance_by_tokens',
-           'balanced_share', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators',
-           'MicroBatchLearner', 'TorchLearner']
+__all__ = ['STAGED', 'METRIC_KEYS', 'model_path', 'load_model', 'load_tokenizer', 'load_policy', 'warmup_factor',
+           'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators', 'MicroBatchLearner', 'TorchLearner']
 
 # %% ../nbs/08b_learner.ipynb #a17cddde
-_STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model`)
+STAGED: dict[str, str] = {}  # hub name -> its files on this node (`sharded_learner.stage_model` fills it)
 
 
 def model_path(name: str) -> str:
     "The folder or hub name that transformers (and vLLM) load for `name`; `tiny` builds (once, cached) the tiny model."
-    if name in _STAGED:
-        return _STAGED[name]  # a hub model this node has staged
+    if name in STAGED:
+        return STAGED[name]  # a hub model this node has staged
     return resolve_model(name, "model =")  # the one resolver dapo-eval uses too
-
-
-def stage_model(
-    name: str,  # cfg.model: a hub name, a local folder, or a tiny model
-) -> str:
-    """A hub model's files on this node's disk, read from the hub once per node: local rank 0 downloads them (config,
-    tokenizer, safetensors), the node's other ranks wait at a barrier, then resolve the same snapshot from the cache.
-    Afterwards `model_path(name)` is that folder for the learner and the vLLM engine alike. A local folder (pre-staged
-    on each node's disk, the fastest start) or a tiny model is returned as it is. Call it on every rank (a barrier)."""
-    if name in _STAGED or name == "tiny" or name.startswith("tiny-") or Path(name).is_dir():
-        return model_path(name)
-    from huggingface_hub import snapshot_download
-
-    files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # what transformers and vLLM read
-    if dist.local_rank() == 0:
-        _STAGED[name] = snapshot_download(name, allow_patterns=files)
-    dist.barrier()
-    if dist.local_rank() != 0:
-        _STAGED[name] = snapshot_download(name, allow_patterns=files, local_files_only=True)
-    return _STAGED[name]
 
 
 def load_model(name: str, dtype: str = "float32", attn_implementation: str = "sdpa"):
@@ -78,48 +56,6 @@ def load_policy(
 ):
     "`(model, tokenizer)` of `name`."
     return load_model(name, dtype), load_tokenizer(name)
-
-# %% ../nbs/08b_learner.ipynb #95a711dd
-def balance_by_tokens(
-    lengths: list[int],  # (B,) tokens of each response (loss tokens, or prompt + response)
-    k: int,  # N ranks
-    equal_size: bool = False,  # every rank gets B / k responses (B must divide by k)
-) -> list[list[int]]:
-    "Partition indices `0..B-1` into `k` lists with near-equal token sums (Karmarkar-Karp); max - min sum <= max(lengths)."
-    if k < 1:
-        raise ValueError(f"k = {k}: need at least one rank")
-    if any(l < 0 for l in lengths):
-        raise ValueError(f"lengths must be >= 0, got {min(lengths)}")
-    if equal_size and len(lengths) % k:
-        raise ValueError(f"equal_size with {len(lengths)} responses over {k} ranks: the count must divide by k")
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    # a partial solution: k (sum, indices) sets sorted by sum, largest first; heap key = -spread
-    if equal_size:
-        starts = [[(lengths[i], [i]) for i in reversed(order[s : s + k])] for s in range(0, len(order), k)]
-    else:
-        starts = [[(lengths[i], [i])] + [(0, [])] * (k - 1) for i in order]
-    heap = [(-(s[0][0] - s[-1][0]), n, s) for n, s in enumerate(starts)]
-    heapq.heapify(heap)
-    n = len(heap)
-    while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
-        merged = sorted(((sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))), key=lambda x: -x[0])
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), n, merged))
-        n += 1
-    return [sorted(ix) for _, ix in heap[0][2]] if heap else [[] for _ in range(k)]
-
-# %% ../nbs/08b_learner.ipynb #97d19514
-def balanced_share(
-    lengths: list[int],  # (B,) response tokens of the step's batch, global order
-    size: int,  # mini_batch_size: responses per optimizer step, all ranks together
-    rank: int,  # this rank
-    world: int,  # N ranks
-) -> list[list[int]]:
-    "For each mini-batch (`size` consecutive responses), the indices rank `rank` trains: its part of the token-balanced partition."
-    return [
-        [s + j for j in balance_by_tokens(lengths[s : s + size], world)[rank]] for s in range(0, len(lengths), size)
-    ]
 
 # %% ../nbs/08b_learner.ipynb #46a2e433
 def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
@@ -185,15 +121,15 @@ class MicroBatchLearner(Learner):
         for g in optimizer.param_groups:
             g.setdefault("initial_lr", g["lr"])
         self.sched = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(cfg.warmup_steps))
-        self.guard = UpdateGuard(self.guard_weights)  # runs: skips non-finite steps, flags blow-ups
+        self.guard = UpdateGuard(self.guard_weights, reduce=self.reduce)  # skips non-finite steps, flags blow-ups
 
     @classmethod
     def build(cls, cfg: DAPOConfig, pad_token_id: int, model=None) -> "MicroBatchLearner":
-        "The learner of `cfg`: loads `cfg.model` (unless `model` is given) onto this rank's GPU, or the CPU."
+        "The learner of `cfg`: loads `cfg.model` (unless `model` is given) onto `gpu()`, or the CPU."
         if model is None:
             model = load_model(cfg.model, cfg.dtype, cfg.attn_implementation)
         if torch.cuda.is_available():
-            model = model.to(torch.device("cuda", dist.local_rank()))
+            model = model.to(cls.gpu())
         return cls(model, cfg, pad_token_id)
 
     @property
@@ -216,17 +152,35 @@ class MicroBatchLearner(Learner):
     def end_step(self):
         self.sched.step()  # one rollout step of the warm-up schedule
 
+    # --- where ranks would meet: one process here; `sharded_learner.ShardedLearner` answers these over N ranks ---
+    def reduce(self, xs: list[float], op: str = "sum") -> list[float]:
+        "Sum (max, min) of `xs` over the ranks: alone, the values themselves."
+        return [float(x) for x in xs]
+
+    def data_rank(self) -> tuple[int, int]:
+        "(index, count) of this rank's data-parallel group: alone (0, 1)."
+        return 0, 1
+
+    @property
+    def writes_files(self) -> bool:
+        "Does this process write the files (rank 0)? Alone, yes."
+        return True
+
+    @classmethod
+    def gpu(cls) -> torch.device:
+        "The GPU this process trains on: alone, the first."
+        return torch.device("cuda", 0)
+
     # --- what the algorithm reads besides log-probs and updates (`algorithm.train_on`) ---
     def minibatches(self, batch: RolloutBatch, size: int) -> list[RolloutBatch]:
-        "Line 10: `size` consecutive responses per mini-batch; this rank's token-balanced part of each (all of it alone)."
-        lens = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]  # what a packed pass costs
-        return [batch.select(ix) for ix in balanced_share(lens, size, *self.data_rank())]
+        "Line 10: `size` consecutive responses per mini-batch."
+        return [batch.select(list(range(s, min(s + size, len(batch))))) for s in range(0, len(batch), size)]
 
     def all_sum(self, xs: list[float]) -> list[float]:
-        return dist.all_reduce(xs)  # over the ranks (alone: xs)
+        return self.reduce(xs)
 
     def all_max(self, xs: list[float]) -> list[float]:
-        return dist.all_reduce(xs, "max")
+        return self.reduce(xs, "max")
 
     def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
         "This rank's token-budget micro-batches of `batch` (a sequence-parallel group's: `size` ranks' budgets)."
@@ -240,14 +194,10 @@ class MicroBatchLearner(Learner):
         "Ranks that hold the same micro-batches: the sequence-parallel group's size (1 without)."
         return 1 if self.sp is None else self.sp.size
 
-    def data_rank(self) -> tuple[int, int]:
-        "(index, count) of this rank's data-parallel group: a sequence-parallel group trains one share of each mini-batch."
-        return dist.rank() // self.copies, dist.world_size() // self.copies
-
     def passes(self, batch: RolloutBatch) -> tuple[list[list[int]], int]:
-        "This rank's micro-batches and the ranks' largest count: every rank runs that many forward passes (ZeRO-3 gathers in each)."
+        "The micro-batches, and how many forward passes to run: on N ranks the largest count (ZeRO-3 gathers in each)."
         mbs = self.micro_batches(batch)
-        return mbs, int(dist.all_reduce([len(mbs)], "max")[0])
+        return mbs, int(self.reduce([len(mbs)], "max")[0])
 
     def dummy_loss(self) -> Tensor:
         "A forward pass on one pad token whose loss is 0: a rank with fewer micro-batches joins the others' collectives with it."
@@ -259,10 +209,10 @@ class MicroBatchLearner(Learner):
         return overlong_filter(mask, batch.truncated) if self.cfg.overlong_filter else mask
 
     def denominators(self, batch: RolloutBatch) -> tuple[int, int]:
-        "Loss tokens, and responses with at least one loss token, of the mini-batch summed over all ranks (one all_reduce)."
+        "Loss tokens, and responses with at least one loss token, of the whole mini-batch (on N ranks: one sum over them)."
         keep = (~batch.truncated).tolist() if self.cfg.overlong_filter else [True] * len(batch)
         lens = [len(r) for r, k in zip(batch.response_ids, keep) if k]
-        n_tok, n_seq = dist.all_reduce([sum(lens), sum(1 for n in lens if n > 0)])
+        n_tok, n_seq = self.reduce([sum(lens), sum(1 for n in lens if n > 0)])
         return int(n_tok) // self.copies, int(n_seq) // self.copies  # a sequence-parallel group counted once
 
     @torch.no_grad()
@@ -341,8 +291,8 @@ class MicroBatchLearner(Learner):
             for key in METRIC_KEYS:
                 sums[key] += m.get(key, 0.0) * w  # token-weighted means over micro-batches
         grad_norm = self.optimizer_step(total)  # applied, or skipped by its guard (`guard.reason` says why)
-        tot = dist.all_reduce([sums[k] for k in METRIC_KEYS] + [weight, total])
-        lo, hi = dist.all_reduce([rmin], "min")[0], dist.all_reduce([rmax], "max")[0]
+        tot = self.reduce([sums[k] for k in METRIC_KEYS] + [weight, total])
+        lo, hi = self.reduce([rmin], "min")[0], self.reduce([rmax], "max")[0]
         W = tot[len(METRIC_KEYS)]
         out = {k: v / max(W, 1) for k, v in zip(METRIC_KEYS, tot)}
         skipped = self.guard.reason is not None  # not applied (runs.UpdateGuard)
@@ -368,7 +318,7 @@ class MicroBatchLearner(Learner):
         )
         for _ in range(n - len(mbs)):
             self.dummy_loss()
-        return dist.all_reduce([local])[0]
+        return self.reduce([local])[0]
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
         "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes)."
@@ -376,7 +326,7 @@ class MicroBatchLearner(Learner):
 
     def save_model(self, path: str | Path):
         "The full model as safetensors (`save_pretrained`), written by rank 0; every rank calls it, and every rank raises if rank 0's write failed."
-        main, sd, failed = dist.is_main(), {}, None
+        main, sd, failed = self.writes_files, {}, None
         for n, t in self.named_weights():  # every rank iterates: a collective for partitioned learners
             if main:
                 sd[n] = t.detach().cpu()
@@ -385,7 +335,7 @@ class MicroBatchLearner(Learner):
                 self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
             except (OSError, RuntimeError) as e:
                 failed = e  # a full disk: the other ranks must not wait in a barrier for it
-        if dist.all_reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
+        if self.reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
             raise failed or OSError(f"rank 0 could not write the model to {path}")
 
     def policy_copy(self):
@@ -399,7 +349,7 @@ class MicroBatchLearner(Learner):
 
 # %% ../nbs/08b_learner.ipynb #7cb53dbb
 class TorchLearner(MicroBatchLearner):
-    "The plain PyTorch learner (`zero_stage: 0`): a full replica and its AdamW state per rank, gradients summed over ranks."
+    "The plain PyTorch learner (`zero_stage: 0`): the model and its AdamW state (`ShardedTorchLearner`: a replica per rank)."
 
     def __init__(
         self,
@@ -424,10 +374,13 @@ class TorchLearner(MicroBatchLearner):
     def backward(self, loss: Tensor, last: bool):
         loss.backward()
 
+    def sum_grads(self, grads: list[Tensor]):
+        "Add the other ranks' gradients in place: alone, there are none."
+
     def optimizer_step(self, loss: float) -> float:
-        "Sum the gradients over ranks, clip the global norm, AdamW step unless `self.guard` finds the loss or norm not finite."
+        "Clip the global gradient norm, AdamW step unless `self.guard` finds the loss or norm not finite."
         params = [p for p in self.model.parameters() if p.requires_grad]
-        dist.all_reduce_tensors([p.grad for p in params if p.grad is not None])  # Spinning Up's mpi_avg_grads, as a sum
+        self.sum_grads([p.grad for p in params if p.grad is not None])  # on N ranks: Spinning Up's mpi_avg_grads
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
         self.guard.start()
         if self.guard.allows(loss, grad_norm):
@@ -438,7 +391,7 @@ class TorchLearner(MicroBatchLearner):
     def save(self, path: str | Path):
         "Weights (safetensors) and AdamW + schedule state (`learner_state.pt`); rank 0 writes, every rank calls."
         self.save_model(path)
-        if dist.is_main():
+        if self.writes_files:
             torch.save(
                 {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()},
                 Path(path) / "learner_state.pt",

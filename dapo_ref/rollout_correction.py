@@ -12,7 +12,7 @@ from torch import Tensor
 from .core import ROLLOUT_CORRECTIONS, InputError
 
 # %% auto #0
-__all__ = ['rollout_weights', 'batch_weights', 'log_ratios', 'rollout_weight_stats']
+__all__ = ['rollout_weights', 'batch_weights', 'log_ratios', 'rollout_gap', 'rollout_weight_stats']
 
 # %% ../nbs/04b_rollout_correction.ipynb #b8ce1b0f
 def rollout_weights(
@@ -76,6 +76,23 @@ def log_ratios(
         for m, (lp, _) in zip(minis, olds)
         for old, eng in zip(lp, m.rollout_logp)
     ]
+
+
+def rollout_gap(
+    learner,  # a `MicroBatchLearner`: its sums and maxima over ranks
+    minis: list,  # `RolloutBatch`es: this process's part of each mini-batch, with the engine's log-probs (or None)
+    olds: list[tuple[list[Tensor], list[Tensor]]],  # the learner's old log-probs of the same responses
+) -> dict:
+    """How far the sampler's policy is from the one the learner thinks sampled: per response token, d = learner's old
+    log-prob - engine's log-prob of the sampled token; the mean and max |d| and the k3 estimate of KL(engine || learner),
+    mean of e^d - 1 - d (>= 0, Schulman's estimator from samples of the engine). {} without engine log-probs."""
+    d = log_ratios(minis, olds)  # per response (T_i,), float64
+    if d is None:
+        return {}
+    d = torch.cat(d) if d else torch.zeros(0, dtype=torch.float64)  # (tokens,)
+    s = learner.all_sum([float(d.abs().sum()), float((torch.expm1(d) - d).sum()), d.numel()])  # each term >= 0, exactly
+    mx = learner.all_max([float(d.abs().max()) if d.numel() else 0.0])[0]
+    return dict(rollout_logp_diff_mean=s[0] / max(s[2], 1), rollout_logp_diff_max=mx, rollout_kl_k3=s[1] / max(s[2], 1))
 
 
 def rollout_weight_stats(

@@ -16,6 +16,7 @@ from .core import DAPOConfig, InputError
 from fastcore.basics import patch
 
 from .learner import MicroBatchLearner, prepare_model, model_path
+from .sharded_learner import ShardedLearner
 from .packing import SeqParallel
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
 
@@ -129,7 +130,7 @@ def ulysses_group(
     return SeqParallel(groups[rank // size], rank % size, size, wrapper)
 
 # %% ../nbs/08d_deepspeed.ipynb #11620a61
-class DeepSpeedLearner(MicroBatchLearner):
+class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
     "The DeepSpeed ZeRO-2/3 learner (`zero_stage: 2 | 3`, optional CPU offload): partitions over the ranks, one engine step per mini-batch."
 
     def __init__(

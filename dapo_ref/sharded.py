@@ -4,15 +4,13 @@
 
 # %% ../nbs/09_sharded.ipynb #87232cfd
 from __future__ import annotations
-import threading
 from typing import Callable
-from unittest import mock
 
 from . import dist
 from .rollout import rollout_groups
 
 # %% auto #0
-__all__ = ['ShardedRollout', 'StubRollout', 'run_ranks']
+__all__ = ['ShardedRollout', 'StubRollout']
 
 # %% ../nbs/09_sharded.ipynb #fcf8d570
 class ShardedRollout:
@@ -27,7 +25,7 @@ class ShardedRollout:
     ):  # ranks per engine (vllm_tensor_parallel)
         self.local = local
         self.d, self.D, self.t = rollout_groups(rank, world, tp)  # this engine of D, and this rank's place in it
-        local.dp = (self.d, self.D)  # each engine's share of a round is sampled with a seed of its own
+        local.seed_key = ("rank", self.d) if self.D > 1 else ()  # each engine samples its share with a seed of its own
 
     def groups(self, indices: list[int], step: int, rnd: int) -> list:
         "The round's groups for `indices`, in their order, on every rank: each engine generates `dist.shard`'s share."
@@ -50,7 +48,7 @@ class StubRollout:
     "A stand-in for one rank's `algorithm.Rollout` (tests, the notebooks): prompt i's group is `make(i)`; the calls are recorded."
 
     def __init__(self, make: Callable[[int], object] = lambda i: f"g{i}"):
-        self.make, self.dp, self.calls = make, (0, 1), []
+        self.make, self.seed_key, self.calls = make, (), []
 
     def groups(self, indices, step, rnd):
         self.calls.append(list(indices))
@@ -61,31 +59,3 @@ class StubRollout:
 
     def around_update(self, update, weights):
         return update()
-
-
-def run_ranks(world: int, fn: Callable[[int], object]) -> list:
-    "`fn(rank)` for every rank, each in its own thread, with `dist.all_gather` / `dist.all_reduce` answered across them."
-    box, out, barrier, me = [None] * world, [None] * world, threading.Barrier(world), threading.local()
-
-    def gather(obj):
-        box[me.rank] = obj
-        barrier.wait()
-        got = list(box)
-        barrier.wait()
-        return got
-
-    def reduce(xs, op="sum"):
-        parts = gather(list(xs))
-        return [max(v) if op == "max" else sum(v) for v in zip(*parts)]
-
-    def body(r):
-        me.rank = r
-        out[r] = fn(r)
-
-    with mock.patch.object(dist, "all_gather", gather), mock.patch.object(dist, "all_reduce", reduce):
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    return out

@@ -36,7 +36,8 @@ from .guards import checkpoint_error, export_error
 from .guards import MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, divergence_error
 from .rollout import HFRolloutEngine, rollout_groups
 from .interfaces import Learner, RolloutEngine
-from .learner import TorchLearner, model_path, stage_model, load_tokenizer
+from .learner import TorchLearner, model_path, load_tokenizer
+from .sharded_learner import ShardedTorchLearner, stage_model
 from .algorithm import Group, PromptSampler, Rollout, dapo_step, seed_of
 from .sharded import ShardedRollout
 from .track import SampleLog, Trackers, check_trackers
@@ -117,10 +118,10 @@ def load_splits(cfg: DAPOConfig) -> tuple[list[MathExample], list[MathExample]]:
     return train, held_out
 
 # %% ../nbs/09_trainer.ipynb #faefc769
-def learner_class(cfg: DAPOConfig) -> type[Learner]:
-    "`TorchLearner` for zero_stage 0, `scale.DeepSpeedLearner` for 2 and 3."
+def learner_class(cfg: DAPOConfig, world: int = 1) -> type[Learner]:
+    "`TorchLearner` for zero_stage 0 (`ShardedTorchLearner` on N ranks), `scale.DeepSpeedLearner` for 2 and 3."
     if cfg.zero_stage == 0:
-        return TorchLearner
+        return TorchLearner if world == 1 else ShardedTorchLearner
     from dapo_ref.scale import DeepSpeedLearner  # DeepSpeed is imported only when asked for
 
     return DeepSpeedLearner
@@ -181,8 +182,7 @@ class Trainer:
         log: Callable[[str], None] | None = print,
     ):
         self.cfg = cfg = validate(cfg)
-        # joins the launcher's group; (0, 1) alone
-        self.rank, self.world = dist.init_distributed(timeout=cfg.dist_timeout)
+        self.rank, self.world = dist.init_distributed(timeout=cfg.dist_timeout)  # the launcher's group; (0, 1) alone
         check_run(cfg, self.world)
         tiny = cfg.model == "tiny" or cfg.model.startswith("tiny-")  # built in code: nothing to check before it loads
         from dapo_ref.eval_cli import LOAD_ERRORS, check_model
@@ -211,7 +211,7 @@ class Trainer:
         self.prompt_ids = prompt_ids_for(train_examples, tokenizer, cfg)  # chat template, system prompt: cfg's
         check_prompt_lengths(train_examples, self.prompt_ids, cfg.max_prompt_length)  # names the row in the file
         try:
-            self.learner = learner_class(cfg).build(cfg, self.pad_id, model=model)
+            self.learner = learner_class(cfg, self.world).build(cfg, self.pad_id, model=model)
         except LOAD_ERRORS as e:
             raise InputError(f"model = {cfg.model}: cannot load its weights ({one_line(e)[:300]})") from None
         w = self.learner.guard.max_abs()  # every rank its partition, one all-reduce: a damaged model stops here

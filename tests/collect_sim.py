@@ -1,5 +1,5 @@
 """Stand-in groups for simulated ranks (tests/test_scale.py, tests/test_tp.py): `algorithm.collect` on N ranks through
-`sharded.ShardedRollout` (threads, `sharded.run_ranks`) against one device, on groups whose accuracies depend only on
+`sharded.ShardedRollout` (threads, `dist.run_ranks`) against one device, on groups whose accuracies depend only on
 their prompt, so both generate the same ones."""
 
 import random

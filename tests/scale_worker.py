@@ -5,7 +5,7 @@
 
 
 Each rank builds the same fixed DAPO mini-batch (`fixed_batch`), keeps its share of the groups (`dist.shard`), and for
-ZeRO-3, ZeRO-2, ZeRO-3 with gradient checkpointing (`DeepSpeedLearner`) and the plain learner (`TorchLearner`, stage
+ZeRO-3, ZeRO-2, ZeRO-3 with gradient checkpointing (`DeepSpeedLearner`) and the plain learner (`ShardedTorchLearner`, stage
 "0", gradients summed with one all-reduce): computes old log-probs, does one `update`, and syncs the new weights into a
 rollout engine (`HFRolloutEngine`), all through `algorithm.train_on` and
 `Trainer.sync_weights`. Rank 0 writes to OUT_DIR/stage{name}.pt: the full weights the learner streamed, the
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-G, N_GROUPS = 4, 5  # 5 groups of 4, shared over the ranks by tokens (`learner.balanced_share`)
+G, N_GROUPS = 4, 5  # 5 groups of 4, shared over the ranks by tokens (`sharded_learner.balanced_share`)
 
 
 def test_cfg():
@@ -138,7 +138,7 @@ def trainer_update(cfg, model, tok, engine=None):
         log=None,
     )
     full = fixed_batch()  # every rank holds the step's whole batch (the sharded rollout gathers each round)
-    from dapo_ref.learner import balanced_share
+    from dapo_ref.sharded_learner import balanced_share
 
     trainer.logprob_indices = balanced_share(
         [len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)],

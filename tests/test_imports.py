@@ -104,7 +104,7 @@ def test_modules_and_export_cells_stay_short():
 # The ladder of issue #36: the algorithm and the implementations of its two interfaces sit side by side above
 # `interfaces` and the pure pieces, and neither side imports the other; the run (`trainer`) picks and wires them.
 PURE = {"core", "data", "reward", "advantage", "loss", "rollout_correction", "sampling"}
-IMPLEMENTATIONS = {"rollout", "vllm_rollout", "learner", "scale", "sharded"}
+IMPLEMENTATIONS = {"rollout", "vllm_rollout", "learner", "sharded_learner", "scale", "sharded"}
 
 
 def test_the_algorithm_imports_only_the_interfaces_and_the_pure_pieces():
@@ -120,4 +120,13 @@ def test_the_algorithm_module_meets_no_rank():
     "Algorithm 1 for one process: no torch.distributed, no `dist.` helper, no file I/O, no user-input validation."
     src = (ROOT / "dapo_ref" / "algorithm.py").read_text()
     for word in ("torch.distributed", "dist.", "open(", "Path(", "InputError", "save_pretrained", "json.dump"):
+        assert word not in src, word
+
+
+def test_the_one_process_learner_meets_no_rank():
+    "The plain learner has no collective: where ranks would meet it calls hooks that `sharded_learner` answers."
+    graph = imports()
+    assert "dist" not in graph["learner"] and "dist" in graph["sharded_learner"]
+    src = (ROOT / "dapo_ref" / "learner.py").read_text()
+    for word in ("torch.distributed", "dist.", "all_reduce(", "local_rank(", "barrier("):
         assert word not in src, word

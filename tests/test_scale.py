@@ -36,8 +36,9 @@ from dapo_ref.dist import shard, interleave
 from dapo_ref.core import DAPOConfig
 from dapo_ref.trainer import strip_timing
 from dapo_ref.runs import latest_checkpoint, read_metrics
-from dapo_ref.sharded import ShardedRollout, StubRollout, run_ranks
-from dapo_ref.learner import balanced_share
+from dapo_ref.dist import run_ranks
+from dapo_ref.sharded import ShardedRollout, StubRollout
+from dapo_ref.sharded_learner import balanced_share
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
@@ -69,7 +70,7 @@ def _torchrun(args, timeout, nproc: int = 2):
 @given(world=st.integers(1, 9), n=st.integers(0, 40))
 def test_groups_stay_whole_on_one_rank(world, n):
     """Every prompt (so all G responses of its group) is generated and scored on exactly one rank, `dist.shard`'s, and
-    every rank receives the whole round in its order (N ranks simulated by threads: `sharded.run_ranks`)."""
+    every rank receives the whole round in its order (N ranks simulated by threads: `dist.run_ranks`)."""
     prompts = list(range(n))
     parts = [shard(prompts, r, world) for r in range(world)]
     assert sorted(p for part in parts for p in part) == prompts and interleave(parts) == prompts
@@ -290,7 +291,7 @@ LOGP_ULPS = 16
 @pytest.mark.parametrize("stage", ["3", "2", "3gc", "0"])
 def test_two_rank_update_matches_one_device(stage, two_rank_update, one_device_update):
     ds, one = two_rank_update[stage], one_device_update
-    assert ds["learner"] == ("TorchLearner" if stage == "0" else "DeepSpeedLearner")
+    assert ds["learner"] == ("ShardedTorchLearner" if stage == "0" else "DeepSpeedLearner")
     assert ds["checkpointed_layers"] == (
         [True, True] if stage.endswith("gc") else [False, False]
     )  # recompute really on

@@ -673,7 +673,7 @@ def test_rollout_gap_by_hand():
     """The rollout-learner gap over two mini-batches, by hand: learner old log-probs [-1, -2] and [-0.5], engine
     [-1.1, -2] and [-0.5]: d = [0.1, 0, 0]: mean |d| = 0.1 / 3, max 0.1, k3 = (e^0.1 - 1.1) / 3; without engine log-probs, nothing."""
     from dapo_ref.interfaces import RolloutBatch
-    from dapo_ref.algorithm import rollout_gap
+    from dapo_ref.rollout_correction import rollout_gap
     from dapo_ref.learner import MicroBatchLearner
 
     mk = lambda lps: RolloutBatch(

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dapo_ref.learner import balance_by_tokens
+from dapo_ref.sharded_learner import balance_by_tokens
 from dapo_ref.zero import (
     checkpoint_folder,
     from_pretrained_zero3,
