@@ -6,7 +6,6 @@
 from __future__ import annotations
 import datetime, os, threading
 from typing import Callable
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -143,7 +142,7 @@ def interleave(
 # %% ../nbs/00a_dist.ipynb #4374f03a
 def run_ranks(world: int, fn: Callable[[int], object]) -> list:
     "`fn(rank)` for every rank, each in its own thread, with this module's rank and collectives answered across them."
-    box, out, barrier, me = [None] * world, [None] * world, threading.Barrier(world), threading.local()
+    box, out, errors, barrier, me = [None] * world, [None] * world, [], threading.Barrier(world), threading.local()
 
     def gather(obj):
         box[me.rank] = obj
@@ -163,13 +162,34 @@ def run_ranks(world: int, fn: Callable[[int], object]) -> list:
 
     def body(r):
         me.rank = r
-        out[r] = fn(r)
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # a rank that fails ends the others' waits, as a process group's timeout would
+            errors.append(e)
+            barrier.abort()
 
-    answers = dict(all_gather=gather, all_reduce=reduce, all_reduce_tensors=reduce_tensors, world_size=lambda: world)
-    with mock.patch.dict(globals(), rank=lambda: me.rank, **answers):  # what this module's callers look up
+    answers = dict(
+        rank=lambda: me.rank,
+        local_rank=lambda: me.rank,
+        world_size=lambda: world,
+        is_distributed=lambda: world > 1,
+        all_gather=gather,
+        all_reduce=reduce,
+        all_reduce_tensors=reduce_tensors,
+        broadcast_object=lambda obj, src=0: gather(obj)[src],
+        barrier=lambda: gather(None) and None,
+    )
+    space = globals()  # what this module's callers look up (a notebook's namespace, when run there)
+    saved = {k: space[k] for k in answers}
+    space.update(answers)
+    try:
         threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+    finally:
+        space.update(saved)
+    if errors:  # the rank that failed first, not the others' broken waits
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     return out

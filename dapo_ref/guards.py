@@ -75,7 +75,7 @@ MAX_BAD_UPDATES = 3  # skipped updates in a row that stop the run
 @torch.no_grad()
 def max_abs(
     tensors: Iterable[Tensor],  # this rank's weights: all of them, or its partition (ZeRO)
-    reduce: Callable = dist.all_reduce,  # over the ranks (a learner's `reduce`)
+    reduce: Callable | None = None,  # over the ranks: a learner's `reduce`; None = `dist.all_reduce`
 ) -> float:
     "The largest |w| over `tensors` on all ranks; inf when one is not finite. One pass, one all-reduce."
     m = 0.0
@@ -84,7 +84,7 @@ def max_abs(
             continue  # an empty ZeRO partition
         v = float(t.detach().abs().max())
         m = max(m, v if math.isfinite(v) else math.inf)  # max(0.0, nan) would be 0.0
-    return reduce([m], "max")[0]
+    return (reduce or dist.all_reduce)([m], "max")[0]
 
 # %% ../nbs/08a_safeguards.ipynb #1fa3b317
 class UpdateGuard:
@@ -96,7 +96,7 @@ class UpdateGuard:
         self,
         weights: Callable[[], Iterable[Tensor]],  # this rank's part of the weights (`max_abs`)
         growth: float = WEIGHT_GROWTH,
-        reduce: Callable = dist.all_reduce,  # how the ranks decide together (a learner's `reduce`; alone, the value)
+        reduce: Callable | None = None,  # how the ranks decide together: a learner's `reduce`; None = `dist.all_reduce`
     ):
         self.weights, self.growth, self.reduce = weights, growth, reduce
         self.reason, self.blown, self.wmax = None, None, None
@@ -117,7 +117,9 @@ class UpdateGuard:
         grad_norm: float,  # the global norm the step was clipped with (computed anyway)
     ) -> bool:
         "May the step run? Sets `reason` (None, or why not), the same on every rank: one all-reduce."
-        bad_loss, bad_g = self.reduce([float(not math.isfinite(loss)), float(not math.isfinite(grad_norm))], "max")
+        bad_loss, bad_g = (self.reduce or dist.all_reduce)(
+            [float(not math.isfinite(loss)), float(not math.isfinite(grad_norm))], "max"
+        )
         self.reason = (
             "the loss is not finite"
             if bad_loss

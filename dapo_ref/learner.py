@@ -295,7 +295,7 @@ class MicroBatchLearner(Learner):
         lo, hi = self.reduce([rmin], "min")[0], self.reduce([rmax], "max")[0]
         W = tot[len(METRIC_KEYS)]
         out = {k: v / max(W, 1) for k, v in zip(METRIC_KEYS, tot)}
-        skipped = self.guard.reason is not None  # not applied (runs.UpdateGuard)
+        skipped = self.guard.reason is not None  # not applied (guards.UpdateGuard)
         out.update(
             loss=tot[-1],
             grad_norm=grad_norm,

@@ -195,7 +195,7 @@ class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
         and the model's config (rank 0). No HF export: at 32B it would add 61 GiB through rank 0 to every checkpoint;
         `Trainer.export` writes those (`export_every`, `final/`), and `dapo-export` makes one from any checkpoint."""
         self.engine.save_checkpoint(str(Path(path) / "deepspeed"), tag="zero", save_latest=False)
-        if dist.is_main():
+        if self.writes_files:
             torch.save({"scheduler": self.sched.state_dict()}, Path(path) / "learner_state.pt")
             self.model.config.save_pretrained(path)
             if getattr(self.model, "generation_config", None) is not None:

@@ -27,16 +27,18 @@ def _status_kib(field: str) -> int:
 
 
 class PeakRSS:
-    "Context manager: `extra` = this process's peak resident bytes inside the block above its resident bytes on entry (Linux)."
+    """Context manager: `extra` = this process's peak resident bytes inside the block above its resident bytes on
+    entry, less the file-backed pages the block brought back (`file`) (Linux)."""
 
     def __enter__(self):
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        self.base = _status_kib("VmRSS") * 1024
+        self.base, self.file0 = _status_kib("VmRSS") * 1024, _status_kib("RssFile") * 1024
         return self
 
     def __exit__(self, *exc):
         self.peak = _status_kib("VmHWM") * 1024
-        self.extra = self.peak - self.base
+        self.file = max(0, _status_kib("RssFile") * 1024 - self.file0)  # code and mapped files faulted back in
+        self.extra = self.peak - self.base - self.file
 
 # %% ../nbs/08c_zero.ipynb #f2f13260
 _ST_DTYPES = {
