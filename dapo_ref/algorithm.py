@@ -16,7 +16,7 @@ from .reward import extra_means, score_batch, overlong_penalty
 from .advantage import group_advantages
 from .sampling import DynamicSamplingBuffer
 from .interfaces import Completion, Learner, RolloutBatch, RolloutEngine, sampling_params_from_config
-from .rollout_correction import rollout_gap, rollout_weight_stats
+from .rollout_correction import log_ratios, rollout_gap, rollout_weight_stats
 
 # %% auto #0
 __all__ = ['PromptSampler', 'seed_of', 'Group', 'score_groups', 'Rollout', 'collect', 'make_batch', 'train_on', 'step_metrics',
@@ -225,7 +225,8 @@ def train_on(
         [sum(float(t.exp().sum()) for t in lp), sum(float(t.sum()) for t in en), sum(t.numel() for t in lp)]
     )
     stats = dict(entropy=s[1] / max(s[2], 1), prob_mean=s[0] / max(s[2], 1))
-    stats.update(**rollout_gap(learner, minis, olds), **rollout_weight_stats(learner, minis, olds))  # engine vs learner
+    d = log_ratios(minis, olds)  # per response: log pi_old - log pi_rollout (None: the engine gave no log-probs)
+    stats.update(**rollout_gap(learner, d), **rollout_weight_stats(learner, d))  # engine vs learner (04b)
     updates = []
     for mini, (old_logp, _) in zip(minis, olds):
         updates.append(learner.update(mini, old_logp))  # line 11: maximise J_DAPO (Eq. 8) on the mini-batch

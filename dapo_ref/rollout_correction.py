@@ -80,13 +80,11 @@ def log_ratios(
 
 def rollout_gap(
     learner,  # a `MicroBatchLearner`: its sums and maxima over ranks
-    minis: list,  # `RolloutBatch`es: this process's part of each mini-batch, with the engine's log-probs (or None)
-    olds: list[tuple[list[Tensor], list[Tensor]]],  # the learner's old log-probs of the same responses
+    d: list[Tensor] | None,  # `log_ratios` of the step's responses (None: the engine returned no log-probs)
 ) -> dict:
     """How far the sampler's policy is from the one the learner thinks sampled: per response token, d = learner's old
     log-prob - engine's log-prob of the sampled token; the mean and max |d| and the k3 estimate of KL(engine || learner),
     mean of e^d - 1 - d (>= 0, Schulman's estimator from samples of the engine). {} without engine log-probs."""
-    d = log_ratios(minis, olds)  # per response (T_i,), float64
     if d is None:
         return {}
     d = torch.cat(d) if d else torch.zeros(0, dtype=torch.float64)  # (tokens,)
@@ -97,11 +95,9 @@ def rollout_gap(
 
 def rollout_weight_stats(
     learner,  # a `MicroBatchLearner`: its config's threshold C, its sums over ranks
-    minis: list,  # `RolloutBatch`es: this process's part of each mini-batch, with the engine's log-probs (or None)
-    olds: list[tuple[list[Tensor], list[Tensor]]],  # the learner's old log-probs of the same responses
+    d: list[Tensor] | None,  # `log_ratios` of the step's responses: per response (T_i,) log w (None: no log-probs)
 ) -> dict:
     "The correction's weights over a step's tokens and responses, corrected or not: mean, max, fractions beyond C, spread of log W; {} without engine log-probs."
-    d = log_ratios(minis, olds)  # per response (T_i,) log w
     if d is None:
         return {}
     log_c = math.log(learner.cfg.rollout_correction_threshold)

@@ -673,7 +673,7 @@ def test_rollout_gap_by_hand():
     """The rollout-learner gap over two mini-batches, by hand: learner old log-probs [-1, -2] and [-0.5], engine
     [-1.1, -2] and [-0.5]: d = [0.1, 0, 0]: mean |d| = 0.1 / 3, max 0.1, k3 = (e^0.1 - 1.1) / 3; without engine log-probs, nothing."""
     from dapo_ref.interfaces import RolloutBatch
-    from dapo_ref.rollout_correction import rollout_gap
+    from dapo_ref.rollout_correction import log_ratios, rollout_gap
     from dapo_ref.learner import MicroBatchLearner
 
     mk = lambda lps: RolloutBatch(
@@ -687,18 +687,20 @@ def test_rollout_gap_by_hand():
     minis = [mk([[-1.1, -2.0]]), mk([[-0.5]])]
     olds = [([torch.tensor([-1.0, -2.0])], []), ([torch.tensor([-0.5])], [])]
     one = MicroBatchLearner.__new__(MicroBatchLearner)  # alone: its sums are the values (no process group)
-    g = rollout_gap(one, minis, olds)
+    g = rollout_gap(one, log_ratios(minis, olds))
     # float32 operands: d = -1.0 - (-1.1) carries the float32 rounding of -1.1 (<= 2^-24 * 1.1 relative ~ 6.6e-8 absolute)
     assert abs(g["rollout_logp_diff_mean"] - 0.1 / 3) < 1e-7 and abs(g["rollout_logp_diff_max"] - 0.1) < 1e-7, g
     assert abs(g["rollout_kl_k3"] - (math.exp(0.1) - 1.1) / 3) < 1e-7, g  # e^d - 1 - d is Lipschitz 0.11 near 0.1
     assert (
         rollout_gap(
             one,
-            [
-                mk([[-1.0]]),
-                RolloutBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1)),
-            ],
-            olds,
+            log_ratios(
+                [
+                    mk([[-1.0]]),
+                    RolloutBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1)),
+                ],
+                olds,
+            ),
         )
         == {}
     )
