@@ -9,12 +9,16 @@
 the engine's copy of the weights (streamed from the ZeRO-3 partitions after the step), and `free`/`restart` (vLLM's
 sleep-mode allocator) are listed as skipped.
 
-Needs PyTorch, transformers, DeepSpeed and vLLM (`pip install -e ".[scale]"`) and no network: the model is a Qwen2 of
+Needs PyTorch, transformers, DeepSpeed and vLLM (`pip install -e ".[scale]"`) and no network; pytest is not needed.
+Without DeepSpeed the learner is the plain PyTorch one (`zero_stage: 0`) and the ZeRO-3 learner is listed as skipped,
+so a machine with PyTorch and transformers alone runs `--without-vllm`'s phases: the model is a Qwen2 of
 Qwen2.5-0.5B's shape (24 layers, d 896, vocab 151936, tied embeddings; ~0.5B parameters) built in code with random
 weights next to the tiny task's tokenizer; the prompts are tiny-task problems of one length. One process holds both
 sides, as one rank of the colocated run does: the DeepSpeed ZeRO-3 learner and a vLLM engine (compiled, with sleep
 mode, on the GPU; eager and without sleep mode on the CPU, where vLLM has none). The phases, each followed by the
-device's free memory (torch.cuda.mem_get_info) next to `dapo-plan`'s per-phase prediction for this shape:
+device's free memory (torch.cuda.mem_get_info) and the peak PyTorch allocated during the phase (`throughput.cuda_peaks`:
+each phase's own peak, whatever the trainer's meter reads inside it), next to `dapo-plan`'s per-phase prediction;
+the step's update peak is the trainer's own (`perf/peak_mem_gb/update`), printed beside the plan's update:
 
 1. `build`:   `Trainer` with zero_stage 3 and rollout_backend vllm (learner, engine, the first weight sync; vLLM the
               only engine, no transformers copy of the policy beside it); the learner on attn_implementation
@@ -22,7 +26,8 @@ device's free memory (torch.cuda.mem_get_info) next to `dapo-plan`'s per-phase p
 2. `step`:    one DAPO step (Algorithm 1: generate, reward, advantages, updates; the engine asleep during the update);
 3. `sync`:    the engine's log-probs of freshly sampled tokens against the learner's on the same tokens (the weights the
               engine serves are the learner's after the step);
-4. `fused`:   the lm head's fused log-prob backward in bf16 on the device (tests/test_fused_bf16.py's derived bound);
+4. `fused`:   the lm head's fused log-prob backward in bf16 on the device (fused_bf16.py, tests/test_fused_bf16.py's
+              derived bound);
 5. `free`:    the engine closed (its memory back), then `restart`: a new engine, the learner's weights loaded, the
               same log-prob comparison.
 
@@ -147,7 +152,6 @@ def config(model: Path, data: Path, out: Path, run: dict, backend: str = "vllm")
             train_data=str(data),
             output_dir=str(out),
             total_steps=1,
-            zero_stage=3,
             rollout_backend=backend,
             dynamic_sampling=False,
             max_num_gen_batches=1,
@@ -180,14 +184,13 @@ def free_gib(cpu: bool) -> float | None:
 
 
 def peak_gib(cpu: bool) -> float | None:
-    "The most memory PyTorch's allocator held since the last call (the phase's peak), then the count starts again."
+    """The most memory PyTorch's allocator held since the last call (the phase's own peak, read through the process's one
+    `PeakMemory`, so the trainer's meter resetting the same counter inside a phase does not cut it short)."""
     if cpu:
         return None
-    import torch
+    from dapo_ref.throughput import cuda_peaks
 
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    torch.cuda.reset_peak_memory_stats()
-    return peak
+    return cuda_peaks().take("gpu_check") / 2**30
 
 
 def learner_gib(plan: dict, phase: str) -> float | None:
@@ -262,11 +265,10 @@ def plan(recipe_path: Path, model: Path, gpu_gb: float) -> dict:
 
 
 def requirements(cpu: bool, with_vllm: bool = True) -> str | None:
-    "A one-line message naming what is missing, or None."
+    "A one-line message naming what is missing, or None (DeepSpeed is optional: without it the plain learner runs)."
     for mod, fix in (
         ("torch", "pip install torch"),
         ("transformers", 'pip install -e ".[scale]"'),
-        ("deepspeed", 'pip install -e ".[scale]"'),
         ("vllm", 'pip install -e ".[scale]" (on a CPU: make venv-vllm), or --without-vllm for the learner\'s phases'),
     ):
         if importlib.util.find_spec(mod) is None and (with_vllm or mod != "vllm"):
@@ -304,8 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     if cpu:
         os.environ.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     t0 = time.perf_counter()
-    import torch, transformers, deepspeed
+    import torch, transformers
     from dapo_ref.trainer import Trainer
+
+    if not cpu:
+        from dapo_ref.throughput import cuda_peaks
+
+        cuda_peaks().start("gpu_check")  # the first phase's peak counts from here
+    with_ds = importlib.util.find_spec("deepspeed") is not None
 
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -315,9 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     n_params = build_model(work / "model", shape, torch.float32 if cpu else torch.bfloat16, "cpu" if cpu else "cuda")
     write_prompts(work / "prompts.parquet", work / "model")
     flash = not cpu and importlib.util.find_spec("flash_attn") is not None
-    fields = dict(run, attn_implementation="flash_attention_2" if flash else "sdpa")
+    fields = dict(run, attn_implementation="flash_attention_2" if flash else "sdpa", zero_stage=3)
     if with_vllm:
         fields.update(VLLM_FIELDS["cpu" if cpu else "gpu"])
+    if not with_ds:
+        fields["zero_stage"] = 0  # the plain PyTorch learner: every phase but ZeRO-3's partitioning still runs
     cfg = config(work / "model", work / "prompts.parquet", work / "run", fields, backend="vllm" if with_vllm else "hf")
     predicted = plan(recipe(work / "recipe.yaml", cfg), work / "model", gpu_gb)
     skipped = []
@@ -333,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
             "the vLLM engine: compiled graphs, sleep/wake, its log-probs against the learner's (--without-vllm)",
             "free and restart (vLLM's sleep-mode allocator; --without-vllm)",
         ]
+    if not with_ds:
+        skipped.append(
+            "the ZeRO-3 learner (DeepSpeed is not installed: pip install deepspeed); the plain PyTorch learner ran"
+        )
     if not cpu and not flash:
         skipped.append("the learner on flash_attention_2 (flash-attn is not installed: pip install flash-attn)")
     phases, checks = [], {}
@@ -347,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             raise TimeoutError(f"past --timeout {args.timeout:.0f} s after {name}")
 
     def fused():
-        sys.path.insert(0, str(ROOT / "tests"))
-        from test_fused_bf16 import fused_grad_ratio
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from fused_bf16 import fused_grad_ratio  # no pytest: it runs where only the library is installed
 
         ratio = fused_grad_ratio(1.0, device="cpu" if cpu else "cuda")
         phase("fused", max_err_over_bound=ratio)
@@ -375,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
             attn=cfg.attn_implementation,
             linear_is_torchs=torch.nn.functional.linear is torch._C._nn.linear,
         )
-        checks["F.linear is torch's own after the ZeRO-3 build"] = phases[-1]["linear_is_torchs"]
+        checks[f"F.linear is torch's own after the {'ZeRO-3 ' if cfg.zero_stage == 3 else ''}learner's build"] = phases[
+            -1
+        ]["linear_is_torchs"]
         if with_vllm:  # vLLM generates: no transformers copy of the policy may sit beside it (a second model's memory)
             copies = [
                 k
@@ -396,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             rollout_logp_diff_mean=row.get("rollout_logp_diff_mean"),
             **{k: v for k, v in row.items() if k.startswith(("rollout_w_", "rollout_seq_"))},  # rollout correction
             **{k: row[k] for k in ("time_generate", "time_logprobs", "time_update", "tokens_per_s") if k in row},
+            **{k.split("/")[-1] + "_peak_gib": row[k] for k in row if k.startswith("perf/peak_mem_gb/")},
         )
         checks["one DAPO step applied its updates"] = row["grad_updates"] >= 1 and not row.get("skipped_updates", 0)
         stage = "sync"
@@ -432,7 +449,11 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e2:
                 traceback.print_exc()
                 checks[f"fused ran ({type(e2).__name__})"] = False
-    versions = dict(torch=torch.__version__, transformers=transformers.__version__, deepspeed=deepspeed.__version__)
+    versions = dict(torch=torch.__version__, transformers=transformers.__version__)
+    if with_ds:
+        import deepspeed
+
+        versions["deepspeed"] = deepspeed.__version__
     if with_vllm:
         import vllm
 
@@ -443,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         versions=versions,
         n_params=n_params,
         shape=shape,
-        recipe=run,
+        recipe=dict(run, zero_stage=cfg.zero_stage),
         plan=predicted,
         phases=phases,
         checks=checks,
@@ -459,9 +480,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(s: dict):
+    learner = next((p["learner"] for p in s["phases"] if "learner" in p), None)
+    learner = (
+        "plain PyTorch learner"
+        if learner in ("TorchLearner", None) and s["recipe"].get("zero_stage") == 0
+        else "ZeRO-3 learner"
+    )
     print(
         f"gpu_check on {s['device']}: Qwen2 of {s['n_params'] / 1e6:,.1f}M parameters (random weights), "
-        f"{s['recipe']['dtype']}, ZeRO-3 learner + {'vLLM' if s['backend'] == 'vllm' else 'HF'} engine in one process; "
+        f"{s['recipe']['dtype']}, {learner} + {'vLLM' if s['backend'] == 'vllm' else 'HF'} engine in one process; "
         + ", ".join(f"{k} {v}" for k, v in s["versions"].items())
     )
     pl = s["plan"]
@@ -473,12 +500,19 @@ def report(s: dict):
         )
     else:
         print(f"dapo-plan: {pl.get('error')}")
-    plan_of = {"build": "load", "step": "update"}  # the step's peak is its update's (HF generation holds less)
+    learner_side = (
+        s["backend"] != "vllm"
+    )  # with vLLM the device also holds the engine's pool, which the plan counts apart
     for p in s["phases"]:
         free = "n/a" if p["free_gib"] is None else f"{p['free_gib']:.1f} GiB"
         peak = "" if p.get("peak_gib") is None else f", peak allocated {p['peak_gib']:.1f} GiB"
-        pred = learner_gib(pl, plan_of[p["phase"]]) if p["phase"] in plan_of and s["backend"] != "vllm" else None
-        pred = "" if pred is None or p.get("peak_gib") is None else f" (dapo-plan, learner side: {pred:.1f} GiB)"
+        pred = learner_gib(pl, "load") if p["phase"] == "build" and learner_side and peak else None
+        pred = "" if pred is None else f" (dapo-plan load, learner side: {pred:.1f} GiB)"
+        if p["phase"] == "step" and p.get("update_peak_gib") is not None:  # the trainer's own update peak
+            upd = learner_gib(pl, "update") if learner_side else None
+            pred = f"; its update {p['update_peak_gib']:.1f} GiB" + (
+                "" if upd is None else f" (dapo-plan update, learner side: {upd:.1f} GiB)"
+            )
         print(f"  {p['phase']:<8} at {p['s']:6.1f} s   free device memory {free}{peak}{pred}")
     for name, ok in s["checks"].items():
         print(f"  [{'ok' if ok else 'FAILED'}] {name}")

@@ -182,3 +182,6 @@ class Learner(abc.ABC):
     @abc.abstractmethod
     def end_step(self) -> None:
         "One rollout step done: the learning-rate warm-up counts rollout steps."
+
+    def close(self) -> None:
+        "Give back what the learner holds on its device (weights, gradients, optimizer states), so that another engine can start there; a no-op unless a learner overrides it."

@@ -13,7 +13,7 @@ from .cli import ArgParser, cli_errors, load_config, parse_overrides
 # %% auto #0
 __all__ = ['BYTES', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
            'model_state_bytes', 'load_bytes', 'activation_bytes', 'engine_bytes', 'sync_bytes', 'advise',
-           'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'format_plan', 'main']
+           'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'disk_per_run', 'format_plan', 'main']
 
 # %% ../nbs/12_plan.ipynb #5531a48d
 def valid_tensor_parallel(
@@ -354,6 +354,7 @@ def plan_memory(
     sleep: bool = True,  # vLLM sleeps (weights and KV cache discarded) during the update
     reserve_gb: float = 2.0,  # GiB kept free: CUDA contexts, NCCL buffers, fragmentation
     cpu_memory_gb: float | None = None,  # CPU memory of one node, GiB; None = reported, not checked
+    keep_checkpoints: int = 2,  # dapo-train --keep-checkpoints: the disk a run holds (`disk_per_run`)
 ) -> dict:
     "Per-GPU memory (GiB) of a DAPO recipe in each phase, CPU memory per node, whether it fits, and what to change."
     check_hardware(gpu_memory_gb, reserve_gb, cpu_memory_gb)
@@ -407,9 +408,33 @@ def plan_memory(
         engine_weights_gb=_gib(e["weights"]),
         fits=fits,
         engine_layout=engine_layout(p["world"], tp, cfg.gpus_per_node),
-        **save_sizes(p["n"], cfg.dtype, cfg.zero_stage),
+        **(sizes := save_sizes(p["n"], cfg.dtype, cfg.zero_stage)),
+        disk=disk_per_run(cfg, sizes["checkpoint_gb"], sizes["export_gb"], keep_checkpoints),
         advice=[] if fits else advise(cfg, arch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb),
         notes=notes,
+    )
+
+# %% ../nbs/12_plan.ipynb #4a9d8481
+def disk_per_run(
+    cfg: DAPOConfig,  # total_steps, save_every, export_every
+    checkpoint_gb: float,  # one checkpoint (save_sizes)
+    export_gb: float,  # one export
+    keep_checkpoints: int = 2,  # dapo-train --keep-checkpoints (0 keeps all)
+) -> dict:
+    """What a whole run writes: checkpoints at every `save_every` step and the last (`Trainer.fit`), of which the newest
+    `keep_checkpoints` stay, one more while the next is written (its folder is complete before the oldest goes); exports
+    at every `export_every` step but the last, and `final/`, all kept."""
+    T = cfg.total_steps
+    n_ckpt = (T // cfg.save_every + (T % cfg.save_every > 0)) if cfg.save_every else 1
+    n_exp = ((T - 1) // cfg.export_every if cfg.export_every else 0) + 1
+    at_once = n_ckpt if keep_checkpoints == 0 else min(n_ckpt, keep_checkpoints + 1)
+    return dict(
+        checkpoints_written=n_ckpt,
+        checkpoints_written_gb=round(n_ckpt * checkpoint_gb, 2),
+        checkpoints_on_disk_gb=round(at_once * checkpoint_gb, 2),
+        exports_written=n_exp,
+        exports_gb=round(n_exp * export_gb, 2),
+        peak_disk_gb=round(at_once * checkpoint_gb + n_exp * export_gb, 2),
     )
 
 # %% ../nbs/12_plan.ipynb #a2751b93
@@ -465,6 +490,12 @@ def format_plan(plan: dict) -> str:
         f"checkpoint (save_every: what --resume needs, each rank its part, in output_dir on a filesystem all "
         f"nodes share): {plan['checkpoint_gb']:.1f} GiB"
     )
+    d = plan["disk"]
+    lines.append(
+        f"disk per run: {d['checkpoints_written']} checkpoints written ({d['checkpoints_written_gb']:,.0f} GiB in all), "
+        f"at most {d['checkpoints_on_disk_gb']:,.0f} GiB of them on disk at once (the newest kept, --keep-checkpoints); "
+        f"{d['exports_written']} exports, all kept ({d['exports_gb']:,.0f} GiB): at most {d['peak_disk_gb']:,.0f} GiB on disk"
+    )
     if plan["partitioned_init"]:
         lines.append(
             f"without partitioned init the load would need {plan['load_no_init_gb']:.2f} GiB per GPU and "
@@ -498,6 +529,9 @@ def main(
     )
     ap.add_argument("--no-sleep", action="store_true", help="vLLM keeps its share during the update (no sleep mode)")
     ap.add_argument(
+        "--keep-checkpoints", type=int, default=2, help="as dapo-train's: checkpoints kept on disk (the disk per run)"
+    )
+    ap.add_argument(
         "--model-arch", default=None, help="folder with config.json or Qwen2.5 name, if not the recipe's model"
     )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
@@ -510,6 +544,10 @@ def main(
                 args.cpu_memory_gb,
                 names=("--gpu-memory-gb", "--reserve-gb", "--cpu-memory-gb"),
             )
+            if args.keep_checkpoints < 0:
+                raise InputError(
+                    f"--keep-checkpoints {args.keep_checkpoints} is out of range: give a number >= 0 (0 keeps all)"
+                )
             cfg = load_config(args.recipe, parse_overrides(args.overrides))
             plan = plan_memory(
                 cfg,
@@ -518,6 +556,7 @@ def main(
                 sleep=not args.no_sleep,
                 reserve_gb=args.reserve_gb,
                 cpu_memory_gb=args.cpu_memory_gb,
+                keep_checkpoints=args.keep_checkpoints,
             )
     except SystemExit as e:
         return e.code

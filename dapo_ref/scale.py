@@ -4,7 +4,7 @@
 
 # %% ../nbs/08d_deepspeed.ipynb #7820a124
 from __future__ import annotations
-import math, warnings
+import gc, math, types, warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -21,7 +21,7 @@ from .packing import SeqParallel
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
 
 # %% auto #0
-__all__ = ['deepspeed_config', 'gathered_named_weights', 'ulysses_group', 'DeepSpeedLearner']
+__all__ = ['deepspeed_config', 'gathered_named_weights', 'ulysses_group', 'empty_tensors', 'DeepSpeedLearner']
 
 # %% ../nbs/08d_deepspeed.ipynb #b3d0089c
 def deepspeed_config(
@@ -58,6 +58,10 @@ def deepspeed_config(
         "train_batch_size": world_size,
         "gradient_clipping": cfg.grad_clip,
         "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        # micro-batches' gradients summed in fp32: without it DeepSpeed adds them in the parameters' bf16, where a
+        # micro-batch's gradient below 2^-9 of the running sum rounds away (the 1.5B recipe takes 20-30 per update;
+        # verl's FSDP accumulates in fp32 too). tests/test_gpu_path.py: 16 micro-batches against a float64 sum
+        "data_types": {"grad_accum_dtype": "fp32"},
         # gradients reduced across ranks in fp32, not in the bf16 DeepSpeed would otherwise use under bf16: a sum over
         # 128 ranks rounded to bf16's 8 bits loses what an lr of 1e-6 moves (verl reduces in fp32 as well)
         "communication_data_type": "fp32",
@@ -128,6 +132,34 @@ def ulysses_group(
     attention.without_ulysses = core
     ALL_ATTENTION_FUNCTIONS[name] = attention  # under the same name: transformers' branches for that name still apply
     return SeqParallel(groups[rank // size], rank % size, size, wrapper)
+
+# %% ../nbs/08d_deepspeed.ipynb #f23218f0
+def empty_tensors(
+    root,  # an object whose tensors are no longer needed (a DeepSpeed engine after `destroy`)
+    owners: tuple[str, ...] = ("deepspeed", "torch", "transformers", "dapo_ref"),  # packages whose objects are walked
+) -> int:
+    "Free the storage of every tensor reachable from `root` through dicts, lists and those packages' objects; returns how many."
+    seen, todo, n = set(), [root], 0
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (type, types.ModuleType, types.FunctionType, types.MethodType)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if o.untyped_storage().nbytes():
+                try:
+                    o.untyped_storage().resize_(0)  # frees it for every view of it too
+                except RuntimeError:  # a storage that cannot be resized (a view's own): drop this tensor's hold on it
+                    o.data = torch.empty(0, dtype=o.dtype, device=o.device)
+                n += 1
+            todo.extend(getattr(o, "__dict__", {}).values())  # ZeRO-3 keeps a parameter's partition in p.ds_tensor
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            todo.extend(o)
+        elif (type(o).__module__ or "").startswith(owners) and hasattr(o, "__dict__"):
+            todo.extend(vars(o).values())
+    return n
 
 # %% ../nbs/08d_deepspeed.ipynb #11620a61
 class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
@@ -205,6 +237,26 @@ class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
         "Restore this rank's partitions and the schedule from `save`'s files."
         self.engine.load_checkpoint(str(Path(path) / "deepspeed"), tag="zero", load_lr_scheduler_states=False)
         self.sched.load_state_dict(torch.load(Path(path) / "learner_state.pt", weights_only=True)["scheduler"])
+
+    def close(self):
+        """Give the device memory back: DeepSpeed's `destroy` (its hooks), then every tensor the engine holds emptied.
+        Dropping the engine is not enough: after `destroy`, ZeRO-3 still keeps the model on a module-level stack of
+        DeepSpeed's, with its partitions and the optimizer's states reachable from it (tests/test_gpu_path.py)."""
+        from deepspeed.runtime.zero import parameter_offload
+
+        from transformers.integrations import deepspeed as hf_ds
+
+        self.engine.destroy()
+        stack = parameter_offload.FWD_MODULE_STACK
+        stack[:] = [m for m in stack if m is not self.model]
+        ref = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)  # transformers' "ZeRO-3 is on", set at our load:
+        if ref is not None and ref() is getattr(self.model, "hf_ds_config", None):  # every later from_pretrained in
+            hf_ds.unset_hf_deepspeed_config()  # this process would build its model partitioned (empty on one rank)
+        empty_tensors(self.engine)
+        self.engine = self.opt = self.net = self.model = self.sched = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 # %% ../nbs/08d_deepspeed.ipynb #d1305471
 @patch(cls_method=True)

@@ -13,7 +13,7 @@ from .arch import ModelArch, arch_from_config, layer_params
 
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'PERF_KEYS', 'MEM_PHASES', 'device_peak_flops', 'forward_flops', 'learner_flops', 'mfu',
-           'PerfMeter']
+           'PeakMemory', 'cuda_peaks', 'PerfMeter']
 
 # %% ../nbs/08f_throughput.ipynb #2559a4f4
 # Dense BF16 tensor-core peak of one GPU, FLOP/s: half the datasheet's "with sparsity" figure. First match wins.
@@ -50,6 +50,51 @@ def mfu(flops: float, seconds: float, peak: float, n_devices: int = 1) -> float:
     "Model FLOPs utilisation: `flops` done in `seconds` over what `n_devices` GPUs of `peak` FLOP/s could do."
     return flops / seconds / (peak * n_devices)
 
+# %% ../nbs/08f_throughput.ipynb #c4fb50e1
+class PeakMemory:
+    "Peaks of named windows that may nest or overlap, read from one process-wide peak counter that resets for all."
+
+    def __init__(
+        self,
+        read: Callable[[], int],  # the counter: the most bytes held since its last reset
+        reset: Callable[[], None],  # restart the counter (at the bytes held now)
+    ):
+        self.read, self.reset, self.open = read, reset, {}
+
+    def fold(self):
+        "Every open window takes the counter's peak; then the counter restarts."
+        peak = self.read()
+        for k in self.open:
+            self.open[k] = max(self.open[k], peak)
+        self.reset()
+
+    def start(self, key: str):
+        "Open (or restart) window `key` from now."
+        self.fold()
+        self.open[key] = 0
+
+    def take(self, key: str) -> int:
+        "Window `key`'s peak since it started or was last taken; it then starts again."
+        self.fold()
+        peak, self.open[key] = self.open.get(key, 0), 0
+        return peak
+
+
+_PEAKS: dict = {}
+
+
+def cuda_peaks(device: torch.device | None = None) -> PeakMemory | None:
+    "The process's one `PeakMemory` over PyTorch's peak counter of a CUDA device (None where there is no CUDA)."
+    if not torch.cuda.is_available():
+        return None
+    d = torch.device(device or "cuda")
+    d = torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
+    if d not in _PEAKS:
+        _PEAKS[d] = PeakMemory(
+            lambda: torch.cuda.max_memory_allocated(d), lambda: torch.cuda.reset_peak_memory_stats(d)
+        )
+    return _PEAKS[d]
+
 # %% ../nbs/08f_throughput.ipynb #3fd15c66
 PERF_KEYS = (
     "perf/rollout_tokens_per_s",
@@ -65,9 +110,16 @@ MEM_PHASES = ("generate", "update")
 class PerfMeter:
     "The `perf/` keys of the trainer's metrics rows: throughput, learner MFU, peak memory per phase, ETA."
 
-    def __init__(self, learner, cfg, world: int = 1):
+    def __init__(
+        self,
+        learner,
+        cfg,
+        world: int = 1,
+        peaks: PeakMemory | None = None,  # None: the process's `cuda_peaks` on a GPU, no memory keys elsewhere
+    ):
         self.learner, self.world, self.device = learner, world, torch.device(getattr(learner, "device", "cpu"))
-        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()  # peak memory: PyTorch's count on a GPU
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self.peaks = peaks or (cuda_peaks(self.device) if self.cuda else None)  # peak memory: PyTorch's count on a GPU
         config = getattr(getattr(learner, "model", None), "config", None)
         name = torch.cuda.get_device_name(self.device) if self.cuda else ""
         bf16 = getattr(cfg, "dtype", "") == "bfloat16"  # the table holds BF16 peaks: a float32 learner has no MFU
@@ -78,8 +130,8 @@ class PerfMeter:
     def begin(self) -> float:
         "A step starts: its peak-memory counts restart; returns its start (`time.perf_counter`)."
         self.mem = {}
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.peaks:
+            self.peaks.start("perf")
         t = time.perf_counter()
         self.t_first = t if self.t_first is None else self.t_first
         self.steps += 1
@@ -89,9 +141,8 @@ class PerfMeter:
         "`fn`, first noting the peak memory since the last note as `name`'s (and restarting the count)."
 
         def ended(*args):
-            if self.cuda:
-                self.mem[name] = max(self.mem.get(name, 0), torch.cuda.max_memory_allocated(self.device))
-                torch.cuda.reset_peak_memory_stats(self.device)
+            if self.peaks:
+                self.mem[name] = max(self.mem.get(name, 0), self.peaks.take("perf"))
             return fn(*args)
 
         return ended
@@ -107,7 +158,7 @@ class PerfMeter:
             out["perf/learner_tokens_per_s"] = sum(seqs) / t_learn
             if self.peak:
                 out["perf/learner_mfu"] = mfu(learner_flops(self.arch, seqs), t_learn, self.peak, self.world)
-        if self.cuda:  # every rank takes part in the all-reduce: the rank that came closest to running out
+        if self.peaks:  # every rank takes part in the all-reduce: the rank that came closest to running out
             peaks = [self.mem.get(n, -1) / 2**30 for n in MEM_PHASES]
             peaks = self.learner.all_max(peaks) if self.world > 1 else peaks
             out.update({f"perf/peak_mem_gb/{n}": p for n, p in zip(MEM_PHASES, peaks) if p >= 0})

@@ -103,9 +103,8 @@ def load_splits(cfg: DAPOConfig) -> tuple[list[MathExample], list[MathExample]]:
     if cfg.train_data is None:
         from dapo_ref.tiny import tiny_splits
 
-        tiny = tiny_splits(
-            TINY_N_TRAIN, TINY_N_EVAL, seed=0
-        )  # fixed split: every seed is evaluated on the same problems
+        # a fixed split: every seed is evaluated on the same problems
+        tiny = tiny_splits(TINY_N_TRAIN, TINY_N_EVAL, seed=0)
     train = load_math_dataset(cfg.train_data) if cfg.train_data else tiny[0]
     if cfg.eval_data:  # every file checked before any is read; each keeps its data_source
         held_out = load_eval_files(cfg.eval_data)
@@ -423,9 +422,8 @@ def export(self: Trainer, path: str | Path) -> Path:
             self.tokenizer.save_pretrained(path)
     except (OSError, RuntimeError) as e:
         failed = e  # a full disk
-    if dist.all_reduce([float(failed is not None)])[
-        0
-    ]:  # every rank stops with the same error (this replaces a barrier)
+    # every rank stops with the same error (this replaces a barrier)
+    if dist.all_reduce([float(failed is not None)])[0]:
         raise export_error(failed or OSError("rank 0 could not write its part"), path, latest_checkpoint(self.out))
     return path
 
@@ -595,6 +593,7 @@ def train(
     trainer = Trainer(cfg, **kwargs)
     try:
         return trainer.fit(resume=resume, keep_checkpoints=keep_checkpoints, overwrite=overwrite)
-    finally:  # the engine it started gives its device memory back: the next engine of this process (an evaluation) can start
-        if kwargs.get("engine") is None:
+    finally:  # the engine it started and the learner give their device memory back: the next engine of this process
+        if kwargs.get("engine") is None:  # (an evaluation) can start
             trainer.engine.close()
+        trainer.learner.close()

@@ -12,12 +12,13 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from .core import InputError
 from .interfaces import Completion, RolloutEngine, SamplingParams
 
 # %% auto #0
 __all__ = ['REQUIRED_VLLM', 'FULL_ORDER', 'vllm_sampling_kwargs', 'prompt_seeds', 'completions_from_outputs', 'weight_buckets',
-           'checkpoint_shapes', 'check_weights', 'vllm_engine_kwargs', 'check_reload_api', 'update_order',
-           'VLLMRolloutEngine']
+           'checkpoint_shapes', 'check_weights', 'vllm_engine_kwargs', 'memory_shortfall', 'check_reload_api',
+           'update_order', 'VLLMRolloutEngine']
 
 # %% ../nbs/07a_vllm.ipynb #b394f837
 def vllm_sampling_kwargs(
@@ -209,6 +210,10 @@ def vllm_engine_kwargs(
         load_format="dummy" if dummy_weights else "auto",
         logprobs_mode="processed_logprobs",  # the sampled tokens' log-probs after temperature / top-p: what was sampled
         max_model_len=cfg.max_prompt_length + cfg.l_max,
+        # vLLM's custom all-reduce (tensor parallel > 1) registers its buffers' addresses for CUDA graphs, and sleep
+        # mode's allocator moves those buffers on every sleep/wake (reported to fail at graph capture): NCCL's
+        # all-reduce instead, as verl passes at every size; no effect at tensor parallel 1, which has no all-reduce
+        disable_custom_all_reduce=True,
     )
     if world > 1:  # inside torchrun the job's ranks are the engines' workers, at tensor parallel 1 too: vLLM's own
         # single-process executor would take device 0 and rank 0 on every rank (verl and TRL's colocate mode do the same)
@@ -216,6 +221,24 @@ def vllm_engine_kwargs(
             "external_launcher"  # and no data_parallel_size: the engines stay independent
         )
     return kw
+
+# %% ../nbs/07a_vllm.ipynb #fea1257f
+def memory_shortfall(
+    utilization: float,  # gpu_memory_utilization: the share of the device's memory vLLM will take
+    free: int,  # bytes free on the device now (torch.cuda.mem_get_info()[0])
+    total: int,  # the device's bytes
+    device: str = "cuda:0",
+) -> str | None:
+    "The one-line refusal when `free` is below what vLLM asks for (utilization x total, its own start check), else None."
+    need = utilization * total
+    if free >= need:
+        return None
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    return (
+        f"gpu_memory_utilization = {utilization:g}: vLLM asks for {utilization:g} x {gib(total)} = {gib(need)} of "
+        f"{device}, and {gib(free)} is free ({gib(total - free)} held by this process or another: a learner or an "
+        f"engine not closed?); close what holds it first, or set gpu_memory_utilization <= {int(free / total * 100) / 100:.2f}"
+    )
 
 # %% ../nbs/07a_vllm.ipynb #a1b72cfc
 REQUIRED_VLLM = "0.16"  # the first vLLM whose model runner has reload_weights(weights_iterator, is_checkpoint_format)
@@ -328,6 +351,10 @@ class VLLMRolloutEngine(RolloutEngine):
         # load_format="dummy": random weights until the first load_weights (which must then cover every parameter)
         self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
         self._shapes = checkpoint_shapes(model)
+        if not on_cpu and torch.cuda.is_available():  # vLLM's own start check, said in one line before the start
+            free, total = torch.cuda.mem_get_info()
+            if short := memory_shortfall(gpu_memory_utilization, free, total, f"cuda:{torch.cuda.current_device()}"):
+                raise InputError(short, "gpu_memory_utilization")
         self.llm = LLM(
             model=str(model),
             tensor_parallel_size=tensor_parallel_size,

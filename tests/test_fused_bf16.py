@@ -3,22 +3,16 @@
 `FusedTokenLogprobs.backward` sums the weight gradient over all M response rows, one chunk of c rows at a time.
 Summed in bf16 that is one bf16 rounding of the whole (V, H) sum per chunk (187 at M = 20480, V = 152064); summed in
 float32 it is one, at the end. The reference is float64 from the kernel's own bf16 logits, so the test sees the
-backward's arithmetic alone.
+backward's arithmetic alone. The measurement, `fused_grad_ratio`, is benchmarks/fused_bf16.py's.
 """
 
-import math
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-from dapo_ref.logprobs import fused_token_logprobs
-
-U32, UB = 2.0**-24, 2.0**-8  # unit roundoff of float32 / bfloat16 (8 significant bits), round to nearest
-
-
-def gamma(n: float, u: float = U32) -> float:
-    "Higham's gamma_n = n u / (1 - n u): bounds |prod (1 + d_i) - 1| over n factors |d_i| <= u, and e^(n u) - 1."
-    return n * u / (1 - n * u)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fused_bf16 import fused_grad_ratio  # noqa: E402  (no pytest there: gpu_check.py runs it on a GPU)
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.7])
@@ -44,27 +38,3 @@ def test_fused_weight_grad_bf16_is_one_rounding_of_an_fp32_sum(tau):
       |gw - g64| <= u_b |g64| + (1 + u_b) gamma(n_acc + n_p) A.
     The float64 reference's own error (~ M 2^-53 A) is below 1e-6 of the bound's second term."""
     assert fused_grad_ratio(tau) <= 1
-
-
-def fused_grad_ratio(tau: float, M: int = 16384, V: int = 128, H: int = 64, c: int = 128, device: str = "cpu") -> float:
-    "max over (v, h) of |gw - g64| / bound for bf16 inputs on `device` (the test's derivation; benchmarks/gpu_check.py runs it on a GPU)."
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(M, H, generator=g).bfloat16().to(device)  # (M, H)
-    w = (torch.randn(V, H, generator=g) / math.sqrt(H)).bfloat16().to(device)  # (V, H) logits ~ N(0, 1)
-    labels = torch.randint(0, V, (M,), generator=g).to(device)  # (M,)
-    g_logp = ((torch.rand(M, generator=g) + 0.5) / M).to(device)  # (M,) a token-mean's weights, one sign
-    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    logp, _ = fused_token_logprobs(hh, ww, labels, tau, chunk_rows=c)
-    logp.backward(g_logp)
-    assert ww.grad.dtype == torch.bfloat16 and hh.grad.dtype == torch.bfloat16
-
-    z = torch.cat([h[s : s + c] @ w.T for s in range(0, M, c)]).double() / tau  # (M, V) the kernel's bf16 logits, / tau
-    p = torch.softmax(z, -1)  # (M, V)
-    gr = g_logp.double() / tau  # (M,)
-    gz = (torch.nn.functional.one_hot(labels, V).double() - p) * gr[:, None]  # (M, V) dL/dz
-    g64 = gz.T @ h.double()  # (V, H)
-    A = (gz.abs() + p * gr.abs()[:, None]).T @ h.double().abs()  # (V, H)
-    Y = z.abs().max().item()
-    n_p, n_acc = V + 3 + 7 * Y + 4 * math.log(V), c + M // c
-    bound = UB * g64.abs() + (1 + UB) * gamma(n_acc + n_p) * A
-    return ((ww.grad.double() - g64).abs() / bound).max().item()

@@ -6,7 +6,7 @@ One engine for the whole module: starting vLLM takes 20-30 s here (plus ~50 s on
 torch.compile fills ~/.cache/vllm), and two engines in one process are not worth the risk. The model is a random 2-layer Qwen2 (hidden 128, 4 heads of 32:
 vLLM's CPU attention needs head_dim >= 32) with a word-level tokenizer, built and saved here."""
 
-import copy, gc, os, warnings
+import copy, dataclasses, gc, os, warnings
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (24 GiB machine)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
@@ -360,7 +360,11 @@ def test_from_config_maps_fields(setup):
         load_format="dummy",
         logprobs_mode="processed_logprobs",
         max_model_len=48,
+        disable_custom_all_reduce=True,
     )
+    from vllm.engine.arg_utils import EngineArgs  # every key is one this vLLM takes
+
+    assert set(kw) - {f.name for f in dataclasses.fields(EngineArgs)} == set(), kw
     assert vllm_engine_kwargs(DAPOConfig(rollout_backend="vllm", vllm_enforce_eager=True))["enforce_eager"] is True
     mc = setup["engine"].llm.llm_engine.model_config
     assert str(mc.dtype) == "torch.float32" and mc.max_model_len == 256 and mc.seed == 0
@@ -673,7 +677,8 @@ def test_dapo_eval_vllm_tp2_matches_transformers_greedy(tmp_path):
 
 # ---------------------------------------------------------------- benchmarks/gpu_check.py --cpu: its phases on the CPU
 def test_gpu_check_cpu(tmp_path):
-    """The one-GPU check's phases at tiny shapes (so the script cannot rot): a ZeRO-3 learner (float32) and a vLLM engine
+    """The one-GPU check's phases at tiny shapes (so the script cannot rot), in a process where pytest cannot be imported:
+    a ZeRO-3 learner (float32) and a vLLM engine
     (bfloat16) in one process, one DAPO step (rollout-corrected), the engine's log-probs against the learner's after it, the bf16 fused-gradient check, the
     engine closed and a new one started and synced. On the CPU it says what it skipped (compiled engine, sleep mode)."""
     import json, subprocess, sys
@@ -682,6 +687,9 @@ def test_gpu_check_cpu(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gc"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    (tmp_path / "site").mkdir()  # pytest not importable, as after `pip install -e ".[scale]"`: the check needs none
+    (tmp_path / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['pytest'] = None\n")
+    env["PYTHONPATH"] = str(tmp_path / "site")
     p = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", "--cpu", "--out", str(out)],
         cwd=root,

@@ -191,17 +191,27 @@ def test_gpu_check_refuses_without_vllm(tmp_path):
     assert not (tmp_path / "gc").exists()  # nothing was built
 
 
+def without_modules(folder, *modules: str) -> dict:
+    "An environment whose Python finds none of `modules` (find_spec None, import fails), as on a machine without them."
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({list(modules)!r}))\n")
+    return {**os.environ, "PYTHONPATH": str(folder)}
+
+
 def test_gpu_check_without_vllm_cpu(tmp_path):
-    """`--without-vllm` (asked for by name) runs the learner's phases with the HF engine: ZeRO-3 build, one DAPO step,
-    the learner's packed log-probs against a plain forward of the engine's copy of the weights, the fused check; the
-    vLLM phases are listed as skipped. Float32 on both sides: the gap is kernel rounding (< 1e-3, SYNC_TOL's bound)."""
+    """`--without-vllm` (asked for by name) on a machine with PyTorch and transformers alone (pytest and DeepSpeed not
+    importable: a clean `pip install -e .` has neither): every phase that needs neither runs, with the plain PyTorch
+    learner and the HF engine: the build, one DAPO step, the learner's packed log-probs against a plain forward of the
+    engine's copy of the weights, the fused check; the ZeRO-3 learner and the vLLM phases are listed as skipped, and
+    the exit status is 0. Float32 on both sides: the gap is kernel rounding (< 1e-3, SYNC_TOL's bound)."""
     import json
 
     out = tmp_path / "gc"
+    env = without_modules(tmp_path / "site", "pytest", "deepspeed")
     p = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", "--cpu", "--without-vllm", "--out", str(out)],
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        env={**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
         capture_output=True,
         text=True,
         timeout=600,
@@ -211,7 +221,9 @@ def test_gpu_check_without_vllm_cpu(tmp_path):
     assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused"]
     assert len(s["checks"]) == 4 and all(s["checks"].values()), s["checks"]
     assert s["backend"] == "hf" and s["phases"][0]["engine"] == "HFRolloutEngine"
-    assert s["phases"][0]["learner"] == "DeepSpeedLearner" and "vllm" not in s["versions"]
+    assert s["phases"][0]["learner"] == "TorchLearner" and not {"vllm", "deepspeed"} & set(s["versions"])
+    assert any(x.startswith("the ZeRO-3 learner (DeepSpeed is not installed") for x in s["skipped"]), s["skipped"]
+    assert "plain PyTorch learner + HF engine" in p.stdout, p.stdout
     sync = s["phases"][2]
     assert sync["gap_tokens"] > 0 and sync["gap_mean"] < 1e-3
     assert any("restart" in x for x in s["skipped"]) and "[skipped] free and restart" in p.stdout

@@ -1,0 +1,110 @@
+"""The GPU path's numerics and memory, where the CPU can show them: DeepSpeed's bf16 gradient accumulation across
+micro-batches (DeepSpeed's CPU accelerator runs bf16), and the learner's memory given back when `train` returns (a
+vLLM engine started next in the same process needs it: nbs/09b_one_gpu.ipynb)."""
+
+import gc, os
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from dapo_ref.cli import load_config  # noqa: E402
+from dapo_ref.learner import load_policy  # noqa: E402
+
+RECIPE = "recipes/tiny-cpu.yaml"
+U32 = 2.0**-24  # float32 unit roundoff
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def accumulated_grads(stage: int, scales: list[float], tmp_path) -> dict[str, torch.Tensor]:
+    """A bf16 `DeepSpeedLearner` (ZeRO `stage`, one rank) runs one backward per scale c on the same sequence, the loss
+    c * f(theta) (f: the logits' logsumexp summed), through the learner's own `backward(loss, last)`; returns the
+    gradient DeepSpeed accumulated by the last micro-batch, in float64."""
+    from deepspeed.utils import safe_get_full_grad
+    from dapo_ref.scale import DeepSpeedLearner
+
+    model, tok = load_policy("tiny")
+    cfg = load_config(RECIPE, dict(zero_stage=stage, dtype="bfloat16", warmup_steps=0, output_dir=str(tmp_path)))
+    learner = DeepSpeedLearner(model.to(torch.bfloat16), cfg, tok.pad_token_id)
+    ids = torch.tensor([tok.encode("12+7=19", add_special_tokens=False)])
+    for i, c in enumerate(scales):
+        logits = learner.engine(input_ids=ids).logits.float()  # (1, T, V)
+        learner.backward(c * logits.logsumexp(-1).sum(), last=i == len(scales) - 1)
+    grads = {n: safe_get_full_grad(p).double().clone() for n, p in learner.engine.module.named_parameters()}
+    learner.close()
+    return grads
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_micro_batches_accumulate_in_fp32(stage, tmp_path):
+    """k = 16 micro-batches, the first at scale 1 and 15 at 2^-9. Scaling a loss by a power of two scales its bf16
+    backward exactly, so micro-batch i's gradient is c_i g, with g the gradient of one micro-batch at scale 1, and the
+    float64 sum is g * (1 + 15 * 2^-9) exactly. Summed in fp32 the error is at most (k - 1) u32 sum_i |c_i g| (Wilkinson);
+    summed in bf16 every 2^-9 g rounds away (half a bf16 ulp of g is at least 2^-9 |g|), leaving g: a relative error of
+    15 * 2^-9 / (1 + 15 * 2^-9) = 2.8%, ~10^5 times the fp32 bound."""
+    k = 16
+    scales = [1.0] + [2.0**-9] * (k - 1)
+    g = accumulated_grads(stage, [1.0], tmp_path / "one")
+    acc = accumulated_grads(stage, scales, tmp_path / "k")
+    s = sum(scales)  # exact in float64
+    for name, g1 in g.items():
+        bound = (k - 1) * U32 * s * g1.abs()  # elementwise Wilkinson bound for the fp32 sum of c_i g
+        err = (acc[name] - s * g1).abs()
+        assert bool((err <= bound).all()), (name, float(err.max()), float((err - bound).max()))
+    assert any(bool(g1.abs().max() > 0) for g1 in g.values())  # the check saw gradients
+
+
+def live_tensor_bytes() -> int:
+    "Bytes of every storage a live tensor of this process holds (each storage once)."
+    gc.collect()
+    seen, n = set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            s = o.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                n += s.nbytes()
+    return n
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_train_gives_the_deepspeed_learners_memory_back(stage, tmp_path):
+    """After `train` returns, no tensor of its DeepSpeed learner is alive: the tensor bytes of the process are what
+    they were before it (within the tiny model's own size, 4 bytes a parameter: any leaked copy of the weights, its
+    gradients or Adam's states is at least that). Without `DeepSpeedLearner.close`, ZeRO-2 kept the model, and ZeRO-3
+    the model, its partitions and its optimizer states (DeepSpeed's module stack holds the model after `destroy`), and
+    transformers' ZeRO-3 flag stayed set for every later load."""
+    from dapo_ref.trainer import train
+
+    cfg = load_config(
+        RECIPE,
+        dict(
+            zero_stage=stage,
+            total_steps=1,
+            eval_every=0,
+            save_every=0,
+            prompts_per_step=2,
+            gen_batch_size=4,
+            mini_batch_size=16,
+            val_before_train=False,
+            output_dir=str(tmp_path / "run"),
+        ),
+    )
+    n_params = sum(p.numel() for p in load_policy("tiny")[0].parameters())
+    before = live_tensor_bytes()
+    train(cfg, log=None)
+    left = live_tensor_bytes() - before
+    assert left < 4 * n_params, (left, 4 * n_params)
+    # and a model loaded next is whole: ZeRO-3's load had told transformers that ZeRO-3 is on (HfDeepSpeedConfig),
+    # so every later from_pretrained in the process built its parameters partitioned (embedding shape (0,))
+    after = load_policy("tiny")[0]
+    assert sum(p.numel() for p in after.parameters()) == n_params and after.model.embed_tokens.weight.dim() == 2
