@@ -28,17 +28,20 @@ def _status_kib(field: str) -> int:
 
 class PeakRSS:
     """Context manager: `extra` = this process's peak resident bytes inside the block above its resident bytes on
-    entry, less the file-backed pages the block brought back (`file`) (Linux)."""
+    entry, less the file-backed pages (`file`) and shared-memory pages (`shm`: the collectives' buffers, mapped once per
+    process) the block brought in (Linux)."""
 
     def __enter__(self):
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         self.base, self.file0 = _status_kib("VmRSS") * 1024, _status_kib("RssFile") * 1024
+        self.shm0 = _status_kib("RssShmem") * 1024
         return self
 
     def __exit__(self, *exc):
         self.peak = _status_kib("VmHWM") * 1024
         self.file = max(0, _status_kib("RssFile") * 1024 - self.file0)  # code and mapped files faulted back in
-        self.extra = self.peak - self.base - self.file
+        self.shm = max(0, _status_kib("RssShmem") * 1024 - self.shm0)  # e.g. a shared-memory all-gather's buffer
+        self.extra = self.peak - self.base - self.file - self.shm
 
 # %% ../nbs/08c_zero.ipynb #f2f13260
 _ST_DTYPES = {

@@ -312,7 +312,7 @@ def run_build(model_name: str, out: Path, mode: str = "ours"):
     res["engine_equal"] = all(torch.equal(engine_sd[k], v) for k, v in weights.items())
     with PeakRSS() as m:
         learner.save_model(out / "export")
-    res["export_extra"], res["export_file"] = m.extra, m.file  # file: pages faulted back in, not counted
+    res["export_extra"], res["export_file"], res["export_shm"] = m.extra, m.file, m.shm  # file, shm: not counted
     save_pretrained_streamed(learner.model, out / "export8", shard_bytes=res["model_bytes"] // 8)  # several shards
     every = dist.all_gather(res)
     if rank == 0:

@@ -523,6 +523,7 @@ def test_streamed_export_of_the_learner(build_run):
         r0["export_extra"],
         2 * big + MEM_ALLOWANCE,
         r0["export_file"],
+        r0["export_shm"],
     )
     back = AutoModelForCausalLM.from_pretrained(build_run["out"] / "export", dtype=torch.float32).state_dict()
     assert set(back) == set(w)
