@@ -4,7 +4,7 @@
 
 # %% ../nbs/08a_runs.ipynb #da1b314b
 from __future__ import annotations
-import json, os, random, shutil, sys, tempfile, time, uuid, zipfile
+import json, os, random, sys, tempfile, time, uuid
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
@@ -14,13 +14,13 @@ import torch
 from . import dist
 from .core import PATH_FIELDS, DAPOConfig, InputError, short
 from .cli import config_from_dict, read_yaml
+from .writers import LOCK, RunLock, remove_tree
 
 # %% auto #0
-__all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'STATE_KEYS', 'read_marker', 'write_marker', 'run_contents', 'check_owned',
-           'check_writable', 'prepare_output_dir', 'clear_run', 'step_folders', 'checkpoint_experiment',
-           'resume_changes', 'read_metrics', 'rng_state', 'set_rng_state', 'latest_checkpoint', 'plot_curves',
-           'read_safetensors_header', 'safetensors_problem', 'checkpoint_problem', 'newest_loadable_checkpoint',
-           'export_checkpoint', 'export_main']
+__all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'read_marker', 'write_marker', 'run_contents', 'check_owned',
+           'check_writable', 'prepare_output_dir', 'foreign_folders', 'clear_run', 'hold_output_dir', 'step_folders',
+           'checkpoint_experiment', 'resume_changes', 'read_metrics', 'rng_state', 'set_rng_state', 'latest_checkpoint',
+           'plot_curves']
 
 # %% ../nbs/08a_runs.ipynb #6b6f1360
 MARKER = ".dapo_ref.json"  # written first into every folder a dapo_ref command creates: its kind, command, time, id
@@ -116,7 +116,7 @@ def check_owned(
             f"{name} = {folder} is a dapo_ref {m['kind']} folder (written by `{m.get('command', '?')[:80]}`), "
             f"not a {kind} folder; choose a new or empty folder"
         )
-    entries = sorted(e.name for e in p.iterdir())
+    entries = sorted(e.name for e in p.iterdir() if not e.name.startswith(LOCK))  # a starting run's lock
     if not entries:
         return None
     if kind == "run" and set(entries) <= set(RUN_ENTRIES) and _unmarked_run(p):
@@ -166,6 +166,12 @@ def prepare_output_dir(
             "replace it); pass one of them"
         )
     check_writable(out)
+    for up in Path(out).resolve().parents:  # a run inside another run's folder: that run's --overwrite would remove it
+        if (read_marker(up) or {}).get("kind") == "run":  # (an ablation's folder holds its runs: allowed)
+            raise InputError(
+                f"output_dir = {out} is inside {up}, another run's folder (written by "
+                f"`{read_marker(up).get('command', '?')[:60]}`); choose a folder outside it"
+            )
     check_owned(out, "run", "output_dir")  # the user's folder: refused, whatever the flags
     have = run_contents(out)
     if have and not resume and not overwrite:
@@ -188,19 +194,58 @@ def prepare_output_dir(
     return resume_changes(out, cfg) if resume else []
 
 
+def foreign_folders(out: str | Path) -> list[tuple[Path, dict]]:
+    """Marked folders inside what `--overwrite` would remove that the run did not write: every marker under
+    `RUN_ENTRIES` but the run's own exports' (a model marker at `final/` or `exports/step-N`)."""
+    out, found = Path(out), []
+    for e in RUN_ENTRIES[1:]:
+        if not (out / e).is_dir() or (out / e).is_symlink():
+            continue
+        for m in (out / e).rglob(MARKER):
+            own = m.parent == out / "final" or (m.parent.parent == out / "exports")
+            if not (own and (read_marker(m.parent) or {}).get("kind") == "model"):
+                found.append((m.parent, read_marker(m.parent) or {}))
+    return found
+
+
 def clear_run(out: str | Path) -> list[str]:
-    "`--overwrite`: remove what a run wrote in `out` (`RUN_ENTRIES`), nothing else; returns the names removed."
+    """`--overwrite`: remove what a run wrote in `out` (`RUN_ENTRIES`), nothing else; returns the names removed.
+    `InputError`, before anything is removed, when a folder another command marked lies inside (`foreign_folders`)."""
+    if found := foreign_folders(out):
+        p, m = found[0]
+        raise InputError(
+            f"--overwrite would remove {p}, a dapo_ref {m.get('kind', '?')} folder this run did not write (by "
+            f"`{m.get('command', '?')[:60]}`); move it out of {out} first, or choose a new output_dir"
+        )
     gone = []
     for e in RUN_ENTRIES:
         p = Path(out) / e
         if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
+            remove_tree(p)  # renamed aside first: a reader sees the folder whole or not at all
         elif p.exists() or p.is_symlink():
             p.unlink()
         else:
             continue
         gone.append(e)
     return gone
+
+
+def hold_output_dir(
+    out: str | Path,  # the run folder
+    log: Callable[[str], None] = print,
+) -> RunLock | None:
+    """Rank 0 holds `out` for this job (`writers.RunLock`; the other ranks hold nothing and get None); when another run
+    holds it, every rank raises the same one-line `InputError`."""
+    lock, err = None, None
+    if dist.is_main():
+        try:
+            lock = RunLock.acquire(out, "output_dir", log)
+        except InputError as e:
+            err = str(e)
+    err = dist.broadcast_object(err) if dist.is_distributed() else err
+    if err:
+        raise InputError(err, "output_dir")
+    return lock
 
 # %% ../nbs/08a_runs.ipynb #c1697f2d
 FROZEN = (  # change the experiment: a resumed run must keep them
@@ -400,172 +445,3 @@ def plot_curves(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-# %% ../nbs/08a_runs.ipynb #46146b88
-STATE_KEYS = ("step", "grad_updates", "data_pos", "metrics")
-
-
-def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
-    "`({name: {dtype, shape, data_offsets}}, data_start)` of a safetensors file, read without touching its data; `ValueError` for a short or broken header."
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or n > size - 8:
-            raise ValueError(f"{path.name} is truncated ({size} bytes, shorter than its header)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            raise ValueError(f"{path.name} has a broken header") from None
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-def safetensors_problem(f: Path) -> str | None:
-    "Why the safetensors file `f` cannot be loaded (short header, broken header, fewer bytes than it declares), or None; reads the header only."
-    try:
-        header, start = read_safetensors_header(f)
-    except ValueError as e:
-        return str(e)
-    need, size = start + max((v["data_offsets"][1] for v in header.values()), default=0), Path(f).stat().st_size
-    return None if need == size else f"{Path(f).name} is truncated ({size} of its {need} bytes)"
-
-
-def checkpoint_problem(path: str | Path) -> str | None:
-    "Why the checkpoint folder `path` cannot be resumed from (a missing, unparsable or truncated file), or None; reads headers, not tensors."
-    path = Path(path)
-    try:
-        s = json.loads((path / "state.json").read_text())
-    except FileNotFoundError:
-        return "state.json is missing"
-    except (ValueError, UnicodeDecodeError) as e:
-        return f"state.json is not valid JSON ({e})"
-    miss = [k for k in STATE_KEYS if not isinstance(s, dict) or k not in s]
-    if miss:
-        return f"state.json lacks {', '.join(miss)}"
-    index = path / "model.safetensors.index.json"
-    shards = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    )
-    if (path / "deepspeed").is_dir() and not index.is_file() and not (path / "model.safetensors").exists():
-        shards = []  # a DeepSpeed learner's checkpoint: its weights are in its partitions (deepspeed/)
-    for name in shards:
-        if not (path / name).is_file():
-            return f"{name} is missing"
-        if why := safetensors_problem(path / name):
-            return why
-    torch_files = ["learner_state.pt", *(f"rng-rank{r}.pt" for r in range(s.get("world_size", 1)))]
-    torch_files += [str(p.relative_to(path)) for p in sorted((path / "deepspeed").rglob("*.pt"))]
-    for name in torch_files:  # torch.save writes a zip archive: a truncated one has no central directory
-        if not (path / name).is_file():
-            return f"{name} is missing"
-        if not zipfile.is_zipfile(path / name):
-            return f"{name} is truncated or not a torch file"
-    return None
-
-# %% ../nbs/08a_runs.ipynb #13b6dbfa
-def newest_loadable_checkpoint(
-    output_dir: str | Path,  # the run folder
-    log: Callable[[str], None] = print,  # says which checkpoint is skipped and why
-) -> Path | None:
-    "The newest `checkpoints/step-N` that `checkpoint_problem` passes; a broken newer one is renamed `step-N.broken-K` (kept, never deleted) with a log line."
-    verdicts = [(p, checkpoint_problem(p)) for p in step_folders(output_dir)]
-    dist.barrier()  # every rank has read the folders before rank 0 renames any
-    found = None
-    for p, why in verdicts:
-        if why is None:
-            found = p
-            break
-        k = 1
-        while (p.parent / f"{p.name}.broken-{k}").exists():
-            k += 1
-        kept = p.parent / f"{p.name}.broken-{k}"
-        if dist.is_main():
-            os.replace(p, kept)
-        log(f"resume: skipping {p.name}: {why}; kept as {kept} (delete it once you no longer need it)")
-    dist.barrier()
-    return found
-
-# %% ../nbs/08a_runs.ipynb #4f6330f3
-def export_checkpoint(
-    ckpt: str | Path,  # a run's checkpoints/step-N (either learner)
-    out: str | Path,  # the new transformers folder
-    dtype: str | None = None,  # "float32" | "bfloat16"; None = the run's (its config)
-    overwrite: bool = False,  # replace the files of a non-empty `out`
-    check_only: bool = False,  # only the input checks (InputError), nothing read or written
-) -> Path:
-    "Write checkpoint `ckpt` as a transformers folder (safetensors weights, config, tokenizer) at `out`."
-    ckpt, out = Path(ckpt), Path(out)
-    if not ckpt.is_dir():
-        raise InputError(f"{ckpt}: no such checkpoint folder; give a run's checkpoints/step-N")
-    if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
-        raise InputError(f"--out {out} is inside the checkpoint {ckpt}; choose a folder outside it")
-    check_writable(out, "--out")
-    if (
-        check_owned(out, "model", "--out") is not None
-        and any(e.name != MARKER for e in out.iterdir())
-        and not overwrite
-    ):
-        raise InputError(
-            f"--out {out} already holds a model dapo_ref wrote; choose a new folder, or pass --overwrite "
-            "to replace its model files"
-        )
-    if why := checkpoint_problem(ckpt):
-        raise InputError(f"{ckpt} is not a checkpoint that loads ({why}); give a run's checkpoints/step-N")
-    if check_only:
-        return out
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(ckpt)
-    dt = getattr(torch, dtype or str(getattr(config, "dtype", None) or "float32").replace("torch.", ""))
-    if (ckpt / "deepspeed").is_dir():  # ZeRO-2/3 partitions, merged into full fp32 tensors by DeepSpeed's own tool
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="zero")
-        model = AutoModelForCausalLM.from_config(config, dtype=dt)
-        missing, unexpected = model.load_state_dict({k: v.to(dt) for k, v in sd.items()}, strict=False)
-        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-        if set(missing) - tied or unexpected:
-            raise RuntimeError(
-                f"{ckpt}: the partitions do not match the model's config (missing {sorted(missing)[:3]}, "
-                f"unexpected {sorted(unexpected)[:3]})"
-            )
-    else:  # the plain learner's checkpoint is a transformers folder already
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt)
-    write_marker(out, "model")
-    for p in out.glob("model*.safetensors*"):
-        p.unlink()  # overwrite: no shard of an earlier export left behind
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)
-    return out
-
-
-def export_main(argv: list[str] | None = None) -> int:
-    "`dapo-export CHECKPOINT --out DIR`: a run's checkpoint as a transformers folder (for dapo-eval, vLLM or the hub)."
-    from dapo_ref.cli import ArgParser, cli_errors, interrupts
-
-    ap = ArgParser(
-        prog="dapo-export",
-        description="Write a dapo-train checkpoint (checkpoints/step-N, either learner) as a transformers folder.",
-    )
-    ap.add_argument("checkpoint", help="a run's checkpoints/step-N folder")
-    ap.add_argument(
-        "--out",
-        required=True,
-        help="the new folder (a model folder dapo_ref wrote is replaced with --overwrite; any other non-empty folder is refused)",
-    )
-    ap.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default=None, help="the weights' dtype; default: the run's"
-    )
-    ap.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty --out")
-    args = ap.parse(argv)
-    try:
-        with cli_errors("dapo-export"):  # bad input: one line, exit 2, before any weight is read
-            export_checkpoint(args.checkpoint, args.out, args.dtype, args.overwrite, check_only=True)
-    except SystemExit as e:
-        return e.code
-    with interrupts("dapo-export", f"{args.out} may be half-written: run the command again with --overwrite"):
-        out = export_checkpoint(args.checkpoint, args.out, args.dtype, overwrite=True)
-    print(f"dapo-export: wrote {out}")
-    return 0

@@ -162,7 +162,8 @@ def _train(args, cfg, rank) -> int:
             # with NaN, warn on cuBLAS calls, and flash-attention's backward stays non-deterministic anyway
             if not torch.cuda.is_available():
                 torch.use_deterministic_algorithms(True, warn_only=True)
-            trainer = Trainer(cfg, progress=False if quiet else None, log=None if quiet else print)
+            # hold=True: a second run on output_dir (--resume, --overwrite or neither) is refused here, in one line
+            trainer = Trainer(cfg, progress=False if quiet else None, log=None if quiet else print, hold=True)
             trainer.sampling_timeout = args.sampling_timeout
     except SystemExit as e:
         return e.code
@@ -172,6 +173,8 @@ def _train(args, cfg, rank) -> int:
         if rank == 0:
             print(f"dapo-train: error: {one_line(e)}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        trainer.close()  # output_dir free again
     if rank == 0:
         print(summary_line(summary))
     return 0

@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_trainer.ipynb #a1cb4547
 from __future__ import annotations
-import dataclasses, importlib.util, json, math, os, random, shutil, sys, time
+import dataclasses, importlib.util, json, math, random, sys, time, weakref
 from pathlib import Path
 from typing import Callable
 
@@ -20,19 +20,17 @@ from .data import check_answer_sources
 from .reward_pool import check_plugin, is_plugin
 from dapo_ref.runs import (
     FROZEN,
-    newest_loadable_checkpoint,
+    hold_output_dir,
     prepare_output_dir,
     clear_run,
     read_marker,
     write_marker,
     read_metrics,
-    rng_state,
     set_rng_state,
     latest_checkpoint,
     plot_curves,
-    step_folders,
 )
-from .guards import checkpoint_error, export_error
+from .checkpoints import export_model, newest_loadable_checkpoint, write_checkpoint
 from .guards import MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, divergence_error
 from .rollout import HFRolloutEngine, rollout_groups
 from .interfaces import Learner, RolloutEngine
@@ -179,10 +177,15 @@ class Trainer:
         engine: RolloutEngine | None = None,  # None: make_engine(cfg, ...)
         progress: bool | None = None,  # tqdm bars; None = only on a terminal
         log: Callable[[str], None] | None = print,
+        hold: bool = False,  # hold output_dir from now on (before the model loads), not only while `fit` runs
     ):
         self.cfg = cfg = validate(cfg)
         self.rank, self.world = dist.init_distributed(timeout=cfg.dist_timeout)  # the launcher's group; (0, 1) alone
         check_run(cfg, self.world)
+        self.out, self.lock = Path(cfg.output_dir), None
+        self.log = (log or (lambda s: None)) if self.rank == 0 else (lambda s: None)
+        if hold:
+            self._hold()  # a second run on this folder is refused here, before anything loads
         tiny = cfg.model == "tiny" or cfg.model.startswith("tiny-")  # built in code: nothing to check before it loads
         from dapo_ref.eval_cli import LOAD_ERRORS, check_model
 
@@ -220,6 +223,7 @@ class Trainer:
                 "export or copy it again, or start from another model"
             )
         self.perf = PerfMeter(self.learner, cfg, self.world)  # the perf/ keys of every row
+        self.own_engine = engine is None  # `close` closes what it started
         self.engine = engine or make_engine(cfg, self.learner, tokenizer, self.pad_id)
         self.sampler = PromptSampler(len(train_examples), cfg.seed)  # line 2's data order
         main = self.rank == 0
@@ -234,8 +238,6 @@ class Trainer:
         self.step_idx, self.grad_updates, self.rows = 0, 0, []
         self.bad_updates, self.max_bad_updates = 0, MAX_BAD_UPDATES  # skipped updates in a row; that many stop the run
         self.sampling_timeout = SAMPLING_TIMEOUT  # seconds a step's unbounded dynamic sampling may run
-        self.out = Path(cfg.output_dir)
-        self.log = (log or (lambda s: None)) if main else (lambda s: None)
         self.trackers = self.samples = None  # rank 0's, from `_start`
 
 # %% ../nbs/09_trainer.ipynb #6b348b2d
@@ -364,68 +366,16 @@ def evaluate(self: Trainer) -> dict:
 # %% ../nbs/09_trainer.ipynb #634c99a2
 @patch
 def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
-    "Write checkpoints/step-N atomically (every rank its part; rank 0 renames); keep the newest `keep` (0: all)."
-    d, main = self.out / "checkpoints", dist.is_main()
-    final, tmp = d / f"step-{self.step_idx}", d / f"step-{self.step_idx}.tmp"
-    prev = latest_checkpoint(self.out)
-    if main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    failed = None
-    try:
-        self.learner.save(tmp)
-        torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
-        if main:
-            self.tokenizer.save_pretrained(tmp)
-            (tmp / "state.json").write_text(
-                json.dumps(
-                    dict(
-                        step=self.step_idx,
-                        grad_updates=self.grad_updates,
-                        data_pos=self.sampler.pos,
-                        world_size=self.world,
-                        metrics=self.rows,
-                        experiment={k: getattr(self.cfg, k) for k in FROZEN},
-                    )
-                )
-            )
-    except (OSError, RuntimeError) as e:
-        failed = e  # a full disk: OSError, or torch's zip writer's RuntimeError
-    if dist.all_reduce([float(failed is not None)])[0]:  # every rank learns that one failed (this replaces a barrier)
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise checkpoint_error(failed or RuntimeError("another rank could not write its part"), tmp, prev)
-    if main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for p in step_folders(self.out)[keep:] if keep else []:
-            shutil.rmtree(p, ignore_errors=True)  # newest first; 0 = keep all
-    dist.barrier()
-    return final
+    "Write checkpoints/step-N whole (`checkpoints.write_checkpoint`: every rank its part); keep the newest `keep` (0: all)."
+    state = dict(step=self.step_idx, grad_updates=self.grad_updates, data_pos=self.sampler.pos, world_size=self.world)
+    state.update(metrics=self.rows, experiment={k: getattr(self.cfg, k) for k in FROZEN})
+    return write_checkpoint(self.out, self.step_idx, self.learner, self.tokenizer, state, keep)
 
 
 @patch
 def export(self: Trainer, path: str | Path) -> Path:
-    "The policy as a transformers folder (weights in `cfg.dtype`, config, tokenizer) at `path`: rank 0 writes; call it on every rank."
-    path, failed = Path(path), None
-    if dist.is_main():  # the marker first: dapo-export --overwrite may finish a half-written export
-        try:
-            write_marker(path, "model")
-        except OSError as e:
-            failed = e  # rank 0's save_model fails too, and every rank learns it there
-    try:
-        self.learner.save_model(path)  # a collective for partitioned learners (gathered one module at a time)
-        if dist.is_main():
-            self.tokenizer.save_pretrained(path)
-    except (OSError, RuntimeError) as e:
-        failed = e  # a full disk
-    # every rank stops with the same error (this replaces a barrier)
-    if dist.all_reduce([float(failed is not None)])[0]:
-        raise export_error(failed or OSError("rank 0 could not write its part"), path, latest_checkpoint(self.out))
-    return path
+    "The policy as a transformers folder (weights in `cfg.dtype`, config, tokenizer) at `path`, written whole; call it on every rank."
+    return export_model(self.learner, self.tokenizer, path, latest_checkpoint(self.out))
 
 
 @patch
@@ -461,9 +411,30 @@ def _write(self: Trainer, row: dict):
 
 
 @patch
+def _hold(self: Trainer):
+    "Hold the run folder (rank 0; `runs.hold_output_dir`), once; `close` gives it up (so does collecting the trainer)."
+    if self.lock is None:
+        self.lock = hold_output_dir(self.out, self.log)
+        if self.lock is not None:
+            weakref.finalize(self, self.lock.release)
+
+
+@patch
+def close(self: Trainer):
+    "Give back what the run holds: the engine it started, the learner's device memory, the run folder."
+    if self.own_engine:
+        self.engine.close()
+    self.learner.close()
+    if self.lock is not None:
+        self.lock.release()
+        self.lock = None
+
+
+@patch
 def _start(self: Trainer, resume: bool, overwrite: bool = False):
     "Config on disk, then the newest checkpoint that loads (when `resume`) or a fresh start with the held-out accuracy at step 0."
     cfg, main = self.cfg, dist.is_main()
+    self._hold()  # one writer per run folder (`writers.RunLock`), from here until `close`
     changed = prepare_output_dir(
         cfg, resume, overwrite
     )  # the user's folder refused; an earlier run only resumed or overwritten
@@ -590,10 +561,8 @@ def train(
         deterministic = not torch.cuda.is_available()  # on GPUs it NaN-fills torch.empty, warns on cuBLAS
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    trainer = Trainer(cfg, **kwargs)
+    trainer = Trainer(cfg, hold=True, **kwargs)  # a second run on output_dir is refused before the model loads
     try:
         return trainer.fit(resume=resume, keep_checkpoints=keep_checkpoints, overwrite=overwrite)
-    finally:  # the engine it started and the learner give their device memory back: the next engine of this process
-        if kwargs.get("engine") is None:  # (an evaluation) can start
-            trainer.engine.close()
-        trainer.learner.close()
+    finally:  # the engine it started and the learner give their device memory back (the next engine of this process,
+        trainer.close()  # an evaluation, can start), and output_dir is free again

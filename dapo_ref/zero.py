@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .dist import rank as this_rank
-from .runs import read_safetensors_header
+from .checkpoints import read_safetensors_header
 
 # %% auto #0
 __all__ = ['PeakRSS', 'read_tensor_into', 'SafetensorsWriter', 'zero3_enabled', 'checkpoint_folder', 'module_tensors',

@@ -19,7 +19,7 @@ MODULES = {
     "dapo-eval": "dapo_ref.eval_cli",
     "dapo-plan": "dapo_ref.plan",
     "dapo-ablate": "dapo_ref.ablate",
-    "dapo-export": "dapo_ref.runs:export_main",
+    "dapo-export": "dapo_ref.checkpoints:export_main",
     "dapo-tiny": "dapo_ref.tiny_ship",
 }  # module[:function], else main
 

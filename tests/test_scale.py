@@ -589,7 +589,7 @@ def test_two_process_run_learns_and_resume_repeats_it(tmp_path):
     AutoModelForCausalLM.from_pretrained(out / "exports" / "step-4")
     # dapo-export merges the last checkpoint's partitions (DeepSpeed's zero_to_fp32) into the weights final/ holds:
     # the same float32 values (the run's dtype), bit for bit
-    from dapo_ref.runs import export_main
+    from dapo_ref.checkpoints import export_main
 
     assert export_main([str(ck), "--out", str(tmp_path / "exported")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
@@ -706,7 +706,7 @@ def test_export_that_fails_midway_on_rank_0_stops_both_ranks(tmp_path):
     assert len(err) == 1 and "writing the export" in err[0] and "final" in err[0] and "the disk is full" in err[0], (
         p.stderr[-3000:]
     )
-    from dapo_ref.runs import checkpoint_problem
+    from dapo_ref.checkpoints import checkpoint_problem
 
     ck = tmp_path / "run" / "checkpoints" / "step-1"
     assert checkpoint_problem(ck) is None and f"dapo-export {ck}" in err[0]  # intact, and the way to its export

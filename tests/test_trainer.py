@@ -450,7 +450,7 @@ def test_resume_skips_a_truncated_checkpoint_keeps_it_and_applies_total_steps(tm
 
 
 def test_a_failed_checkpoint_write_names_disk_space_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
-    from dapo_ref.runs import checkpoint_problem
+    from dapo_ref.checkpoints import checkpoint_problem
 
     run, calls, save = tmp_path / "run", [], TorchLearner.save
 
@@ -709,7 +709,7 @@ def test_rollout_gap_by_hand():
 def test_dapo_export_of_a_plain_checkpoint_is_the_final_model(tmp_path):
     "The plain learner's last checkpoint through dapo-export: the weights of final/ (the same step), bit for bit; --out kept safe."
     from transformers import AutoModelForCausalLM
-    from dapo_ref.runs import export_main
+    from dapo_ref.checkpoints import export_main
 
     run = tmp_path / "run"
     assert (
