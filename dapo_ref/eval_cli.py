@@ -24,6 +24,7 @@ from dapo_ref.data import (
     prompt_token_ids,
 )
 from .reward_pool import check_plugin
+from .writers import write_whole
 from .eval import evaluate
 from .testbeds import resolve_model
 
@@ -427,13 +428,6 @@ def _prepare(args):
     )
     return examples, name, tokenizer, device
 
-
-def _write_json(path: Path, obj) -> None:
-    "Write `obj` as JSON to `path` atomically: a crash leaves the old file or the new one, never half of one."
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
 # %% ../nbs/08_eval_cli.ipynb #4c091367
 def report_lines(
     res: dict,  # `evaluate(..., breakdown=True)`
@@ -511,9 +505,19 @@ def _main(args) -> int:
         "seconds": round(seconds, 3),
     }
     out = Path(args.out).expanduser()
-    _write_json(
-        out, {**{k: v for k, v in res.items() if k != "per_prompt"}, **settings, "per_prompt": res["per_prompt"]}
+    data = json.dumps(
+        {**{k: v for k, v in res.items() if k != "per_prompt"}, **settings, "per_prompt": res["per_prompt"]}
     )
+    try:  # written whole; a new --out is claimed by this write itself, so of two evaluations on one --out one wins
+        write_whole(out, data, replace=args.overwrite)
+    except FileExistsError:
+        kept = write_whole(out.with_name(f"{out.stem}.{os.getpid()}{out.suffix}"), data)
+        print(
+            f"dapo-eval: error: --out {out} was written by another process while this evaluation ran; it is left as "
+            f"that process wrote it, and this evaluation's results are in {kept}",
+            file=sys.stderr,
+        )
+        return 1
     k = args.k
     print(
         f"dapo-eval {args.model} on {','.join(args.data)}: avg@{k} {res['avg@k']:.4f}  pass@{k} {res['pass@k']:.4f}  "

@@ -14,13 +14,13 @@ import torch
 from . import dist
 from .core import PATH_FIELDS, DAPOConfig, InputError, short
 from .cli import config_from_dict, read_yaml
-from .writers import LOCK, RunLock, remove_tree
+from .writers import LOCK, RunLock, held_elsewhere, remove_tree
 
 # %% auto #0
 __all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'read_marker', 'write_marker', 'run_contents', 'check_owned',
-           'check_writable', 'prepare_output_dir', 'foreign_folders', 'clear_run', 'hold_output_dir', 'step_folders',
-           'checkpoint_experiment', 'resume_changes', 'read_metrics', 'rng_state', 'set_rng_state', 'latest_checkpoint',
-           'plot_curves']
+           'check_writable', 'prepare_output_dir', 'foreign_folders', 'check_overwrite', 'clear_run', 'hold_output_dir',
+           'step_folders', 'checkpoint_experiment', 'resume_changes', 'read_metrics', 'rng_state', 'set_rng_state',
+           'latest_checkpoint', 'plot_curves']
 
 # %% ../nbs/08a_runs.ipynb #6b6f1360
 MARKER = ".dapo_ref.json"  # written first into every folder a dapo_ref command creates: its kind, command, time, id
@@ -166,6 +166,8 @@ def prepare_output_dir(
             "replace it); pass one of them"
         )
     check_writable(out)
+    if held := held_elsewhere(out):  # a live run writes it: say so first (--resume and --overwrite alike)
+        raise InputError(held)
     for up in Path(out).resolve().parents:  # a run inside another run's folder: that run's --overwrite would remove it
         if (read_marker(up) or {}).get("kind") == "run":  # (an ablation's folder holds its runs: allowed)
             raise InputError(
@@ -173,6 +175,8 @@ def prepare_output_dir(
                 f"`{read_marker(up).get('command', '?')[:60]}`); choose a folder outside it"
             )
     check_owned(out, "run", "output_dir")  # the user's folder: refused, whatever the flags
+    if overwrite:
+        check_overwrite(out)
     have = run_contents(out)
     if have and not resume and not overwrite:
         raise InputError(
@@ -208,15 +212,20 @@ def foreign_folders(out: str | Path) -> list[tuple[Path, dict]]:
     return found
 
 
-def clear_run(out: str | Path) -> list[str]:
-    """`--overwrite`: remove what a run wrote in `out` (`RUN_ENTRIES`), nothing else; returns the names removed.
-    `InputError`, before anything is removed, when a folder another command marked lies inside (`foreign_folders`)."""
+def check_overwrite(out: str | Path) -> None:
+    "`InputError` when `--overwrite` would remove a folder another command marked (`foreign_folders`)."
     if found := foreign_folders(out):
         p, m = found[0]
         raise InputError(
             f"--overwrite would remove {p}, a dapo_ref {m.get('kind', '?')} folder this run did not write (by "
             f"`{m.get('command', '?')[:60]}`); move it out of {out} first, or choose a new output_dir"
         )
+
+
+def clear_run(out: str | Path) -> list[str]:
+    """`--overwrite`: remove what a run wrote in `out` (`RUN_ENTRIES`), nothing else; returns the names removed.
+    `InputError`, before anything is removed, when a folder another command marked lies inside (`check_overwrite`)."""
+    check_overwrite(out)
     gone = []
     for e in RUN_ENTRIES:
         p = Path(out) / e
@@ -229,7 +238,7 @@ def clear_run(out: str | Path) -> list[str]:
         gone.append(e)
     return gone
 
-
+# %% ../nbs/08a_runs.ipynb #67bc2aa4
 def hold_output_dir(
     out: str | Path,  # the run folder
     log: Callable[[str], None] = print,

@@ -169,8 +169,15 @@ def eval_args(w: World, *extra, data=None, model=None):
     return [x for k, v in args.items() for x in ([k] if v is None else [k, v])]
 
 
-def train_args(w: World, *extra, out="runs/old", data=None, saved=False):
-    "dapo-train arguments: the tiny-cpu recipe into `out` (the user's earlier run by default), then `extra`."
+def train_args(w: World, *extra, out="runs/old", data=None, saved=False, lock=False):
+    """dapo-train arguments: the tiny-cpu recipe into `out` (the user's earlier run by default), then `extra`; `lock`:
+    the run is live, its lock held by this test's process (alive, on this host)."""
+    if lock:
+        from dapo_ref.writers import LOCK, process_start
+        import socket
+
+        holder = dict(host=socket.gethostname(), pid=os.getpid(), start=process_start(os.getpid()), token="live")
+        (w.dir / "runs" / "old" / LOCK).write_text(json.dumps({**holder, "since": "now", "command": "dapo-train"}))
     if saved:  # the earlier run's config.yaml as dapo-train writes it (every field)
         from dapo_ref.cli import load_config, save_config
 
@@ -179,6 +186,15 @@ def train_args(w: World, *extra, out="runs/old", data=None, saved=False):
             w.dir / "runs" / "old" / "config.yaml",
         )
     return ["--config", "recipes/tiny-cpu.yaml", f"output_dir={out}", *([f"train_data={data}"] if data else []), *extra]
+
+
+def foreign_inside(w: World) -> list:
+    "Another run's folder inside the user's earlier run (made before such nesting was refused); no arguments."
+    from dapo_ref.runs import write_marker
+
+    write_marker(w.dir / "runs" / "old" / "exports" / "inner", "run")
+    (w.dir / "runs" / "old" / "exports" / "inner" / "metrics.jsonl").write_text('{"step": 0, "grad_updates": 0}\n')
+    return []
 
 
 def model_copy(w: World, name: str, damage=None) -> Path:
@@ -331,6 +347,37 @@ CASES = [
         "dapo-train",
         lambda w: train_args(w, "--resume", "--overwrite"),
         ("--resume and --overwrite ask for opposite things", "pass one of them"),
+    ),
+    # one writer per run (nbs/00c_one_writer.ipynb): a live holder of runs/old (this test's own process) refuses a second
+    # dapo-train on it whatever the flags, naming the holder; a run inside another run's folder; an --overwrite that
+    # would remove a folder another command marked (tests/test_concurrency.py: the same with two real processes)
+    *(
+        Case(
+            f"train-live-run{'-' + flag[2:] if flag else ''}",
+            "dapo-train",
+            lambda w, flag=flag: train_args(w, *([flag] if flag else []), lock=True),
+            (
+                f"output_dir = runs/old is being written by another run (PID {os.getpid()} on this host",
+                "Wait for it to end or stop it, then --resume continues it",
+            ),
+        )
+        for flag in ("", "--resume", "--overwrite")
+    ),
+    Case(
+        "train-inside-another-run",
+        "dapo-train",
+        lambda w: train_args(w, out="runs/old/exports/inner"),
+        ("output_dir = runs/old/exports/inner is inside", "another run's folder", "choose a folder outside it"),
+    ),
+    Case(
+        "train-overwrite-removes-a-foreign-folder",
+        "dapo-train",
+        lambda w: foreign_inside(w) + train_args(w, "--overwrite"),
+        (
+            "--overwrite would remove",
+            "runs/old/exports/inner, a dapo_ref run folder this run did not write",
+            "move it out",
+        ),
     ),
     Case(
         "train-keep-checkpoints",
