@@ -95,7 +95,7 @@ def main(argv) -> int:
     nb = read_nb(path)
     os.chdir(path.parent)
     sh = CaptureShell(path)
-    problems = []
+    problems, crashed = [], False
     for i, c in enumerate(nb.cells):
         if c.cell_type != "code":
             continue
@@ -108,6 +108,7 @@ def main(argv) -> int:
         if sh.exc is not None:
             problems.append(f"cell {i} raised {type(sh.exc).__name__}: {sh.exc}")
             print(sh.prettytb(fname=path), file=sys.stderr)
+            crashed = True
             break
         old, new = shown(saved), shown(c.get("outputs", []))
         if ("volatile" in d and (new == "" or old != "")) or same(old, new):
@@ -119,7 +120,7 @@ def main(argv) -> int:
                 l for l in difflib.unified_diff(old.splitlines(), new.splitlines(), "saved", "fresh", lineterm="", n=0)
             ][2:6]
             problems.append(f"cell {i} shows other output than is saved: " + " / ".join(l[:160] for l in diff))
-    if write and not any("raised" in p for p in problems):
+    if write and not crashed:
         write_nb(nb, path)
         print(f"{path.name}: fresh outputs written ({len(problems)} cells changed); run nbdev_clean")
         return 0

@@ -95,6 +95,8 @@ def score_groups(
         answer_format=cfg.answer_format,  # Answer: line or \boxed{}, per data_source
         rows=[examples[i] for i in indices for _ in range(G)],  # data_source, extra_info, ... for plug-ins
         weights=cfg.reward_weights,
+        on_failure=cfg.reward_failures,  # a plug-in failing on most calls stops the run (`RewardPluginError`)
+        memory_mb=cfg.reward_memory_mb,
     )  # (P*G,)
     if stats is not None:
         for k in ("reward_timeouts", "reward_errors"):

@@ -163,6 +163,22 @@ class DAPOHyperparams:
         "-",
         "math-verify's bound (unused by the default reward)",
     )
+    reward_failures: str = knob(
+        "stop",
+        "a reward plug-in failing on most calls of a round (raising, past its time or memory) or giving a score that is no finite number: stop naming it, or warn and score -1",
+        one_of("stop", "warn"),
+        "-",
+        "-",
+        "a broken reward trains on noise: the run stops and says which plug-in and why",
+    )
+    reward_memory_mb: int = knob(
+        4096,
+        "MB one reward plug-in call may allocate; a call past it scores -1 and is counted with the timeouts; 0 = no bound",
+        ge(0),
+        "-",
+        "-",
+        "a call that allocates without end would take the machine's memory from the run",
+    )
     reward_weights: str | None = knob(
         None,
         "weights of the rewards `reward` lists, one each, e.g. [1.0, 0.5]; null = 1 each",

@@ -4,8 +4,8 @@
 
 # %% ../nbs/08_eval.ipynb #8a19df05
 from __future__ import annotations
-import math
-from typing import Sequence
+import math, time
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -14,9 +14,12 @@ from .data import MathExample, prompt_token_ids
 from .reward import normalize_answer, score_batch
 from .interfaces import RolloutEngine, SamplingParams
 
+PROGRESS_S = 30.0  # seconds between progress lines of work that shows no bar (evaluation, generation rounds)
+
 # %% auto #0
-__all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'pass_ks', 'majority_vote', 'maj_at_k', 'generate_checked',
-           'response_rows', 'set_metrics', 'truths_of', 'source_groups', 'evaluate', 'reward_args', 'eval_metrics']
+__all__ = ['PROGRESS_S', 'INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'pass_ks', 'majority_vote', 'maj_at_k',
+           'generate_checked', 'response_rows', 'set_metrics', 'truths_of', 'source_groups', 'evaluate',
+           'per_prompt_rows', 'reward_args', 'eval_metrics']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
@@ -235,6 +238,10 @@ def evaluate(
     answer_format: str = "answer_line",  # answer_line | boxed, or per data_source (`DAPOConfig.answer_format`)
     chat: bool = True,  # prompts through the chat template (`DAPOConfig.apply_chat_template`)
     system_prompt: str | None = None,  # a system message before each prompt (`DAPOConfig.system_prompt`)
+    reward_timeout: float = 5.0,  # seconds per math-verify or plug-in call (`DAPOConfig.reward_timeout`)
+    reward_failures: str = "stop",  # a reward plug-in failing on most calls of a batch stops it (`DAPOConfig`)
+    reward_memory_mb: int = 0,  # a plug-in call's memory bound (`DAPOConfig.reward_memory_mb`)
+    log: Callable[[str], None] | None = None,  # a progress line at most every PROGRESS_S seconds
 ) -> dict:
     "Sample k responses per prompt and report avg@k, pass@k (any of k correct), maj@k, length and truncation."
     if not examples:
@@ -251,8 +258,12 @@ def evaluate(
     lengths = torch.zeros(P, k, dtype=torch.float64)  # (P, k) response tokens, EOS included
     truncated = torch.zeros(P, k, dtype=torch.bool)  # (P, k)
     preds: list[list[str]] = []
-    timeouts = 0
+    timeouts = errors = 0
+    t0 = t_line = time.monotonic()
     for b, start in enumerate(range(0, P, batch_prompts)):
+        if log and time.monotonic() - t_line >= PROGRESS_S:  # nothing runs for minutes without a word
+            t_line = time.monotonic()
+            log(f"evaluation: {start} of {P} problems x {k} samples done, {t_line - t0:.0f} s")
         batch = examples[start : start + batch_prompts]
         prompts = [prompt_token_ids(ex, tokenizer, chat, system_prompt) for ex in batch]
         params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + b)
@@ -265,6 +276,7 @@ def evaluate(
                 truths.append(ex.ground_truth)
                 lengths[start + q, j], truncated[start + q, j] = len(out.token_ids), out.truncated
         kw = dict(answer_format=answer_format, rows=[ex for ex in batch for _ in range(k)], weights=reward_weights)
+        kw.update(timeout=reward_timeout, on_failure=reward_failures, memory_mb=reward_memory_mb)
         scores, accs, m, batch_preds = score_batch(texts, truths, reward, return_preds=True, **kw)  # (len(batch) * k,)
         if samples is not None:
             samples += response_rows(
@@ -279,7 +291,7 @@ def evaluate(
                 m["extra"],
                 scores,
             )
-        timeouts += m["reward_timeouts"]
+        timeouts, errors = timeouts + m["reward_timeouts"], errors + m["reward_errors"]
         correct[start : start + len(batch)] = accs.view(len(batch), k)
         preds += [batch_preds[q * k : (q + 1) * k] for q in range(len(batch))]
     res = {
@@ -292,6 +304,7 @@ def evaluate(
         "k": k,
         "reward": reward,
         "reward_timeouts": timeouts,
+        "reward_errors": errors,  # calls that raised, gave no finite score or ended their worker (-1 each)
     }
     if breakdown:
         res.update({key: v for key, v in set_metrics(correct, preds, truths_of(examples)).items() if "pass@" in key})
@@ -300,18 +313,27 @@ def evaluate(
             for s, idx in source_groups(examples).items()
         }
     if return_per_prompt:
-        votes = [majority_vote(ps) for ps in preds]
-        res["per_prompt"] = [
-            {
-                "index": p,
-                "ground_truth": ex.ground_truth,
-                "n_correct": int(correct[p].sum()),
-                "maj_pred": None if votes[p] is None else preds[p][votes[p]],
-                "preds": preds[p],
-            }
-            for p, ex in enumerate(examples)
-        ]
+        res["per_prompt"] = per_prompt_rows(correct, preds, examples)
     return res
+
+# %% ../nbs/08_eval.ipynb #5355100a
+def per_prompt_rows(
+    correct: Tensor,  # (P, k) verdicts
+    preds: list[list[str]],  # P lists of k extracted answers
+    examples: Sequence[MathExample],  # the P problems
+) -> list[dict]:
+    "`evaluate`'s per-problem rows: ground truth, correct samples, the majority answer, every prediction."
+    votes = [majority_vote(ps) for ps in preds]
+    return [
+        {
+            "index": p,
+            "ground_truth": ex.ground_truth,
+            "n_correct": int(correct[p].sum()),
+            "maj_pred": None if votes[p] is None else preds[p][votes[p]],
+            "preds": preds[p],
+        }
+        for p, ex in enumerate(examples)
+    ]
 
 # %% ../nbs/08_eval.ipynb #e0a1b2c3
 def reward_args(cfg) -> dict:
@@ -319,6 +341,9 @@ def reward_args(cfg) -> dict:
     return dict(
         reward=cfg.reward,
         reward_weights=cfg.reward_weights,
+        reward_timeout=cfg.reward_timeout,
+        reward_failures=cfg.reward_failures,
+        reward_memory_mb=cfg.reward_memory_mb,
         answer_format=cfg.answer_format,
         chat=cfg.apply_chat_template,
         system_prompt=cfg.system_prompt,

@@ -23,7 +23,7 @@ from dapo_ref.data import (
     load_math_dataset,
     prompt_token_ids,
 )
-from .reward_pool import check_plugin
+from .reward_pool import RewardPluginError, check_plugin
 from .writers import write_whole
 from .eval import evaluate
 from .testbeds import resolve_model
@@ -460,25 +460,11 @@ def _main(args) -> int:
             if args.backend == "vllm"
             else _hf_engine(args, name, tokenizer, device)
         )
-    res = evaluate(
-        engine,
-        tokenizer,
-        examples,
-        k=args.k,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        batch_prompts=args.batch_prompts,
-        reward=args.reward,
-        reward_weights=args.reward_weights,
-        answer_format=args.answer_format,
-        chat=args.apply_chat_template,
-        system_prompt=args.system_prompt,
-        return_per_prompt=True,
-        progress=True,
-        breakdown=True,
-    )
+    try:
+        res = _evaluate(args, engine, tokenizer, examples)
+    except RewardPluginError as e:  # a plug-in failing on most calls of a batch: its numbers would mean nothing
+        print(f"dapo-eval: error: {one_line(e)}", file=sys.stderr)
+        return 1
     for p, ex in zip(res["per_prompt"], examples):
         p["data_source"] = ex.data_source
     seconds = time.time() - t0
@@ -524,8 +510,39 @@ def _main(args) -> int:
         f"maj@{k} {res['maj@k']:.4f}  ({res['n_prompts']} problems x {k} samples, mean length "
         f"{res['mean_length']:.1f} tokens, {res['truncated_frac']:.1%} truncated, {seconds:.1f} s) -> {out}"
     )
+    if res["reward_timeouts"] or res["reward_errors"]:  # each scored -1: the numbers above count them as wrong
+        n = res["n_prompts"] * k
+        print(
+            f"  reward: {res['reward_timeouts']} of {n} calls past their time or memory bound, "
+            f"{res['reward_errors']} failed (raised, no finite score, worker ended); each scored -1"
+        )
     print("\n".join(report_lines(res)))
     return 0
+
+# %% ../nbs/08_eval_cli.ipynb #e2aced72
+def _evaluate(args, engine, tokenizer, examples) -> dict:
+    "`evaluate` with dapo-eval's flags."
+    return evaluate(
+        engine,
+        tokenizer,
+        examples,
+        k=args.k,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        batch_prompts=args.batch_prompts,
+        reward=args.reward,
+        reward_weights=args.reward_weights,
+        answer_format=args.answer_format,
+        chat=args.apply_chat_template,
+        system_prompt=args.system_prompt,
+        return_per_prompt=True,
+        progress=True,
+        breakdown=True,
+        reward_memory_mb=DAPOConfig.reward_memory_mb,  # (failures: stop, the default)
+        log=print,
+    )
 
 # %% ../nbs/08_eval_cli.ipynb #68cade6d
 def _hf_engine(args, name, tokenizer, device):

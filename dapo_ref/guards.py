@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import dist
 from .sampling import DynamicSamplingError
+from .eval import PROGRESS_S
 
 # %% auto #0
 __all__ = ['WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT', 'CheckpointError', 'checkpoint_error', 'export_error',
@@ -169,10 +170,13 @@ SAMPLING_TIMEOUT = (
 
 
 class SamplingWatch:
-    "With unbounded dynamic sampling (max_num_gen_batches = 0): a progress line at rounds 4, 8, 16, ... and a stop after `timeout` seconds."
+    """After each generation round: a progress line when `PROGRESS_S` seconds passed since the last (nothing runs for
+    minutes without a word); with unbounded dynamic sampling (max_num_gen_batches = 0) also a line at rounds 4, 8,
+    16, ... and a stop after `timeout` seconds."""
 
     def __init__(self, timeout: float = SAMPLING_TIMEOUT, log: Callable[[str], None] = print):
         self.timeout, self.log, self.t0 = timeout, log, time.perf_counter()  # one watch per rollout step
+        self.t_line = self.t0
 
     @staticmethod
     def line(b) -> str:
@@ -183,6 +187,10 @@ class SamplingWatch:
 
     def __call__(self, b, step: int):
         "After each round of `b` (a `DynamicSamplingBuffer`): progress, and the stop (the same decision on every rank)."
+        now = time.perf_counter()
+        if now - self.t_line >= PROGRESS_S and not b.full:
+            self.t_line = now
+            self.log(f"step {step}: generation round {b.rounds}: {self.line(b)}, {now - self.t0:.0f} s")
         if b.max_num_gen_batches or b.full:
             return
         dt = dist.all_reduce([time.perf_counter() - self.t0], "max")[0]

@@ -232,6 +232,8 @@ def score_batch(
     answer_format: str = "answer_line",  # answer_line | boxed, or per data_source (`core.answer_formats`)
     rows: Sequence | None = None,  # B data rows (`MathExample`): their data_source picks the format; plug-ins get them
     weights: str | None = None,  # `reward_weights`, one per reward of a comma-separated `mode`
+    on_failure: str = "stop",  # `reward_failures`: a plug-in failing on most calls stops the run, or warns
+    memory_mb: int = 0,  # `reward_memory_mb`: a plug-in call's memory bound (0: none)
 ):  # (scores (B,) float32, accs (B,) bool, metrics) [+ preds]
     "Eq. 7 for a whole round: `score_response`'s verdicts, with math-verify calls run in parallel and bounded in time."
     _check_mode(mode)
@@ -245,7 +247,7 @@ def score_batch(
     if is_plugin(mode) or "," in mode or weights:  # your own rewards, several or weighted: `reward_pool.combine`
         kw = dict(window=window, workers=workers, return_preds=True, answer_format=answer_format, rows=rows)
         one = lambda m: score_batch(responses, ground_truths, m, timeout, **kw)  # a built-in mode
-        out = combine(responses, ground_truths, mode, timeout, workers, rows, weights, one)
+        out = combine(responses, ground_truths, mode, timeout, workers, rows, weights, one, on_failure, memory_mb)
         return out if return_preds else out[:3]
     string_mode = "dapo-strict" if mode == "math-verify" else mode
     memo = {}  # (response tail, ground truth) -> verdict: a group often repeats both

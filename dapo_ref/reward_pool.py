@@ -11,12 +11,12 @@ from typing import Sequence
 import torch
 from typing import Callable
 
-from .core import REWARD_MODES, REWARD_PLUGIN, InputError
+from .core import REWARD_MODES, REWARD_PLUGIN, InputError, short
 
 # %% auto #0
 __all__ = ['MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'BATCH_COLUMNS', 'PLUGIN_FORMS', 'default_workers', 'verify_pairs',
-           'math_verify_equal', 'is_plugin', 'plugin_form', 'check_plugin', 'plugin_results', 'plugin_batch', 'combine',
-           'extra_means']
+           'math_verify_equal', 'is_plugin', 'plugin_form', 'check_plugin', 'RewardPluginError', 'failure_report',
+           'plugin_results', 'plugin_batch', 'combine', 'extra_means']
 
 # %% ../nbs/01b_reward_pool.ipynb #a1e0c003
 MATH_VERIFY_TIMEOUT = 5.0  # seconds one math-verify comparison may take before it scores -1 (DAPOConfig.reward_timeout)
@@ -31,10 +31,11 @@ class _VerifyPool:
         start_timeout: float = 60.0,  # seconds the server may take to import math-verify
         plugin: str | None = None,  # a reward plug-in `package.module:function` instead of math-verify
         form: str = "pair",  # how the server calls the plug-in (`plugin_form`)
+        memory_mb: int = 0,  # a plug-in call may allocate this much (0: no bound)
     ):
         server = Path(importlib.util.find_spec("dapo_ref.verify_server").origin).read_text()  # torch-free program
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", server, *([plugin, form] if plugin else [])],
+            [sys.executable, "-c", server, *([plugin, form, str(memory_mb)] if plugin else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -72,14 +73,15 @@ class _VerifyPool:
         line, self.buf = self.buf.split(b"\n", 1)
         return line
 
-    def run(self, pairs: list, timeout: float, workers: int) -> list:
-        "Verdicts 1 / 0 / 'timeout' / 'error', one per (gold, pred) pair."
+    def run(self, pairs: list, timeout: float, workers: int, give_up: int = 0) -> list:
+        "Verdicts 1 / 0 / 'timeout' / 'error', one per (gold, pred) pair (`verify_server.run_round`)."
         req = dict(
             pairs=pairs,
             timeout=timeout,
             workers=workers,
             max_aside=4 * workers + 60,
             slow_after=min(SLOW_AFTER, timeout / 2),
+            give_up=give_up,
         )
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
@@ -134,20 +136,22 @@ def verify_pairs(
     workers: int | None = None,  # parallel calls; None = default_workers()
     plugin: str | None = None,  # a reward plug-in: pairs are (ground truth, its call's arguments), verdicts its results
     form: str = "pair",  # the plug-in's form (`plugin_form`)
+    memory_mb: int = 0,  # a plug-in call's memory bound (past it: "memory")
+    give_up: int = 0,  # > 0: end the round when its first `give_up` calls all failed (the rest "skipped")
 ) -> list:  # 1 (equivalent), 0 (not), "timeout" or "error" (worker died), one per pair
     "math-verify (or a reward plug-in) on many pairs at once, in a pool of worker processes started once and reused."
     if not pairs:
         return []
-    key = plugin or "math-verify"
+    key = f"{plugin}@{memory_mb}" if plugin else "math-verify"
     with _POOL_LOCK:
         if _POOL["pid"] != os.getpid():
             _POOL.update(pid=os.getpid(), pools={})  # never reuse a parent's pipes
         pools = _POOL["pools"]
         for attempt in (0, 1):  # a dead server is replaced once
             if key not in pools:
-                pools[key] = _VerifyPool(plugin=plugin, form=form)
+                pools[key] = _VerifyPool(plugin=plugin, form=form, memory_mb=memory_mb)
             try:
-                return pools[key].run([list(p) for p in pairs], timeout, workers or default_workers())
+                return pools[key].run([list(p) for p in pairs], timeout, workers or default_workers(), give_up)
             except BaseException as e:  # died, or interrupted mid-call (its reply would come out of turn): discard
                 pools.pop(key).close()
                 if attempt or not isinstance(e, (RuntimeError, OSError)):
@@ -167,6 +171,13 @@ def math_verify_equal(
         return False
 
 # %% ../nbs/01b_reward_pool.ipynb #790eedff
+_NOT_CALLS = {  # functions whose call returns an object to drive, not a value
+    "an async function (coroutine)": inspect.iscoroutinefunction,
+    "a generator function (generator)": inspect.isgeneratorfunction,
+    "an async generator function (async_generator)": inspect.isasyncgenfunction,
+}
+
+
 def is_plugin(mode: str) -> bool:
     "Whether a reward mode names a plug-in, `package.module:function` (or a comma-separated list holds one)."
     return any(REWARD_PLUGIN.fullmatch(m) is not None for m in mode.split(","))
@@ -236,6 +247,12 @@ def check_plugin(spec: str) -> dict[str, str]:
             ) from None
         if not callable(fn):
             raise InputError(f"reward = {part}: {name} is a {type(fn).__name__}, not a function")
+        kind = next((k for k, t in _NOT_CALLS.items() if t(fn)), None)  # its call returns no score to read
+        if kind:
+            raise InputError(
+                f"reward = {part}: {name} is {kind}, so a call returns a {kind.split()[-2]} object, not a score; "
+                "make it a plain function that returns the score (run the async work inside it: asyncio.run)"
+            )
         forms[part] = plugin_form(fn)
         if forms[part] == "batch":
             _check_batch(part, fn)
@@ -246,6 +263,50 @@ def check_plugin(spec: str) -> dict[str, str]:
                 "define it in one of these forms"
             )
     return forms
+
+# %% ../nbs/01b_reward_pool.ipynb #b83264e0
+class RewardPluginError(RuntimeError):
+    "A reward plug-in failed on most calls of a round, or returned a score that is no finite number in range."
+
+
+def failure_report(
+    spec: str,  # the plug-in
+    res: list,  # its B verdicts: results, or "timeout" / "memory" / "error[: ...]" / "invalid: ..." / "skipped"
+    responses: Sequence[str],
+    ground_truths: Sequence,
+    timeout: float,
+    memory_mb: int,
+) -> str | None:
+    """Why this round's results cannot be trained on, in one line (None when they can): a result that is no finite
+    number in range (one is enough), or failures on most calls (raised, timed out, past the memory bound, its worker
+    died); the counts, the first failure and the response it was on."""
+    fails = [(i, v) for i, v in enumerate(res) if isinstance(v, str)]
+    invalid = [(i, v) for i, v in fails if v.startswith("invalid")]
+    if not invalid and 2 * len(fails) <= len(res):
+        return None
+    i, v = (invalid or [x for x in fails if x[1] != "skipped"] or fails)[0]
+    sample = f"response {i} ({short(responses[i][-80:])}, ground truth {short(str(ground_truths[i]))})"
+    if invalid:
+        return (
+            f"reward = {spec} {v[len('invalid: ') :]} for {sample}: a reward must be a finite number within "
+            "+-1e6; fix the plug-in (call it on that response to see)"
+        )
+    kinds = {
+        "raised": sum(v.startswith("error: ") for _, v in fails),
+        f"ran past reward_timeout ({timeout:g} s)": sum(v == "timeout" for _, v in fails),
+        f"went past reward_memory_mb ({memory_mb})": sum(v == "memory" for _, v in fails),
+        "ended its worker process": sum(v == "error" for _, v in fails),
+    }
+    counts = ", ".join(f"{n} {k}" for k, n in kinds.items() if n)
+    skipped = sum(v == "skipped" for _, v in fails)
+    made = len(res) - skipped
+    first = v[len("error: ") :] if v.startswith("error: ") else {"timeout": "no result in time"}.get(v, v)
+    return (
+        f"reward = {spec} failed on {made - (len(res) - len(fails))} of the {made} calls it was given this round "
+        f"({counts}{f'; the round stopped there, {skipped} calls not made' if skipped else ''}); first: {first}, on "
+        f"{sample}. Fix the plug-in (call it on that response to see), or set reward_failures: warn to go on with "
+        "-1 for each failed call"
+    )
 
 # %% ../nbs/01b_reward_pool.ipynb #b1a00010
 def _columns(row) -> dict:
@@ -292,7 +353,7 @@ def _jobs(form: str, responses, ground_truths, rows, workers: int) -> tuple[list
     ]
     return jobs, idx
 
-
+# %% ../nbs/01b_reward_pool.ipynb #bbb1d0d8
 def plugin_results(
     responses: Sequence[str],  # B decoded responses, passed whole
     ground_truths: Sequence,  # B reference answers
@@ -301,6 +362,8 @@ def plugin_results(
     workers: int | None = None,  # worker processes; None = default_workers()
     rows: Sequence
     | None = None,  # B data rows (`MathExample`): data_source, extra_info, ... for verl's and TRL's forms
+    on_failure: str = "stop",  # `reward_failures`: stop (raise `RewardPluginError`) or warn, on `failure_report`
+    memory_mb: int = 0,  # `reward_memory_mb`: a call's memory bound (0: none)
 ) -> tuple[
     list, list, dict, list
 ]:  # (B results: a float, a dict, or "timeout" / "error"; B accs or None; counts; B extras)
@@ -308,12 +371,19 @@ def plugin_results(
     workers = workers or default_workers()
     form = check_plugin(spec)[spec]
     jobs, idx = _jobs(form, responses, ground_truths, rows or [None] * len(responses), workers)
-    verdicts = verify_pairs(jobs, timeout, workers, plugin=spec, form=form)
+    give_up = max(8, 2 * workers) if on_failure == "stop" and len(jobs) > max(8, 2 * workers) else 0
+    verdicts = verify_pairs(jobs, timeout, workers, plugin=spec, form=form, memory_mb=memory_mb, give_up=give_up)
     res = [None] * len(responses)
     for v, ix in zip(verdicts, idx):
         for j, i in enumerate(ix):
             res[i] = v[j] if isinstance(v, list) and form == "batch" else v
-            res[i] = "error" if res[i] is None else res[i]  # TRL's None: no verdict
+            res[i] = "error: returned None (no verdict)" if res[i] is None else res[i]  # TRL's None: no verdict
+    if why := failure_report(spec, res, responses, ground_truths, timeout, memory_mb):
+        if on_failure == "stop":
+            raise RewardPluginError(why)
+        print(
+            f"reward: warning: {why.split('. Fix the plug-in')[0]}; scored -1 (reward_failures: warn)", file=sys.stderr
+        )
     name = spec.rpartition(":")[2]
     scores, accs, extras = [], [], []
     for v in res:
@@ -321,7 +391,10 @@ def plugin_results(
         scores.append(d["score"])
         accs.append(bool(d["acc"]) if "acc" in d else None)
         extras.append({**{k: x for k, x in d.items() if k != "score"}, f"{name}/failed": float(isinstance(v, str))})
-    counts = dict(reward_timeouts=sum(v == "timeout" for v in res), reward_errors=sum(v == "error" for v in res))
+    counts = dict(
+        reward_timeouts=sum(v in ("timeout", "memory") for v in res),  # past its time or memory bound
+        reward_errors=sum(isinstance(v, str) and v not in ("timeout", "memory") for v in res),
+    )
     return scores, accs, counts, extras
 
 
@@ -332,10 +405,12 @@ def plugin_batch(
     timeout: float = MATH_VERIFY_TIMEOUT,  # seconds per call before it scores -1
     workers: int | None = None,  # worker processes; None = default_workers()
     rows: Sequence | None = None,  # B data rows (`MathExample`), for verl's and TRL's forms
+    on_failure: str = "stop",  # `reward_failures` (`plugin_results`)
+    memory_mb: int = 0,  # `reward_memory_mb`
 ):  # (scores (B,) float32, accs (B,) bool, metrics with "extra": B dicts)
     "Eq. 7 by a plug-in: its scores from the bounded worker pool; -1 for a call out of time or failing (counted)."
     t = time.perf_counter()
-    s, a, counts, extras = plugin_results(responses, ground_truths, spec, timeout, workers, rows)
+    s, a, counts, extras = plugin_results(responses, ground_truths, spec, timeout, workers, rows, on_failure, memory_mb)
     scores = torch.tensor(s, dtype=torch.float32)  # (B,)
     accs = torch.tensor([x if x is not None else y > 0 for x, y in zip(a, s)], dtype=torch.bool)  # (B,)
     metrics = {
@@ -356,6 +431,8 @@ def combine(
     rows: Sequence | None,  # B data rows (`MathExample`) or None
     weights: str | None,  # `reward_weights`: comma-separated, one per reward; None = 1 each
     builtin: Callable,  # builtin(mode) -> (scores, accs, metrics, preds) of a built-in mode (`reward.score_batch`)
+    on_failure: str = "stop",  # `reward_failures`: what a failing plug-in does (`plugin_results`)
+    memory_mb: int = 0,  # `reward_memory_mb`
 ):  # (scores (B,) float32, accs (B,) bool, metrics with "extra", B preds)
     "The weighted sum of the rewards (one alone: times its weight); acc from the first that gives one per response, else total score > 0."
     parts = mode.split(",")
@@ -368,7 +445,7 @@ def combine(
     for part, wt in zip(parts, w):
         name = part.rpartition(":")[2]
         if REWARD_PLUGIN.fullmatch(part):
-            s, a, m, ex = plugin_results(responses, ground_truths, part, timeout, workers, rows)
+            s, a, m, ex = plugin_results(responses, ground_truths, part, timeout, workers, rows, on_failure, memory_mb)
             ex = [{(f"{name}/{k}" if len(parts) > 1 and "/" not in k else k): x for k, x in e.items()} for e in ex]
         else:
             s, a, m, p = builtin(part)

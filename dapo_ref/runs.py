@@ -322,6 +322,8 @@ FREE = (  # may change on resume: applied from the next step on, written to conf
     "report_to",
     "samples_per_step",
     "samples_max_mb",  # what is recorded
+    "reward_failures",
+    "reward_memory_mb",  # what a failing reward plug-in does
     "vllm_gpu_memory_utilization",
     "vllm_enable_chunked_prefill",
     "vllm_enforce_eager",

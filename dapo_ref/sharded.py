@@ -8,6 +8,7 @@ from typing import Callable
 
 from . import dist
 from .rollout import rollout_groups
+from .reward_pool import RewardPluginError
 
 # %% auto #0
 __all__ = ['ShardedRollout', 'StubRollout']
@@ -30,8 +31,13 @@ class ShardedRollout:
     def groups(self, indices: list[int], step: int, rnd: int) -> list:
         "The round's groups for `indices`, in their order, on every rank: each engine generates `dist.shard`'s share."
         mine = dist.shard(indices, self.d, self.D)  # the same share on an engine's t ranks
-        got = self.local.groups(mine, step, rnd)
+        try:
+            got = self.local.groups(mine, step, rnd)
+        except RewardPluginError as e:  # one engine's plug-in failed: every rank stops with it, none waits
+            got = e
         parts = dist.all_gather(got if self.t == 0 else None)  # one copy per engine: its first rank's
+        if failed := [p for p in parts if isinstance(p, RewardPluginError)]:
+            raise failed[0]
         return dist.interleave([p for p in parts if p is not None])  # the inverse of `dist.shard`
 
     def reward_counts(self) -> list[int]:

@@ -23,6 +23,7 @@ from dapo_ref.cli import (
 from .tiny_ship import check_cache
 from .trainer import Trainer, check_run, summary_line
 from .sampling import DynamicSamplingError
+from .reward_pool import RewardPluginError
 from .runs import latest_checkpoint, prepare_output_dir
 from .guards import CheckpointError
 from .guards import SAMPLING_TIMEOUT, DivergenceError
@@ -169,7 +170,7 @@ def _train(args, cfg, rank) -> int:
         return e.code
     try:
         summary = trainer.fit(resume=resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite)
-    except (DynamicSamplingError, DivergenceError, CheckpointError) as e:  # raised on every rank alike
+    except (DynamicSamplingError, DivergenceError, CheckpointError, RewardPluginError) as e:  # on every rank alike
         if rank == 0:
             print(f"dapo-train: error: {one_line(e)}", file=sys.stderr, flush=True)
         return 1

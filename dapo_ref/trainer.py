@@ -342,6 +342,7 @@ def evaluate(self: Trainer) -> dict:
             max_tokens=cfg.l_max,
             seed=seed,
             **reward_args(cfg),  # reward, weights, answer format, prompt style
+            log=self.log,  # a progress line every 30 s
             samples=rows,
             breakdown=True,
         )

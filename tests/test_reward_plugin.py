@@ -1,5 +1,6 @@
 """A reward plug-in (`reward: package.module:function`) written here: one that scores, one that hangs, one that raises;
-in the bounded worker pool through `score_batch`, and through `dapo-train` (counted, never fatal; a bad name refused)."""
+in the bounded worker pool through `score_batch`, and through `dapo-train` (counted; a bad name refused); plug-ins
+that fail on most calls, or return what is no score, stop `dapo-train` and `dapo-eval` in one line naming them."""
 
 import json, os, re, subprocess, sys
 from pathlib import Path
@@ -78,7 +79,8 @@ def test_hanging_plugin_costs_its_timeout_and_is_counted(plugins):
 
 
 def test_raising_plugin_scores_minus_one_and_is_counted(plugins):
-    s, a, m = score_batch(RESPONSES, TRUTHS, "test_plugins_mod:crash", timeout=10.0)
+    "With reward_failures: warn (a NaN among the results stops the default, `stop`: tested below)."
+    s, a, m = score_batch(RESPONSES, TRUTHS, "test_plugins_mod:crash", timeout=10.0, on_failure="warn")
     bad = [len(r) % 2 == 1 or len(r) % 4 == 0 for r in RESPONSES]  # raised, or returned NaN
     assert s.tolist() == [-1.0 if b else -0.5 for b in bad] and m["reward_errors"] == sum(bad) > 0
     assert not a.any()  # acc: score > 0
@@ -120,6 +122,7 @@ def test_training_with_a_hanging_plugin_goes_on(plugins, tmp_path):
             "total_steps=2",
             "reward=test_plugins_mod:hang",
             "reward_timeout=0.5",
+            "reward_failures=warn",  # about half of the calls fail: in some rounds more than half
             f"eval_data={held}",
             "val_before_train=false",
             f"output_dir={tmp_path / 'run'}",
@@ -150,3 +153,76 @@ def test_training_with_an_unknown_plugin_is_refused_in_one_line(tmp_path, capsys
     lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert rc == 2 and len(lines) == 1 and "reward = no_such_pkg.rewards:judge" in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+FAILING = """
+import math, time
+def always(response, ground_truth, **kw): raise KeyError("ground_truth format")
+def nan(response, ground_truth, **kw): return math.nan
+def huge(response, ground_truth, **kw): return 1e30
+def words(response, ground_truth, **kw): return "yes"
+def forever(response, ground_truth, **kw): time.sleep(600)
+def hog(response, ground_truth, **kw): return float(len(bytearray(2**31)))  # 2 GiB at once
+def some(response, ground_truth, **kw):
+    if len(response) % 3 == 0: raise ValueError("a third of them")
+    return 1.0
+"""
+
+
+@pytest.fixture()
+def failing(tmp_path, monkeypatch):
+    (tmp_path / "failing_mod.py").write_text(FAILING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "reward, extra, words",
+    [
+        (
+            "failing_mod:always",
+            [],
+            ["failed on 8 of the 8 calls", "8 raised; the round stopped there", "KeyError: 'ground_truth format'"],
+        ),  # 8: the first max(8, 2 x workers) calls of a round
+        ("failing_mod:nan", [], ["reward = failing_mod:nan returned nan, outside the finite range +-1e+06"]),
+        ("failing_mod:huge", [], ["returned 1e+30, outside the finite range"]),
+        ("failing_mod:words", [], ["returned str 'yes', not a number"]),
+        ("dapo-reference,failing_mod:always", ["reward_weights=1.0,0.5"], ["reward = failing_mod:always failed"]),
+        ("failing_mod:forever", ["reward_timeout=0.3"], ["ran past reward_timeout (0.3 s)", "the round stopped there"]),
+    ],
+)
+def test_a_failing_plugin_stops_training_in_one_line(failing, tmp_path, capsys, reward, extra, words):
+    """Every call raising, a NaN, an inf-sized or a string score, one failing part of a weighted reward, a plug-in
+    that never returns: the run stops in its first round with one line naming the plug-in, the count and the first
+    failure (before, it trained on -1s for ten rounds and then blamed the data: "make the training data easier")."""
+    from dapo_ref.train import main
+
+    rc = main(["--config", str(RECIPE), "--quiet", *SMALL, f"reward={reward}", *extra, f"output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("dapo-train: error: ")]
+    assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert all(w in lines[0] for w in words) and "easier" not in lines[0], lines[0]
+
+
+def test_a_plugin_past_its_memory_bound_scores_minus_one_as_a_timeout(failing):
+    "A call allocating 2 GiB with reward_memory_mb 256: -1, counted with the timeouts (the others' workers unharmed)."
+    s, a, m = score_batch(RESPONSES[:2], TRUTHS[:2], "failing_mod:hog", memory_mb=256, on_failure="warn")
+    assert s.tolist() == [-1.0, -1.0] and m["reward_timeouts"] == 2 and m["reward_errors"] == 0
+
+
+def test_dapo_eval_counts_reward_failures_and_stops_on_most(failing, tmp_path, capsys):
+    "dapo-eval: a third of the calls failing is counted in its output and JSON; every call failing stops it in one line."
+    from dapo_ref.data import save_math_dataset
+    from dapo_ref.eval_cli import main
+    from dapo_ref.tiny import tiny_splits
+
+    data = save_math_dataset(tiny_splits(64, 6, seed=0)[1][:6], tmp_path / "held.jsonl")
+    base = ["--model", "tiny", "--data", str(data), "--k", "2", "--max-tokens", "24"]
+    assert main([*base, "--reward", "failing_mod:some", "--out", str(tmp_path / "a.json")]) == 0
+    res, out = json.loads((tmp_path / "a.json").read_text()), capsys.readouterr().out
+    assert 0 < res["reward_errors"] < 6 and f"{res['reward_errors']} failed (raised" in out, out
+    assert main([*base, "--reward", "failing_mod:always", "--out", str(tmp_path / "b.json")]) == 1
+    err = capsys.readouterr().err
+    assert "dapo-eval: error: reward = failing_mod:always failed on 8 of the 8 calls" in err, err  # then it gave up
+    assert not (tmp_path / "b.json").exists()
