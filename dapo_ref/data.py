@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_data.ipynb #499c86e1
 from __future__ import annotations
-import hashlib, json, os, warnings
+import json, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -12,15 +12,13 @@ from typing import Iterable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .core import InputError, answer_formats, short
-from .cli import ArgParser, cli_errors, one_line
+from .core import InputError, answer_formats
+from .cli import one_line
 
 # %% auto #0
-__all__ = ['PROMPT_TEMPLATE', 'BOXED_TEMPLATE', 'PROMPT_TEMPLATES', 'DEFAULT_STYLE', 'HUB_DATASETS', 'RECIPE_DATASETS',
-           'UPSTREAM_KEEP', 'extract_boxed', 'MathExample', 'make_example', 'example_from_row', 'example_to_row',
-           'dedup_examples', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids', 'prompt_ids_for',
-           'check_prompt_lengths', 'check_answer_sources', 'convert_upstream', 'sha256', 'fetch_dataset', 'main',
-           'eval_files', 'load_eval_files']
+__all__ = ['PROMPT_TEMPLATE', 'BOXED_TEMPLATE', 'PROMPT_TEMPLATES', 'DEFAULT_STYLE', 'extract_boxed', 'MathExample',
+           'make_example', 'example_from_row', 'example_to_row', 'dedup_examples', 'jsonl_rows', 'load_math_dataset',
+           'save_math_dataset', 'prompt_token_ids', 'prompt_ids_for', 'check_prompt_lengths', 'check_answer_sources']
 
 # %% ../nbs/01_data.ipynb #793c5e71
 PROMPT_TEMPLATE = (
@@ -62,9 +60,8 @@ class MathExample:
     ability: str = "MATH"  # task family, "MATH" in DAPO-Math-17k
     extra_info: dict = field(default_factory=dict)  # free-form per-row metadata, e.g. {"index": 2}
     style: str = DEFAULT_STYLE  # reward_model.style, kept so that a file round-trips
-    source: str = field(
-        default="", compare=False, repr=False
-    )  # where it was read, e.g. "row 17 of data.parquet"; not saved
+    # where it was read, e.g. "row 17 of data.parquet"; not saved
+    source: str = field(default="", compare=False, repr=False)
 
     @property
     def question(self) -> str:
@@ -247,7 +244,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
             i += 1
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
+def jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
     i = 0
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
@@ -287,7 +284,7 @@ def load_math_dataset(
         raise ValueError(f"{path} is a folder; give one {path.suffix} file (a partitioned dataset folder is not read)")
     if not path.is_file():
         raise FileNotFoundError(f"no dataset file at {path}")
-    rows = _parquet_rows(path) if path.suffix.lower() == ".parquet" else _jsonl_rows(path)
+    rows = _parquet_rows(path) if path.suffix.lower() == ".parquet" else jsonl_rows(path)
     examples = (
         _sourced(example_from_row(r, w), w) for i, r in rows for w in [f"row {i} of {path.name}"]
     )  # validated one by one
@@ -393,7 +390,12 @@ def check_prompt_lengths(
     limit: int,  # most prompt tokens allowed
     setting: str = "max_prompt_length",  # the name of the setting that sets `limit`, for the message
 ) -> None:
-    "Raise `InputError` naming the first prompt longer than `limit` tokens by its row in the file, and the fix."
+    "Raise `InputError` naming the first prompt that is empty or longer than `limit` tokens by its row in the file, and the fix."
+    if empty := [
+        i for i, p in enumerate(prompt_ids) if not p
+    ]:  # nothing to generate from: refused before the model loads
+        where = examples[empty[0]].source or f"example {empty[0]}"
+        raise InputError(f"{len(empty)} prompts are empty (first: {where}); give each row a prompt, or drop those rows")
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > limit]
     if not too_long:
         return
@@ -420,181 +422,3 @@ def check_answer_sources(
             f"rows' sources are {', '.join(present) or 'none'}: name one of them, or leave the format per source out",
             "answer_format",
         )
-
-# %% ../nbs/01_data.ipynb #53591f59
-HUB_DATASETS = {  # name: (hub dataset repository, file in it, or the names it may have), as the reference recipe's prepare script fetches them
-    "dapo-math-17k": ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet"),
-    "aime-2024": ("BytedTsinghua-SIA/AIME-2024", "data/aime-2024.parquet"),
-    "aime-2025": (  # problem, answer, id, ...; its file's name is not documented: the two it may have, in turn
-        "yentinglin/aime_2025",
-        ("data/train-00000-of-00001.parquet", "aime_2025_problems.parquet"),
-    ),
-    "math-500": ("HuggingFaceH4/MATH-500", "test.jsonl"),  # problem, solution, answer, subject, level, unique_id
-}
-RECIPE_DATASETS = ("dapo-math-17k", "aime-2024")  # what `dapo-data` fetches unless --only names others
-UPSTREAM_KEEP = ("id", "unique_id", "subject", "level", "year", "url")  # upstream columns kept in extra_info
-
-
-def convert_upstream(
-    name: str,  # a `HUB_DATASETS` name not in the DAPO-Math-17k schema: aime-2025, math-500
-    path: str | Path,  # the upstream .parquet or .jsonl file: a problem (or question) and an answer column
-    answer_format: str = "answer_line",  # which `PROMPT_TEMPLATES` instruction the prompts get
-) -> list[MathExample]:
-    "The upstream rows as DAPO-Math-17k examples: the problem in the format's template, data_source = `name`."
-    path = Path(path)
-    rows = _parquet_all(path) if path.suffix == ".parquet" else [r for _, r in _jsonl_rows(path)]
-    out = []
-    for i, r in enumerate(rows):
-        q = r.get("problem", r.get("question"))
-        if not isinstance(q, str) or r.get("answer") is None:
-            raise InputError(f"row {i} of {path.name} ({name}): needs a problem (or question) text and an answer")
-        keep = {k: r[k] for k in UPSTREAM_KEEP if isinstance(r.get(k), (str, int))}
-        out.append(make_example(q, r["answer"], name, PROMPT_TEMPLATES[answer_format], index=i, **keep))
-    return out
-
-
-def _parquet_all(path: Path) -> list[dict]:
-    return pq.read_table(path).to_pylist()
-
-
-def sha256(path: str | Path) -> str:
-    "Hex SHA-256 of a file, read in 1 MiB blocks."
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def fetch_dataset(
-    name: str,  # a key of HUB_DATASETS
-    out_dir: str | Path,  # where <name>.parquet goes
-    revision: str | None = None,  # a branch, tag or commit of the hub repository; None: main
-    answer_format: str = "answer_line",  # the prompt template of a converted set (`convert_upstream`)
-) -> dict:
-    "Fetch `name` (the hub or its cache), validate and deduplicate it, write out_dir/<name>.parquet; return counts and checksums."
-    repo, names = HUB_DATASETS[name]
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    src = None
-    for fname in (names,) if isinstance(names, str) else names:  # a file name that is not certain: the next one
-        try:
-            src = Path(hf_hub_download(repo, fname, repo_type="dataset", revision=revision))
-            break
-        except EntryNotFoundError as e:  # not in the repository (or, offline, not in the cache): try the next name
-            err = e
-        except Exception as e:
-            err = e
-            break
-    if src is None:
-        raise InputError(
-            f"cannot fetch {fname} of {repo} ({type(err).__name__}: {one_line(err)[:200]}); check the network, "
-            "or unset HF_HUB_OFFLINE (with it only the local cache is read)"
-        ) from None
-    if name in RECIPE_DATASETS:
-        rows = pq.ParquetFile(src).metadata.num_rows
-        examples = load_math_dataset(src, verbose=False)  # validated, first row of each prompt kept
-    else:  # another schema: converted, then validated and deduplicated as a file of ours would be
-        got = convert_upstream(name, src, answer_format)
-        rows, (examples, _) = len(got), dedup_examples(example_from_row(example_to_row(e)) for e in got)
-    dest = Path(out_dir) / f"{name}.parquet"
-    tmp = dest.with_name(f".{name}.tmp.parquet")
-    save_math_dataset(examples, tmp)
-    os.replace(tmp, dest)  # never a half-written file under the recipe's name
-    return dict(
-        name=name,
-        repo=repo,
-        file=fname,
-        rows=rows,
-        unique=len(examples),
-        source_sha256=sha256(src),
-        out=str(dest),
-        sha256=sha256(dest),
-    )
-
-# %% ../nbs/01_data.ipynb #fe51b69f
-def main(argv: list[str] | None = None) -> int:
-    "The `dapo-data` command: fetch, check, deduplicate and write the files the recipes name; one line per file."
-    ap = ArgParser(
-        prog="dapo-data",
-        description="Fetch DAPO-Math-17k and AIME-2024 from the hub into the files the "
-        "recipes name (data/dapo-math-17k.parquet, data/aime-2024.parquet), deduplicated, with checksums; "
-        "--only aime-2025 or math-500 converts those sets into the same schema.",
-    )
-    ap.add_argument("--out", default="data", help="folder for <name>.parquet (default: data, as the recipes name them)")
-    ap.add_argument("--only", choices=sorted(HUB_DATASETS), action="append", help="fetch only this one (repeatable)")
-    ap.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of both repositories")
-    ap.add_argument("--overwrite", action="store_true", help="replace <name>.parquet files that exist")
-    ap.add_argument(
-        "--answer-format",
-        choices=sorted(PROMPT_TEMPLATES),
-        default="answer_line",
-        help="the instruction converted sets (aime-2025, math-500) get (default: %(default)s)",
-    )
-    args = ap.parse(argv)
-    names = args.only or list(RECIPE_DATASETS)
-    with cli_errors("dapo-data"):
-        out = Path(args.out).expanduser()
-        if out.exists() and not out.is_dir():
-            raise InputError(f"--out {args.out} is a file; give a folder")
-        there = [out / f"{n}.parquet" for n in names if (out / f"{n}.parquet").exists()]
-        if there and not args.overwrite:
-            raise InputError(f"{there[0]} exists; pass --overwrite to replace it, or --out another folder")
-        out.mkdir(parents=True, exist_ok=True)
-        for n in names:
-            r = fetch_dataset(n, out, args.revision, args.answer_format)
-            print(
-                f"{n}: {r['rows']} rows of {r['repo']}/{r['file']} (sha256 {r['source_sha256'][:16]}), {r['unique']} "
-                f"unique prompts -> {r['out']} (sha256 {r['sha256']})",
-                flush=True,
-            )
-    return 0
-
-# %% ../nbs/01_data.ipynb #89ce40e8
-def eval_files(
-    spec: str,  # comma-separated paths or `HUB_DATASETS` names
-    setting: str = "eval_data",  # the field or flag the paths came from, as errors name it
-    data_dir: str | Path = "data",  # where `dapo-data` writes <name>.parquet
-) -> list[Path]:
-    "The files of a comma-separated `spec`, each checked to exist; a name of `HUB_DATASETS` is data_dir/<name>.parquet."
-    items = spec.split(",")
-    out = []
-    for i, item in enumerate(items):
-        where = f"{setting} item {i + 1} of {len(items)}" if len(items) > 1 else setting
-        if not item.strip():
-            raise InputError(f"{where} is empty in {short(spec)}; separate paths with single commas", setting)
-        path = Path(item.strip())
-        if item.strip() in HUB_DATASETS and not path.exists():
-            path = Path(data_dir) / f"{item.strip()}.parquet"
-            if not path.is_file():
-                raise InputError(
-                    f"{where} names {item.strip()}, but {path} is absent; fetch it with "
-                    f"`dapo-data --only {item.strip()}` (or give a path)",
-                    setting,
-                )
-        elif not path.is_file():
-            what = "a folder" if path.is_dir() else "absent"
-            raise InputError(
-                f"{where}: {item.strip()} is {what}; give a .parquet or .jsonl file, or one of "
-                f"{', '.join(HUB_DATASETS)} (fetched by dapo-data)",
-                setting,
-            )
-        out.append(path)
-    return out
-
-
-def load_eval_files(
-    spec: str,  # comma-separated paths or `HUB_DATASETS` names (`eval_files`)
-    setting: str = "eval_data",  # the field or flag, as errors name it
-) -> list[MathExample]:
-    "The examples of every file of `spec`, in order; a row without `data_source` takes its file's stem."
-    examples = []
-    for path in eval_files(spec, setting):
-        got = load_math_dataset(path)
-        if not got:  # else every held-out accuracy would be n/a
-            raise InputError(f"{setting} = {path} holds no problems; give a file with rows, or {setting}=null", setting)
-        for ex in got:
-            ex.data_source = ex.data_source or path.stem
-        examples += got
-    return examples

@@ -14,15 +14,8 @@ from safetensors import SafetensorError
 from .arch import arch_from_config, kv_bytes_per_token, n_params
 from .core import DAPOConfig, REWARD_MODES, InputError
 from .cli import ArgParser, cli_errors, interrupts, one_line
-from dapo_ref.data import (
-    HUB_DATASETS,
-    MathExample,
-    check_answer_sources,
-    check_prompt_lengths,
-    eval_files,
-    load_math_dataset,
-    prompt_token_ids,
-)
+from .data import MathExample, check_answer_sources, check_prompt_lengths, load_math_dataset, prompt_token_ids
+from .datasets import HUB_DATASETS, eval_files
 from .reward_pool import RewardPluginError, check_plugin
 from .writers import write_whole
 from .eval import evaluate

@@ -11,7 +11,8 @@ import torch
 
 from .core import InputError
 from .cli import ArgParser, cli_errors, interrupts
-from .data import PROMPT_TEMPLATE, sha256
+from .data import PROMPT_TEMPLATE
+from .datasets import sha256
 from .tiny import TINY_SHIPPED, WARM_START, build_tiny_model, build_tiny_tokenizer, warm_start
 
 # %% auto #0

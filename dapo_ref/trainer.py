@@ -15,7 +15,8 @@ from fastcore.basics import patch
 from . import dist
 from .core import DAPOConfig, InputError, validate
 from .cli import one_line, save_config
-from .data import MathExample, check_prompt_lengths, load_eval_files, load_math_dataset, prompt_ids_for
+from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_ids_for
+from .datasets import load_eval_files
 from .data import check_answer_sources
 from .reward_pool import check_plugin, is_plugin
 from dapo_ref.runs import (

@@ -486,7 +486,7 @@ def test_check_prompt_lengths_names_file_row(tmp_path):
 
 def test_load_eval_files_keeps_each_files_data_source(tmp_path):
     from dapo_ref.core import InputError
-    from dapo_ref.data import eval_files, load_eval_files
+    from dapo_ref.datasets import eval_files, load_eval_files
 
     save_math_dataset([make_example("What is 1 + 1?", 2, data_source="")], tmp_path / "mine.jsonl")
     save_math_dataset([make_example("What is 2 + 3?", 5, data_source="math")] * 2, tmp_path / "m.parquet")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo_ref.data import HUB_DATASETS, MathExample, load_math_dataset, save_math_dataset
+from dapo_ref.data import MathExample, load_math_dataset, save_math_dataset
+from dapo_ref.datasets import HUB_DATASETS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHA = "89abcdef0123456789abcdef0123456789abcdef"
@@ -53,7 +54,7 @@ def hub(tmp_path):
 
 def run(args, env):
     return subprocess.run(
-        [sys.executable, "-c", "import sys; from dapo_ref.data import main; sys.exit(main())", *args],
+        [sys.executable, "-c", "import sys; from dapo_ref.datasets import main; sys.exit(main())", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -113,7 +114,8 @@ def test_aime_2025_and_math_500_are_converted_into_the_schema(tmp_path):
 
     import pyarrow as pa, pyarrow.parquet as pq
 
-    from dapo_ref.data import BOXED_TEMPLATE, PROMPT_TEMPLATE, convert_upstream
+    from dapo_ref.data import BOXED_TEMPLATE, PROMPT_TEMPLATE
+    from dapo_ref.datasets import convert_upstream
 
     cache, upstream = tmp_path / "hub", {}
     aime_q = "Find the sum of all integer bases $b>9$ ..."
