@@ -5,6 +5,9 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# DeepSpeed's JIT-built ops (its CPU shared-memory all-reduce) go to a folder of the venv, as dapo-train puts them
+# (`writers.extensions_root`): every process of the suite finds the one build, and no other venv shares it
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 BIN := $(VENV)/bin
 # torch first, pinned: on this kind of machine torch==2.13.0 is a CPU build on local disk,
 # while an unpinned torch would pull a multi-GB CUDA build.

@@ -302,6 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     if missing := requirements(cpu, with_vllm):
         print(f"gpu_check: {missing}", file=sys.stderr)
         return 2
+    from dapo_ref.core import InputError
+    from dapo_ref.writers import check_build_locks
+
+    try:
+        check_build_locks()  # a killed build of a DeepSpeed op would make the learner wait on its lock forever
+    except InputError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, beside the learner
     if cpu:
         os.environ.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))

@@ -17,6 +17,7 @@ from .cli import ArgParser, cli_errors, interrupts, one_line
 from .data import MathExample, check_answer_sources, check_prompt_lengths, load_math_dataset, prompt_token_ids
 from .datasets import HUB_DATASETS, eval_files
 from .reward_pool import RewardPluginError, check_plugin
+from .rollout import check_host_memory
 from .writers import write_whole
 from .eval import evaluate
 from .testbeds import resolve_model
@@ -157,9 +158,8 @@ def check_output_file(
         )
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(
-            dir=p.parent, prefix=f".{p.name}.", suffix=".probe"
-        )  # can a file be created there?
+        # can a file be created there?
+        fd, probe = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".probe")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
@@ -336,9 +336,8 @@ def generation_memory(
     a = arch_from_config(config)
     kv_cache = kv_bytes_per_token(a, dtype_bytes) * rows * (prompt_tokens + max_tokens)  # every row at full length
     h, I = a.hidden_size, a.intermediate_size
-    prefill = (
-        rows * prompt_tokens * (2 * h + a.q_dim + 2 * a.kv_dim + 2 * I) * dtype_bytes
-    )  # one layer's activations at once
+    # one layer's activations at once
+    prefill = rows * prompt_tokens * (2 * h + a.q_dim + 2 * a.kv_dim + 2 * I) * dtype_bytes
     weights = n_params(a) * dtype_bytes
     return dict(
         n_params=n_params(a), weights=weights, kv_cache=kv_cache, prefill=prefill, total=weights + kv_cache + prefill
@@ -405,11 +404,15 @@ def _prepare(args):
         ) from None
     ids = [prompt_token_ids(ex, tokenizer, args.apply_chat_template, args.system_prompt) for ex in examples]
     check_prompt_lengths(examples, ids, args.max_prompt_length, "--max-prompt-length")
+    longest, total = max(len(i) for i in ids), len(examples) * args.k
+    if total > 10**6:  # 1000 x the paper's AIME evaluation (30 problems x 32 samples)
+        print(f"dapo-eval: {len(examples):,} problems x --k {args.k:,} = {total:,} responses to generate and score")
+    held = min(args.batch_prompts, len(examples)) * args.k  # one batch's responses, held until scored
+    check_host_memory(held, longest + args.max_tokens, "--k x --batch-prompts", "lower --k (or --batch-prompts)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.backend == "vllm":
         return examples, name, tokenizer, device  # vLLM sizes its own KV cache
     rows = min(args.max_batch_size, args.batch_prompts * args.k, len(examples) * args.k)
-    longest = max(len(i) for i in ids)
     need = generation_memory(config, rows, longest, args.max_tokens, 4 if args.dtype == "float32" else 2)
     check_generation_memory(
         need,

@@ -4,16 +4,18 @@
 
 # %% ../nbs/07_rollout.ipynb #20839d4d
 from __future__ import annotations
-import difflib
-from typing import Iterable
+import difflib, os
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
 
+from .core import InputError
 from .interfaces import Completion, RolloutEngine, SamplingParams
 
 # %% auto #0
-__all__ = ['rollout_groups', 'top_k_filter', 'top_p_filter', 'sample_next', 'HFRolloutEngine']
+__all__ = ['HOST_BYTES_PER_TOKEN', 'rollout_groups', 'top_k_filter', 'top_p_filter', 'sample_next', 'HFRolloutEngine',
+           'check_host_memory']
 
 # %% ../nbs/07_rollout.ipynb #c4d16e99
 def rollout_groups(
@@ -179,3 +181,26 @@ class HFRolloutEngine(RolloutEngine):
             end = next((t + 1 for t, v in enumerate(row) if v in self.eos_ids), len(row))  # keep EOS, drop what follows
             res.append(row[:end])
         return res
+
+# %% ../nbs/07_rollout.ipynb #86f3e6a8
+HOST_BYTES_PER_TOKEN = 72  # a generated token on the host: id and log-prob as Python list elements, 36 bytes each
+
+
+def check_host_memory(
+    responses: int,  # responses held at once (a round and the kept groups; an evaluation batch)
+    tokens: int,  # tokens each may reach (prompt + l_max)
+    what: str,  # the settings that make `responses`, for the message
+    fix: str,  # what to lower
+    log: Callable[[str], None] | None = print,  # the estimate line, where the size is large
+    total: int | None = None,  # the machine's memory in bytes; None: this machine's
+) -> int:
+    "`InputError` when `responses` of `tokens` cannot fit this machine's memory; a line with the estimate where they fill a quarter; returns the bytes."
+    need = responses * tokens * HOST_BYTES_PER_TOKEN
+    total = total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gib = lambda b: f"{b / 2**30:,.1f} GiB"
+    said = f"{what}: up to {responses:,} responses of up to {tokens:,} tokens at once, {gib(need)} on the host"
+    if need > total:
+        raise InputError(f"{said}, more than this machine's {gib(total)}; {fix}")
+    if need > total / 4 and log:
+        log(f"{said} ({need / total:.0%} of this machine's {gib(total)})")
+    return need

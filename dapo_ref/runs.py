@@ -166,6 +166,8 @@ def prepare_output_dir(
             "replace it); pass one of them"
         )
     check_writable(out)
+    if resume and (out / "checkpoints").is_dir():  # a resumed run saves there: found now, not after a step's work
+        check_writable(out / "checkpoints", "output_dir")
     if held := held_elsewhere(out):  # a live run writes it: say so first (--resume and --overwrite alike)
         raise InputError(held)
     for up in Path(out).resolve().parents:  # a run inside another run's folder: that run's --overwrite would remove it

@@ -32,8 +32,9 @@ from dapo_ref.runs import (
     plot_curves,
 )
 from .checkpoints import export_model, newest_loadable_checkpoint, write_checkpoint
+from .writers import check_build_locks
 from .guards import MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, divergence_error
-from .rollout import HFRolloutEngine, rollout_groups
+from .rollout import HFRolloutEngine, check_host_memory, rollout_groups
 from .interfaces import Learner, RolloutEngine
 from .learner import TorchLearner, model_path, load_tokenizer
 from .sharded_learner import ShardedTorchLearner, stage_model
@@ -61,6 +62,8 @@ def check_run(
             f"zero_stage = {cfg.zero_stage} needs DeepSpeed, which is not installed; "
             "install deepspeed or set zero_stage: 0 (the plain PyTorch learner)"
         )
+    if cfg.zero_stage:
+        check_build_locks()  # a killed build of a DeepSpeed op would make the learner wait on its lock forever
     if cfg.attn_implementation.startswith("flash"):  # transformers would fail at load time, after the model was read
         pkg, mod = {
             "flash_attention_2": ("flash-attn", "flash_attn"),
@@ -84,6 +87,13 @@ def check_run(
             "vllm_enable_chunked_prefill = true on vLLM's CPU backend: a seeded request whose prefill is "
             "split fails there (CPU generators have no offset to rewind); set vllm_enable_chunked_prefill: false"
         )
+    G, tokens, log = cfg.group_size, cfg.max_prompt_length + cfg.l_max, print if dist.rank() == 0 else None
+    round_prompts = cfg.gen_batch_size if cfg.dynamic_sampling else cfg.prompts_per_step
+    fix = "lower prompts_per_step (and gen_batch_size)"  # every rank holds a whole round and the kept groups:
+    check_host_memory(
+        (round_prompts + cfg.prompts_per_step) * G, tokens, "prompts_per_step, gen_batch_size x group_size", fix, log
+    )
+    check_host_memory(64 * cfg.eval_k, tokens, "eval_k x 64 held-out problems a batch", "lower eval_k", log)
     if cfg.nnodes * cfg.gpus_per_node != world:
         raise ValueError(
             f"nnodes * gpus_per_node = {cfg.nnodes} * {cfg.gpus_per_node} ranks planned, but this launch "

@@ -10,8 +10,9 @@ from pathlib import Path
 from .core import InputError
 
 # %% auto #0
-__all__ = ['LOCK', 'HEARTBEAT_S', 'STALE_AFTER_S', 'process_start', 'holder_alive', 'file_age', 'write_whole', 'RunLock',
-           'read_lock', 'held_elsewhere', 'lock_message', 'take_over', 'remove_tree', 'publish_folder', 'linked_copy']
+__all__ = ['LOCK', 'HEARTBEAT_S', 'STALE_AFTER_S', 'BUILD_LOCK_AGE_S', 'process_start', 'holder_alive', 'file_age', 'write_whole',
+           'RunLock', 'read_lock', 'held_elsewhere', 'lock_message', 'take_over', 'remove_tree', 'publish_folder',
+           'linked_copy', 'extensions_root', 'check_build_locks']
 
 # %% ../nbs/00c_one_writer.ipynb #85533298
 LOCK = ".dapo_ref.lock"  # in a run folder while a process writes it: who holds it, since when (JSON)
@@ -288,3 +289,47 @@ def linked_copy(src: str | Path, dst: str | Path) -> Path:
 
 def _raise(e):
     raise e
+
+# %% ../nbs/00c_one_writer.ipynb #476b3974
+BUILD_LOCK_AGE_S = 60.0  # a build lock older than this, in a folder where no process works, is a dead builder's
+
+
+def extensions_root() -> Path:
+    """Where torch builds C++ extensions for this Python: `$TORCH_EXTENSIONS_DIR`, set to a folder of this virtual
+    environment when unset (the project's own folder), else torch's default under the user's cache."""
+    if "TORCH_EXTENSIONS_DIR" not in os.environ and sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    import torch  # torch's default: <cache>/torch_extensions/py311_cpu (or _cu128, ...)
+
+    acc = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser()
+    return cache / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}_{acc}"
+
+
+def _worked_in(folder: Path) -> bool:
+    "Whether a process of this host has its working directory in `folder` (Linux /proc; the compiler runs there)."
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if Path(os.readlink(cwd)).is_relative_to(folder):
+                return True
+        except OSError:
+            continue  # ended meanwhile, or another user's
+    return False
+
+
+def check_build_locks() -> None:
+    "`InputError` naming a build lock of torch's extension builder whose builder is gone (a killed build), and the fix."
+    root = extensions_root()
+    for lock in sorted(root.glob("*/lock")) if root.is_dir() else []:
+        try:
+            age = file_age(lock)
+        except FileNotFoundError:
+            continue  # the build ended meanwhile
+        if age > BUILD_LOCK_AGE_S and not _worked_in(lock.parent.resolve()):
+            raise InputError(
+                f"the C++ op {lock.parent.name} (built by DeepSpeed through torch) has a build lock whose builder is "
+                f"gone ({lock}, {age:.0f} s old, no process builds there: a build that was killed); every process "
+                f"that loads the op would wait on it forever: remove it (rm {lock}) and run again"
+            )

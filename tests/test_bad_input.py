@@ -188,6 +188,15 @@ def train_args(w: World, *extra, out="runs/old", data=None, saved=False, lock=Fa
     return ["--config", "recipes/tiny-cpu.yaml", f"output_dir={out}", *([f"train_data={data}"] if data else []), *extra]
 
 
+def stale_build_lock(w: World) -> list:
+    "The lock a build of DeepSpeed's shm op killed two minutes ago left in ext/ (TORCH_EXTENSIONS_DIR); no arguments."
+    import time
+
+    lock = w.write("ext/deepspeed_shm_comm/lock", "")
+    os.utime(lock, (time.time() - 120, time.time() - 120))
+    return []
+
+
 def foreign_inside(w: World) -> list:
     "Another run's folder inside the user's earlier run (made before such nesting was refused); no arguments."
     from dapo_ref.runs import write_marker
@@ -362,6 +371,30 @@ CASES = [
             ),
         )
         for flag in ("", "--resume", "--overwrite")
+    ),
+    # sizes no machine holds: refused by the host-memory estimate before any model loads (07_rollout)
+    Case(
+        "train-prompts-per-step-no-machine-holds",
+        "dapo-train",
+        lambda w: train_args(w, "prompts_per_step=100000000", "gen_batch_size=100000000", out="runs/new"),
+        (
+            "up to 1,600,000,000 responses of up to 320 tokens at once",
+            "GiB on the host, more than this machine's",
+            "lower prompts_per_step",
+        ),
+    ),
+    Case(
+        "eval-k-no-machine-holds",
+        "dapo-eval",
+        lambda w: eval_args(w, "--k", "100000000000"),
+        ("--k x --batch-prompts: up to 300,000,000,000 responses", "lower --k"),
+    ),
+    Case(
+        "train-stale-build-lock",
+        "dapo-train",
+        lambda w: stale_build_lock(w) + train_args(w, "zero_stage=2", out="runs/new"),
+        ("the C++ op deepspeed_shm_comm", "has a build lock whose builder is gone", "rm ext/deepspeed_shm_comm/lock"),
+        env={"TORCH_EXTENSIONS_DIR": "ext"},  # (relative: the case's folder)
     ),
     Case(
         "train-inside-another-run",
