@@ -362,6 +362,12 @@ def _rules(c) -> Iterator[tuple[str, bool, str]]:
         f"reward_weights = {c.reward_weights}: {n_weights} weights for {n_rewards} rewards; give one per reward",
     )
     yield (
+        "group_size",
+        c.group_size > 1 or not c.dynamic_sampling,
+        "group_size = 1 with dynamic_sampling: a group of one response has equal rewards, so Eq. 11 would drop every "
+        "group and no step could fill; set group_size >= 2 (paper 16) or dynamic_sampling: false",
+    )
+    yield (
         "l_cache",
         c.l_cache < c.l_max,
         f"l_cache = {c.l_cache} is out of range: allowed 0 <= l_cache < l_max (= {c.l_max})",

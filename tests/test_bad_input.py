@@ -397,6 +397,12 @@ CASES = [
         env={"TORCH_EXTENSIONS_DIR": "ext"},  # (relative: the case's folder)
     ),
     Case(
+        "train-group-of-one-with-dynamic-sampling",
+        "dapo-train",
+        lambda w: train_args(w, "group_size=1", "mini_batch_size=16", out="runs/new"),
+        ("group_size = 1 with dynamic_sampling", "Eq. 11 would drop every group", "dynamic_sampling: false"),
+    ),
+    Case(
         "train-inside-another-run",
         "dapo-train",
         lambda w: train_args(w, out="runs/old/exports/inner"),
