@@ -354,7 +354,6 @@ def _divisors(n: int) -> str:
 # %% ../nbs/00_core.ipynb #caa2f651
 def _rules(c) -> Iterator[tuple[str, bool, str]]:
     "The cross-field rules, in order: (the field an error names, the rule holds, the error naming the fix)."
-    world, tp, sp, per = c.nnodes * c.gpus_per_node, c.vllm_tensor_parallel, c.sequence_parallel_size, c.gpus_per_node
     n_rewards, n_weights = len(c.reward.split(",")), len((c.reward_weights or c.reward).split(","))
     yield (
         "reward_weights",
@@ -390,6 +389,13 @@ def _rules(c) -> Iterator[tuple[str, bool, str]]:
             f"(= {c.prompts_per_step})"
         ),
     )
+    yield from _launch_rules(c)  # the learner's and the engines', below
+    yield from _correction_rules(c)  # rollout_correction's, in the next cell
+
+# %% ../nbs/00_core.ipynb #3d02e80f
+def _launch_rules(c) -> Iterator[tuple[str, bool, str]]:
+    "The rules of the learner, the engines and the launch (`_rules` goes on with them)."
+    world, tp, sp, per = c.nnodes * c.gpus_per_node, c.vllm_tensor_parallel, c.sequence_parallel_size, c.gpus_per_node
     yield (
         "offload_params",
         not c.offload_params or c.zero_stage == 3,
@@ -456,7 +462,6 @@ def _rules(c) -> Iterator[tuple[str, bool, str]]:
             f"(its all-reduce over the network every layer); use one of {_divisors(per)}"
         ),
     )
-    yield from _correction_rules(c)  # rollout_correction's, in the next cell
 
 # %% ../nbs/00_core.ipynb #4ad5b4e2
 def _correction_rules(c) -> Iterator[tuple[str, bool, str]]:

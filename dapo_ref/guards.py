@@ -193,7 +193,7 @@ class SamplingWatch:
             self.log(f"step {step}: generation round {b.rounds}: {self.line(b)}, {now - self.t0:.0f} s")
         if b.max_num_gen_batches or b.full:
             return
-        dt = dist.all_reduce([time.perf_counter() - self.t0], "max")[0]
+        dt = dist.all_reduce([now - self.t0], "max")[0]
         if b.rounds >= 4 and b.rounds & (b.rounds - 1) == 0:
             self.log(f"step {step}: dynamic sampling: {self.line(b)}, {dt:.0f} s")
         if dt > self.timeout:

@@ -116,7 +116,8 @@ def check_owned(
             f"{name} = {folder} is a dapo_ref {m['kind']} folder (written by `{m.get('command', '?')[:80]}`), "
             f"not a {kind} folder; choose a new or empty folder"
         )
-    entries = sorted(e.name for e in p.iterdir() if not e.name.startswith(LOCK))  # a starting run's lock
+    # a starting run's lock, and the probe files of the writability and clock checks (`.dapo-...`), are not the user's
+    entries = sorted(e.name for e in p.iterdir() if not e.name.startswith((LOCK, ".dapo-")))
     if not entries:
         return None
     if kind == "run" and set(entries) <= set(RUN_ENTRIES) and _unmarked_run(p):
@@ -168,7 +169,8 @@ def prepare_output_dir(
     check_writable(out)
     if resume and (out / "checkpoints").is_dir():  # a resumed run saves there: found now, not after a step's work
         check_writable(out / "checkpoints", "output_dir")
-    if held := held_elsewhere(out):  # a live run writes it: say so first (--resume and --overwrite alike)
+    # a live run writes it: say so first (--resume and --overwrite alike); rank 0 (the job's own lock is rank 0's)
+    if dist.is_main() and (held := held_elsewhere(out)):
         raise InputError(held)
     for up in Path(out).resolve().parents:  # a run inside another run's folder: that run's --overwrite would remove it
         if (read_marker(up) or {}).get("kind") == "run":  # (an ablation's folder holds its runs: allowed)

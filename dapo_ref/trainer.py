@@ -193,7 +193,7 @@ class Trainer:
         self.cfg = cfg = validate(cfg)
         self.rank, self.world = dist.init_distributed(timeout=cfg.dist_timeout)  # the launcher's group; (0, 1) alone
         check_run(cfg, self.world)
-        self.out, self.lock = Path(cfg.output_dir), None
+        self.out, self.lock, self.held = Path(cfg.output_dir), None, False
         self.log = (log or (lambda s: None)) if self.rank == 0 else (lambda s: None)
         if hold:
             self._hold()  # a second run on this folder is refused here, before anything loads
@@ -425,8 +425,8 @@ def _write(self: Trainer, row: dict):
 @patch
 def _hold(self: Trainer):
     "Hold the run folder (rank 0; `runs.hold_output_dir`), once; `close` gives it up (so does collecting the trainer)."
-    if self.lock is None:
-        self.lock = hold_output_dir(self.out, self.log)
+    if not self.held:  # every rank alike (a collective): the other ranks hold no lock object
+        self.lock, self.held = hold_output_dir(self.out, self.log), True
         if self.lock is not None:
             weakref.finalize(self, self.lock.release)
 
@@ -439,7 +439,7 @@ def close(self: Trainer):
     self.learner.close()
     if self.lock is not None:
         self.lock.release()
-        self.lock = None
+    self.lock, self.held = None, False
 
 
 @patch

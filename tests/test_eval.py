@@ -199,8 +199,8 @@ def test_evaluate_scripted_engine_hand_computed(batch_prompts):
     res = evaluate(
         eng, tok, examples, k=3, temperature=1.0, top_p=0.7, max_tokens=16, seed=10, batch_prompts=batch_prompts
     )
-    assert set(res) == set(EXPECTED) | {"reward", "reward_timeouts"}
-    assert (res["reward"], res["reward_timeouts"]) == ("dapo-reference", 0)
+    assert set(res) == set(EXPECTED) | {"reward", "reward_timeouts", "reward_errors"}
+    assert (res["reward"], res["reward_timeouts"], res["reward_errors"]) == ("dapo-reference", 0, 0)
     for key, v in EXPECTED.items():
         assert res[key] == pytest.approx(v, abs=1e-12), key
     n_calls = math.ceil(4 / batch_prompts)
