@@ -194,13 +194,18 @@ def check_host_memory(
     log: Callable[[str], None] | None = print,  # the estimate line, where the size is large
     total: int | None = None,  # the machine's memory in bytes; None: this machine's
 ) -> int:
-    "`InputError` when `responses` of `tokens` cannot fit this machine's memory; a line with the estimate where they fill a quarter; returns the bytes."
-    need = responses * tokens * HOST_BYTES_PER_TOKEN
+    "`InputError` when `responses` cannot fit this machine's memory even at one token each; a line with the estimate where, all at `tokens`, they would fill a quarter of it; returns those bytes."
+    need, least = responses * tokens * HOST_BYTES_PER_TOKEN, responses * HOST_BYTES_PER_TOKEN
     total = total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gib = lambda b: f"{b / 2**30:,.1f} GiB"
-    said = f"{what}: up to {responses:,} responses of up to {tokens:,} tokens at once, {gib(need)} on the host"
-    if need > total:
-        raise InputError(f"{said}, more than this machine's {gib(total)}; {fix}")
+    if least > total:  # no response length can make it fit
+        raise InputError(
+            f"{what}: {responses:,} responses at once need {gib(least)} on the host even at one token each, more "
+            f"than this machine's {gib(total)}; {fix}"
+        )
     if need > total / 4 and log:
-        log(f"{said} ({need / total:.0%} of this machine's {gib(total)})")
+        log(
+            f"{what}: up to {responses:,} responses of up to {tokens:,} tokens at once: {gib(need)} on the host if "
+            f"all reach that length ({need / total:.0%} of this machine's {gib(total)})"
+        )
     return need

@@ -135,7 +135,8 @@ def _config(args, rank) -> DAPOConfig:
         _check_flags(args.threads, args.keep_checkpoints, args.sampling_timeout)
         ov = parse_overrides(args.overrides)
         args.resume = strict_bool("resume", ov.pop("resume", False)) or args.resume  # a run option, not a config field
-        return check_run(load_config(args.config, ov), dist.world_size())  # fields this launch cannot honour
+        # fields this launch cannot honour; rank 0 says the rollout's host memory where it is large
+        return check_run(load_config(args.config, ov), dist.world_size(), print if rank == 0 else None)
 
 
 def _train(args, cfg, rank) -> int:

@@ -51,6 +51,7 @@ __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'TIMING_KEYS', 'check_run', 'load_spli
 def check_run(
     cfg: DAPOConfig,  # a config (valid: `DAPOConfig` checks its own rules)
     world: int = 1,  # ranks in this launch
+    log: Callable[[str], None] | None = None,  # says the rollout's host memory where it is large (dapo-train: print)
 ) -> DAPOConfig:
     "Raise `ValueError` naming the field when this launch cannot honour `cfg` (the packages here, its ranks); return `cfg`."
     check_trackers(cfg.report_to)  # a tracker asked for and not installed: refused before the model loads
@@ -87,7 +88,7 @@ def check_run(
             "vllm_enable_chunked_prefill = true on vLLM's CPU backend: a seeded request whose prefill is "
             "split fails there (CPU generators have no offset to rewind); set vllm_enable_chunked_prefill: false"
         )
-    G, tokens, log = cfg.group_size, cfg.max_prompt_length + cfg.l_max, print if dist.rank() == 0 else None
+    G, tokens = cfg.group_size, cfg.max_prompt_length + cfg.l_max
     round_prompts = cfg.gen_batch_size if cfg.dynamic_sampling else cfg.prompts_per_step
     fix = "lower prompts_per_step (and gen_batch_size)"  # every rank holds a whole round and the kept groups:
     check_host_memory(

@@ -376,18 +376,15 @@ CASES = [
     Case(
         "train-prompts-per-step-no-machine-holds",
         "dapo-train",
-        lambda w: train_args(w, "prompts_per_step=100000000", "gen_batch_size=100000000", out="runs/new"),
-        (
-            "up to 1,600,000,000 responses of up to 320 tokens at once",
-            "GiB on the host, more than this machine's",
-            "lower prompts_per_step",
-        ),
+        # 1.6e11 responses: 10.5 TiB even at one token each (an eval batch of --k 1e11 responses: 19.6 TiB)
+        lambda w: train_args(w, "prompts_per_step=10000000000", "gen_batch_size=10000000000", out="runs/new"),
+        ("160,000,000,000 responses at once need", "on the host even at one token each", "lower prompts_per_step"),
     ),
     Case(
         "eval-k-no-machine-holds",
         "dapo-eval",
         lambda w: eval_args(w, "--k", "100000000000"),
-        ("--k x --batch-prompts: up to 300,000,000,000 responses", "lower --k"),
+        ("--k x --batch-prompts: 300,000,000,000 responses at once need", "even at one token each", "lower --k"),
     ),
     Case(
         "train-stale-build-lock",
