@@ -22,7 +22,7 @@ installer = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip install -q --python $(1)/
 uninstaller = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip uninstall -q --python $(1)/bin/python,$(1)/bin/python -m pip --disable-pip-version-check uninstall -q -y)
 INSTALL := $(call installer,$(VENV))
 
-.PHONY: install demo lint test tiny-model testbeds check-export check-clean nbtest pytest pytest-after-nbtest docs docs-browser clean-docs venv-vllm test-vllm
+.PHONY: install demo lab lint test tiny-model testbeds check-export check-clean nbtest pytest pytest-after-nbtest docs docs-browser clean-docs venv-vllm test-vllm
 
 # The library alone (what `make demo` needs), then the dev extra on top (notebook tools, pytest, the docs site).
 # (not pyproject.toml: nbdev_export rewrites it, unchanged, on every export, which would reinstall after check-export)
@@ -42,6 +42,12 @@ install: $(VENV)/.installed
 # Each run gets its own folder (runs/tiny-cpu-<date-time>): an earlier demo is never overwritten.
 demo: $(VENV)/.installed-lib
 	$(BIN)/dapo-train --config recipes/tiny-cpu.yaml output_dir=runs/tiny-cpu-$$(date +%Y%m%d-%H%M%S)
+
+# Step through the notebooks: JupyterLab on nbs/, with the project's .venv as its kernel (the server's own python3
+# kernel); the hidden cells (tests) open collapsed. LAB_ARGS passes options, e.g. LAB_ARGS="--no-browser --port 8890".
+# As root (a container) JupyterLab asks for --allow-root.
+lab: install
+	$(BIN)/jupyter lab --notebook-dir=nbs $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # The notebooks (two cores; some cells bound calls in time, so nothing else may starve them), then pytest on every
 # core; beside both, niced so that they take only what the cores leave idle, the docs site (mostly Chromium waiting on

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from .data import MathExample, prompt_token_ids
-from .reward import normalize_answer, score_batch
+from .answers import normalize_answer
+from .reward import score_batch
 from .interfaces import RolloutEngine, SamplingParams
 
 PROGRESS_S = 30.0  # seconds between progress lines of work that shows no bar (evaluation, generation rounds)

@@ -4,175 +4,21 @@
 
 # %% ../nbs/02_reward.ipynb #27e61774
 from __future__ import annotations
-import re, time
+import time
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from .answers import REFERENCE_WINDOW, extract_answer, extract_answer_reference
+from .answers import normalize_answer, normalize_reference
 from .core import REWARD_MODES, answer_formats
 from .data import extract_boxed
 from .reward_pool import MATH_VERIFY_TIMEOUT, combine, is_plugin, math_verify_equal, verify_pairs
 from .reward_pool import extra_means  # noqa: F401 (for algorithm, which imports reward, not reward_pool)
 
 # %% auto #0
-__all__ = ['REFERENCE_WINDOW', 'extract_answer', 'extract_answer_reference', 'normalize_reference', 'normalize_answer',
-           'score_response', 'score_batch', 'overlong_penalty']
-
-# %% ../nbs/02_reward.ipynb #68537a9e
-_ANSWER_RE = re.compile(r"answer[ \t]*:", re.IGNORECASE)
-
-
-def extract_answer(
-    response: str,  # the decoded response text
-) -> str | None:  # text after the last `Answer:` on its line, or None
-    "The text after the last `Answer:` (case-insensitive, spaces allowed around the colon) to the end of its line."
-    last = None
-    for last in _ANSWER_RE.finditer(response):
-        pass
-    if last is None:
-        return None
-    end = response.find("\n", last.end())
-    ans = response[last.end() : end if end >= 0 else len(response)].strip()
-    return ans or None
-
-# %% ../nbs/02_reward.ipynb #a1e0c001
-REFERENCE_WINDOW = 300  # characters: the reference scores only the tail of a response
-_REF_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # the reference's `answer_pattern`, verbatim
-
-
-def extract_answer_reference(
-    response: str,  # the decoded response text (already cut to the window)
-) -> str | None:  # the last match of the reference's pattern, unstripped, or None
-    'The reference\'s reading: `re.findall(r"(?i)Answer\\s*:\\s*([^\\n]+)", response)[-1]`; `\\s*` crosses line ends.'
-    found = _REF_ANSWER_RE.findall(response)
-    return found[-1] if found else None
-
-# %% ../nbs/02_reward.ipynb #351d2163
-_SUBSTITUTIONS = [  # (before, after), applied in order, as in the reference normaliser
-    ("an ", ""),
-    ("a ", ""),
-    (".$", "$"),
-    ("\\$", ""),
-    ("\\ ", ""),
-    (" ", ""),
-    ("mbox", "text"),
-    (",\\text{and}", ","),
-    ("\\text{and}", ","),
-    ("\\text{m}", "\\text{}"),
-]
-_REMOVED = [  # removed in order: unit words, filler, degree signs, thousands separators
-    "square",
-    "ways",
-    "integers",
-    "dollars",
-    "mph",
-    "inches",
-    "hours",
-    "km",
-    "units",
-    "\\ldots",
-    "sue",
-    "points",
-    "feet",
-    "minutes",
-    "digits",
-    "cents",
-    "degrees",
-    "cm",
-    "gm",
-    "pounds",
-    "meters",
-    "meals",
-    "edges",
-    "students",
-    "childrentickets",
-    "multiples",
-    "\\text{s}",
-    "\\text{.}",
-    "\\text{\ns}",
-    "\\text{}^2",
-    "\\text{}^3",
-    "\\text{\n}",
-    "\\text{}",
-    "\\mathrm{th}",
-    "^\\circ",
-    "^{\\circ}",
-    "\\;",
-    ",\\!",
-    "{,}",
-    '"',
-    "\\dots",
-]
-_EXTRA = [
-    ("\\dfrac", "\\frac"),
-    ("\\tfrac", "\\frac"),
-    ("\\,", ""),
-    ("\\!", ""),
-    ("\u2212", "-"),
-]  # ours, after the reference
-_FRAC_RE = re.compile(r"frac([^{])(.)")  # \frac12 -> \frac{1}{2}
-_SQRT_RE = re.compile(r"sqrt([^{])")  # \sqrt2  -> \sqrt{2}
-
-# %% ../nbs/02_reward.ipynb #5d0ac951
-def _first_math(line: str) -> str:
-    "`$a$` out of `x $a$ y $b$`: what lies between the first two `$` of a line, re-wrapped in `$`."
-    i = line.find("$")
-    j = line.find("$", i + 1) if i >= 0 else -1
-    return line if j < 0 else "$" + line[i + 1 : j] + "$"
-
-
-def _unwrap_to_first(line: str, cmd: str) -> str:
-    "Replace each `cmd{X}` of a line by X, X ending at the first `}` (the lazy match of the reference)."
-    out, pos = [], 0
-    while (i := line.find(cmd, pos)) >= 0:
-        j = line.find("}", i + len(cmd))
-        if j < 0:
-            break  # no `}` after this one, hence none after any later one either
-        out += [line[pos:i], line[i + len(cmd) : j]]
-        pos = j + 1
-    return "".join(out) + line[pos:]
-
-
-def _unwrap_boxed(line: str) -> str:
-    "`\\boxed{X}` -> X, X running to the last `}` of the line (the greedy match of the reference)."
-    i, j = line.find("\\boxed{"), line.rfind("}")
-    return line if i < 0 or j < i + 7 else line[:i] + line[i + 7 : j] + line[j + 1 :]
-
-
-def _per_line(s: str, f, *args) -> str:
-    return "\n".join(f(l, *args) for l in s.split("\n"))
-
-
-def _digits_only(s: str) -> str:
-    return s.replace(",", "") if s.replace(",", "").isdigit() else s
-
-
-def normalize_reference(
-    s: str,  # a final answer or a ground truth
-) -> str:  # the reference recipe's `normalize_final_answer(s)`
-    "The reference recipe's math normaliser, step for step (linear scans in place of its backtracking regexes)."
-    s = str(s).split("=")[-1]
-    for before, after in _SUBSTITUTIONS:
-        s = s.replace(before, after)
-    for expr in _REMOVED:
-        s = s.replace(expr, "")
-    s = _per_line(s, _first_math)
-    for cmd in ("\\text{", "\\textbf{", "\\overline{"):
-        s = _per_line(s, _unwrap_to_first, cmd)
-    s = _per_line(s, _unwrap_boxed)
-    s = _SQRT_RE.sub(r"sqrt{\1}", _FRAC_RE.sub(r"frac{\1}{\2}", s))
-    return _digits_only(s.replace("$", "")).strip()
-
-
-def normalize_answer(
-    s: str,  # a final answer, e.g. the output of `extract_answer` or a ground truth
-) -> str:  # the canonical string compared in the dapo-strict and math-verify modes
-    "`normalize_reference`, then `\\dfrac`/`\\tfrac`, thin spaces and U+2212: merges only, never splits."
-    s = normalize_reference(s)
-    for before, after in _EXTRA:
-        s = s.replace(before, after)
-    return _digits_only(s).strip()
+__all__ = ['score_response', 'overlong_penalty', 'score_batch']
 
 # %% ../nbs/02_reward.ipynb #cbce2a3e
 def _check_mode(mode: str):
@@ -218,6 +64,24 @@ def score_response(
     if not acc and mode == "math-verify" and pred and gt:
         acc = math_verify_equal(gt, pred, timeout_s)
     return {"score": 1.0 if acc else -1.0, "acc": bool(acc), "pred": pred}
+
+# %% ../nbs/02_reward.ipynb #5bcc3a55
+def overlong_penalty(
+    lengths,  # (B,) response lengths in tokens, EOS included (Tensor or list)
+    l_max: int,  # L_max: maximum response length
+    l_cache: int,  # L_cache: the punishment interval before L_max (0 = a plain -1 beyond L_max)
+) -> Tensor:  # (B,) float32 penalties in [-1, 0]
+    "Eq. 13: 0 up to `l_max - l_cache`, then linear down to -1 at `l_max`, -1 beyond."
+    assert l_max >= 1, f"l_max = {l_max}: the maximum response length must be >= 1 token"
+    assert 0 <= l_cache < l_max, f"l_cache = {l_cache} is out of range: allowed 0 <= l_cache < l_max (l_max = {l_max})"
+    L = torch.as_tensor(lengths, dtype=torch.float64)  # (B,)
+    if (L < 0).any():
+        raise ValueError(f"lengths must be >= 0 tokens, got min {L.min().item()}")
+    if l_cache == 0:
+        pen = torch.where(L > l_max, -1.0, 0.0).double()  # (B,)
+    else:
+        pen = ((l_max - l_cache - L) / l_cache).clamp(-1.0, 0.0)  # (B,)
+    return pen.float()
 
 # %% ../nbs/02_reward.ipynb #a1e0c007
 def score_batch(
@@ -280,21 +144,3 @@ def score_batch(
         "extra": [{} for _ in res],  # a plug-in's other keys per response (`reward_pool.combine`)
     }
     return (scores, accs, metrics, [d["pred"] for d in res]) if return_preds else (scores, accs, metrics)
-
-# %% ../nbs/02_reward.ipynb #5bcc3a55
-def overlong_penalty(
-    lengths,  # (B,) response lengths in tokens, EOS included (Tensor or list)
-    l_max: int,  # L_max: maximum response length
-    l_cache: int,  # L_cache: the punishment interval before L_max (0 = a plain -1 beyond L_max)
-) -> Tensor:  # (B,) float32 penalties in [-1, 0]
-    "Eq. 13: 0 up to `l_max - l_cache`, then linear down to -1 at `l_max`, -1 beyond."
-    assert l_max >= 1, f"l_max = {l_max}: the maximum response length must be >= 1 token"
-    assert 0 <= l_cache < l_max, f"l_cache = {l_cache} is out of range: allowed 0 <= l_cache < l_max (l_max = {l_max})"
-    L = torch.as_tensor(lengths, dtype=torch.float64)  # (B,)
-    if (L < 0).any():
-        raise ValueError(f"lengths must be >= 0 tokens, got min {L.min().item()}")
-    if l_cache == 0:
-        pen = torch.where(L > l_max, -1.0, 0.0).double()  # (B,)
-    else:
-        pen = ((l_max - l_cache - L) / l_cache).clamp(-1.0, 0.0)  # (B,)
-    return pen.float()

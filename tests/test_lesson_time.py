@@ -14,7 +14,7 @@ def test_count_by_hand(tmp_path):
     nb = tmp_path / "x.ipynb"
     cells = [
         dict(cell_type="markdown", metadata={}, source=["one two three\n", "four five"]),  # 5 words
-        dict(cell_type="code", metadata={}, outputs=[], source=["#| hide\n", "\n", "a = 1\n", "   \n", "b = 2"]),  # 3
+        dict(cell_type="code", metadata={}, outputs=[], source=["a = 1\n", "   \n", "b = 2"]),  # 2 lines
         dict(
             cell_type="code",
             metadata={},
@@ -24,10 +24,20 @@ def test_count_by_hand(tmp_path):
             ],
         ),
     ]
-    nb.write_text(json.dumps(dict(cells=cells, metadata={}, nbformat=4, nbformat_minor=5)))
+    off = [  # hidden, or in an Engineering section: not on the path; 1 + 3 words, 2 + 1 lines
+        dict(cell_type="code", metadata={}, outputs=[], source=["#| hide\n", "test(1)"]),
+        dict(cell_type="markdown", metadata={}, source=["## Engineering: plumbing"]),
+        dict(cell_type="code", metadata={}, outputs=[], source=["x = 2"]),
+    ]
+    back = [  # a heading of the same level ends the Engineering section: 2 words
+        dict(cell_type="markdown", metadata={}, source=["## Mechanism"]),
+        dict(cell_type="code", metadata={}, outputs=[], source=["#|  hide\n", "y = 3"]),  # hidden: 2 lines off
+    ]
+    nb.write_text(json.dumps(dict(cells=cells + off + back, metadata={}, nbformat=4, nbformat_minor=5)))
     r = lesson_time.count(nb)
-    assert (r["words"], r["code"]) == (5, 4) and "figures" not in r
-    assert abs(r["size"] - (5 / 200 + 4 / 20)) < 1e-12
+    assert (r["words"], r["code"]) == (5 + 2, 3) and "figures" not in r
+    assert abs(r["size"] - (7 / 200 + 3 / 20)) < 1e-12
+    assert abs(r["off"] - (3 / 200 + 5 / 20)) < 1e-12
 
 
 def test_the_path_is_the_index_table():
@@ -44,3 +54,16 @@ def test_refusal():
     over = run("--max", f"{total - 1:.1f}")
     assert over.returncode == 1 and "over the" in over.stderr
     assert run("--max", f"{total + 1:.1f}").returncode == 0
+
+
+def test_hidden_cells_collapse(tmp_path):
+    nb = tmp_path / "x.ipynb"
+    cells = [
+        dict(cell_type="code", metadata={}, outputs=[], source=["#| hide\n", "test(1)"]),
+        dict(cell_type="code", metadata={}, outputs=[], source=["shown(1)"]),
+    ]
+    nb.write_text(json.dumps(dict(cells=cells, metadata={}, nbformat=4, nbformat_minor=5)))
+    assert lesson_time.uncollapsed(nb) == 1
+    assert lesson_time.uncollapsed(nb, fix=True) == 1 and lesson_time.uncollapsed(nb) == 0
+    got = [c["metadata"] for c in json.loads(nb.read_text())["cells"]]
+    assert got == [{"jupyter": {"source_hidden": True}}, {}]

@@ -10,15 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from dapo_ref import reward as R, reward_pool as P
-from dapo_ref.reward import (
-    extract_answer,
-    extract_answer_reference,
-    normalize_answer,
-    score_response,
-    score_batch,
-    overlong_penalty,
-)
+from dapo_ref import answers as R, reward_pool as P
+from dapo_ref.answers import extract_answer, extract_answer_reference, normalize_answer
+from dapo_ref.reward import score_response, score_batch, overlong_penalty
 
 STRING_MODES = ("dapo-reference", "dapo-strict")
 

@@ -9,7 +9,8 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from dapo_ref.reward import extract_answer_reference, normalize_reference, score_response, score_batch
+from dapo_ref.answers import extract_answer_reference, normalize_reference
+from dapo_ref.reward import score_response, score_batch
 
 MINUS, NBSP = "\u2212", "\u00a0"
 NESTED = "{" * 10_000 + "1" + "}" * 10_000
@@ -122,7 +123,7 @@ def test_reference_verdicts_in_a_batch():
 # ---- an oracle written with the reference's regular expressions, against the linear implementation ----
 def _oracle_normalize(s):
     "normalize_final_answer from the published rules, with its backtracking regexes (fine on short strings)."
-    from dapo_ref.reward import _SUBSTITUTIONS, _REMOVED  # the two tables are data, copied from the reference
+    from dapo_ref.answers import _SUBSTITUTIONS, _REMOVED  # the two tables are data, copied from the reference
 
     s = s.split("=")[-1]
     for a, b in _SUBSTITUTIONS:
