@@ -2,10 +2,11 @@
 notebooks `nbs/index.ipynb` lists under **The algorithm**. It is not the reading time: that is what a first-time
 reader measured, stated in the index (figures, derivations and code are read at rates no count captures).
 
-The path is what a page marks as its DAPO content: every cell but the hidden ones (`#| hide`: the tests, collapsed in
-JupyterLab and absent from the docs) and those of a section whose heading starts with "Engineering" (up to the next
-heading of its level or above). Prose = the words (whitespace-separated) of its markdown cells; code = the non-blank
-lines of its code cells; `off` = the same size for the cells left out. `python .ci/lesson_time.py` prints one row per
+The path is what a page marks as its DAPO content: every cell but those whose code the reader does not see (`#| hide`:
+the tests, collapsed in JupyterLab and absent from the docs; `#| echo: false`: code that draws a figure or a table,
+whose output stays on the path) and those of a section whose heading starts with "Engineering" (up to the next heading
+of its level or above). Prose = the words (whitespace-separated) of its markdown cells; code = the non-blank lines of
+its code cells; `off` = the same size for the cells left out. `python .ci/lesson_time.py` prints one row per
 notebook and the total; `--max M` exits 1 when the total is over M (`make lint`); `--collapse` marks every hidden cell
 of the path collapsed for JupyterLab (cell metadata `jupyter.source_hidden`, which settings.ini lets nbdev_clean keep),
 and `make lint` fails while one is not."""
@@ -25,6 +26,7 @@ def lesson_path(index: Path = NBS / "index.ipynb") -> list[str]:
     return re.findall(r"^\| \[(\w+)\]\(\w+\.ipynb\)", part, re.M)
 
 
+HIDDEN = re.compile(r"#\|\s*(hide\b|echo:\s*false\b)")  # a code cell whose source the reader does not see
 HEADING = re.compile(r"^(#{1,6}) +(.*)$", re.M)
 
 
@@ -37,7 +39,7 @@ def on_path(cells: list) -> list[bool]:
             for hashes, title in HEADING.findall(s):
                 if off_level is None or len(hashes) <= off_level:
                     off_level = len(hashes) if title.startswith("Engineering") else None
-        hidden = c["cell_type"] == "code" and re.match(r"#\|\s*hide\b", s) is not None
+        hidden = c["cell_type"] == "code" and HIDDEN.match(s) is not None
         out.append(off_level is None and not hidden)
     return out
 
@@ -64,7 +66,7 @@ def uncollapsed(nb: Path, fix: bool = False) -> int:
         c
         for c in d["cells"]
         if c["cell_type"] == "code"
-        and re.match(r"#\|\s*hide\b", "".join(c["source"]))
+        and HIDDEN.match("".join(c["source"]))
         and not c.get("metadata", {}).get("jupyter", {}).get("source_hidden")
     ]
     if fix and todo:

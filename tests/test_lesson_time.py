@@ -32,12 +32,13 @@ def test_count_by_hand(tmp_path):
     back = [  # a heading of the same level ends the Engineering section: 2 words
         dict(cell_type="markdown", metadata={}, source=["## Mechanism"]),
         dict(cell_type="code", metadata={}, outputs=[], source=["#|  hide\n", "y = 3"]),  # hidden: 2 lines off
+        dict(cell_type="code", metadata={}, outputs=[], source=["#| echo: false\n", "plot()"]),  # drawn: 2 lines off
     ]
     nb.write_text(json.dumps(dict(cells=cells + off + back, metadata={}, nbformat=4, nbformat_minor=5)))
     r = lesson_time.count(nb)
     assert (r["words"], r["code"]) == (5 + 2, 3) and "figures" not in r
     assert abs(r["size"] - (7 / 200 + 3 / 20)) < 1e-12
-    assert abs(r["off"] - (3 / 200 + 5 / 20)) < 1e-12
+    assert abs(r["off"] - (3 / 200 + 7 / 20)) < 1e-12
 
 
 def test_the_path_is_the_index_table():
@@ -61,9 +62,10 @@ def test_hidden_cells_collapse(tmp_path):
     cells = [
         dict(cell_type="code", metadata={}, outputs=[], source=["#| hide\n", "test(1)"]),
         dict(cell_type="code", metadata={}, outputs=[], source=["shown(1)"]),
+        dict(cell_type="code", metadata={}, outputs=[], source=["#| echo: false\n", "plot()"]),
     ]
     nb.write_text(json.dumps(dict(cells=cells, metadata={}, nbformat=4, nbformat_minor=5)))
-    assert lesson_time.uncollapsed(nb) == 1
-    assert lesson_time.uncollapsed(nb, fix=True) == 1 and lesson_time.uncollapsed(nb) == 0
+    assert lesson_time.uncollapsed(nb) == 2
+    assert lesson_time.uncollapsed(nb, fix=True) == 2 and lesson_time.uncollapsed(nb) == 0
     got = [c["metadata"] for c in json.loads(nb.read_text())["cells"]]
-    assert got == [{"jupyter": {"source_hidden": True}}, {}]
+    assert got == [{"jupyter": {"source_hidden": True}}, {}, {"jupyter": {"source_hidden": True}}]
