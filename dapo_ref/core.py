@@ -9,9 +9,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
 # %% auto #0
-__all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'ROLLOUT_CORRECTIONS', 'ANSWER_FORMATS',
-           'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS', 'PATH_FIELDS', 'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of',
-           'knob', 'answer_formats', 'DAPOHyperparams', 'DAPOConfig', 'InputError', 'short', 'validate']
+__all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'SCALE_REWARDS', 'IS_LEVELS', 'LOSS_MODES',
+           'ROLLOUT_CORRECTIONS', 'ANSWER_FORMATS', 'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS', 'PATH_FIELDS', 'Allowed',
+           'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'answer_formats', 'DAPOHyperparams', 'DAPOConfig',
+           'InputError', 'short', 'validate']
 
 # %% ../nbs/00_core.ipynb #e040a55c
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
 REWARD_PLUGIN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # your own: `reward: package.module:function`
 REPORT_TO = ("none", "tensorboard", "wandb")  # experiment trackers `report_to` may name (TRL's field)
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# the loss family around DAPO (04c), each spelled as TRL or verl spell it: Dr. GRPO's unscaled advantages, GSPO's
+# sequence-level ratio, CISPO's clipped and detached weight
+SCALE_REWARDS = ("group", "batch", "none")  # TRL's scale_rewards
+IS_LEVELS = ("token", "sequence")  # TRL's importance_sampling_level
+LOSS_MODES = ("vanilla", "cispo")  # verl's policy_loss.loss_mode
 # rollout correction (04b): w = pi_old / pi_rollout per token or per sequence, truncated at C or masked outside [1/C, C]
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 _REWARD = Allowed(
@@ -136,6 +142,52 @@ class DAPOHyperparams:
         "not in the paper",
         "absent",
         "2: verl's and TRL's default",
+    )
+    # --- the loss family around DAPO (04c): each off by default ---
+    scale_rewards: str = knob(
+        "group",
+        "advantages divided by the group's std (Eq. 4), the batch's, or none (Dr. GRPO)",
+        one_of(*SCALE_REWARDS),
+        "group (Eq. 4)",
+        "group (norm_adv_by_std_in_grpo)",
+    )
+    importance_sampling_level: str = knob(
+        "token",
+        "one ratio per token (Eq. 6), or per sequence, the geometric mean of its tokens' (GSPO)",
+        one_of(*IS_LEVELS),
+        "token (Eq. 6)",
+        "token",
+    )
+    seq_eps_low: float = knob(
+        3e-4,
+        "GSPO: lower clip range of the sequence ratio",
+        below_1(lo_open=True),
+        "not in the paper",
+        "absent",
+        "3e-4: the GSPO paper's",
+    )
+    seq_eps_high: float = knob(
+        4e-4,
+        "GSPO: upper clip range of the sequence ratio",
+        gt(0),
+        "not in the paper",
+        "absent",
+        "4e-4: the GSPO paper's",
+    )
+    loss_mode: str = knob(
+        "vanilla",
+        "vanilla: the clipped surrogate (Eq. 8); cispo: the clipped, detached ratio times log pi (CISPO)",
+        one_of(*LOSS_MODES),
+        "vanilla (Eq. 8)",
+        "vanilla",
+    )
+    cispo_eps_high: float = knob(
+        0.2,
+        "CISPO: the weight is capped at 1 + cispo_eps_high, no lower bound",
+        gt(0),
+        "not in the paper",
+        "absent",
+        "0.2: verl's CISPO example (clip_ratio_high)",
     )
     # --- group sampling and dynamic sampling (Eq. 11, Algorithm 1) ---
     group_size: int = knob(16, "G: responses per prompt", ge(1), "16", "16")
@@ -391,6 +443,7 @@ def _rules(c) -> Iterator[tuple[str, bool, str]]:
     )
     yield from _launch_rules(c)  # the learner's and the engines', below
     yield from _correction_rules(c)  # rollout_correction's, in the next cell
+    yield from _family_rules(c)  # the loss family's (04c), in the next cell
 
 # %% ../nbs/00_core.ipynb #3d02e80f
 def _launch_rules(c) -> Iterator[tuple[str, bool, str]]:
@@ -483,6 +536,35 @@ def _correction_rules(c) -> Iterator[tuple[str, bool, str]]:
                 f"{f} = {getattr(c, f)} with rollout_correction = {rc}: the engine's log-probs are then of a distribution "
                 f"renormalised over fewer tokens than the learner's; set {f}: {full} or rollout_correction: none"
             ),
+        )
+
+
+def _family_rules(c) -> Iterator[tuple[str, bool, str]]:
+    "The loss family's (04c): combinations the papers define, each other one refused in one line naming the fields."
+    seq, cispo = c.importance_sampling_level == "sequence", c.loss_mode == "cispo"
+    yield (
+        "importance_sampling_level",
+        not (seq and cispo),
+        "importance_sampling_level = sequence with loss_mode = cispo: neither GSPO nor CISPO defines the two together; "
+        "set one of them back (token, or vanilla)",
+    )
+    yield (
+        "loss_agg",
+        not seq or c.loss_agg == "seq-mean-token-mean",
+        f"importance_sampling_level = sequence with loss_agg = {c.loss_agg}: GSPO averages its sequence losses over the "
+        "responses; set loss_agg: seq-mean-token-mean",
+    )
+    for on, name in ((seq, "importance_sampling_level = sequence"), (cispo, "loss_mode = cispo")):
+        yield (
+            "clip_c",
+            not on or c.clip_c is None,
+            f"{name} with clip_c = {c.clip_c}: the dual clip belongs to the token-level clipped surrogate; set clip_c: null",
+        )
+        yield (
+            "rollout_correction",
+            not on or c.rollout_correction == "none",
+            f"{name} with rollout_correction = {c.rollout_correction}: no paper defines the two together; "
+            "set rollout_correction: none",
         )
 
 # %% ../nbs/00_core.ipynb #a08b1d9c

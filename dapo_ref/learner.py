@@ -14,7 +14,8 @@ from torch import Tensor
 from .core import DAPOConfig
 from .interfaces import Learner, RolloutBatch
 from .testbeds import resolve_model
-from .loss import policy_loss, overlong_filter
+from .loss import overlong_filter
+from .loss_family import family_loss
 from .rollout_correction import batch_weights
 from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, use_varlen_attention
 from .guards import UpdateGuard
@@ -256,13 +257,18 @@ class MicroBatchLearner(Learner):
             dt = torch.promote_types(
                 logp.dtype, torch.float32
             )  # float32 for a bf16 policy; a float64 one stays float64
-            loss, m = policy_loss(
+            loss, m = family_loss(  # Eq. 8 by default; GSPO or CISPO where the config asks (04c)
                 logp.to(dt),
                 old.to(logp.device, dt),
                 sub.advantages.to(logp.device, dt),
                 lmask,
+                level=cfg.importance_sampling_level,
+                loss_mode=cfg.loss_mode,
                 eps_low=cfg.eps_low,
                 eps_high=cfg.eps_high,
+                seq_eps_low=cfg.seq_eps_low,
+                seq_eps_high=cfg.seq_eps_high,
+                cispo_eps_high=cfg.cispo_eps_high,
                 clip_c=cfg.clip_c,
                 agg=cfg.loss_agg,
                 weights=None if w is None else w.to(logp.device, dt),
