@@ -264,7 +264,7 @@ class DAPOHyperparams:
         None,
         "on in rows 2-3",
         "absent",
-        "off: row 4's punishment replaces it in the final recipe",
+        "off: read as replaced by row 4's punishment, as the reference scripts run it (Table 1 does not say)",
     )
     max_prompt_length: int = knob(2048, "prompt tokens at most", ge(1), "not stated", "2048")
     # --- optimisation (Section 4.1) ---
