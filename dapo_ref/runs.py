@@ -267,7 +267,13 @@ FROZEN = (  # change the experiment: a resumed run must keep them
     "clip_c",
     "loss_agg",
     "rollout_correction",
-    "rollout_correction_threshold",  # the objective
+    "rollout_correction_threshold",
+    "scale_rewards",
+    "importance_sampling_level",
+    "seq_eps_low",
+    "seq_eps_high",
+    "loss_mode",
+    "cispo_eps_high",  # the objective
     "group_size",
     "prompts_per_step",
     "gen_batch_size",
