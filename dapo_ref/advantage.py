@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['group_advantages', 'group_advantages_by_id']
+__all__ = ['as_rewards', 'group_advantages', 'group_advantages_by_id']
 
 # %% ../nbs/03_advantage.ipynb #98b9a984
-def _as_rewards(rewards) -> Tensor:
+def as_rewards(rewards) -> Tensor:
     "`rewards` as a 1-D floating tensor (int and bool rewards become float32)."
     r = torch.as_tensor(rewards)
     if r.ndim != 1:
@@ -32,7 +32,7 @@ def group_advantages(
     eps: float = 1e-6,  # added to the std before dividing (reference recipe 1e-6)
 ) -> Tensor:  # (B,) advantages, the dtype of `rewards` (float32 for int/bool rewards)
     "GRPO advantage `(r - mean) / (std + eps)` within contiguous groups of `group_size`, unbiased std."
-    r = _as_rewards(rewards)
+    r = as_rewards(rewards)
     assert type(group_size) is int and group_size >= 1, (
         f"group_size = {group_size!r} is out of range: allowed an integer >= 1"
     )
@@ -73,7 +73,7 @@ def group_advantages_by_id(
     eps: float = 1e-6,  # added to the std before dividing (reference recipe 1e-6)
 ) -> Tensor:  # (B,) advantages, the dtype of `rewards` (float32 for int/bool rewards)
     "GRPO advantage `(r - mean) / (std + eps)` within groups of equal `group_ids`, unbiased std; a group of one gets r / (1 + eps)."
-    r = _as_rewards(rewards)
+    r = as_rewards(rewards)
     _check_eps(eps)
     idx, k = _group_index(group_ids, r.shape[0])  # (B,), K groups
     zeros = r.new_zeros(k)  # (K,)

@@ -15,7 +15,7 @@ from .core import DAPOConfig
 from .interfaces import Learner, RolloutBatch
 from .testbeds import resolve_model
 from .loss import overlong_filter
-from .loss_family import family_loss
+from .loss_family import family_kwargs, family_loss
 from .rollout_correction import batch_weights
 from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, use_varlen_attention
 from .guards import UpdateGuard
@@ -262,15 +262,7 @@ class MicroBatchLearner(Learner):
                 old.to(logp.device, dt),
                 sub.advantages.to(logp.device, dt),
                 lmask,
-                level=cfg.importance_sampling_level,
-                loss_mode=cfg.loss_mode,
-                eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high,
-                seq_eps_low=cfg.seq_eps_low,
-                seq_eps_high=cfg.seq_eps_high,
-                cispo_eps_high=cfg.cispo_eps_high,
-                clip_c=cfg.clip_c,
-                agg=cfg.loss_agg,
+                **family_kwargs(cfg),
                 weights=None if w is None else w.to(logp.device, dt),
                 **denoms,
             )

@@ -11,7 +11,7 @@ from torch import Tensor
 from .core import LOSS_AGGS
 
 # %% auto #0
-__all__ = ['clipped_token_loss', 'loss_counts', 'agg_loss', 'policy_loss', 'overlong_filter']
+__all__ = ['clipped_token_loss', 'loss_counts', 'agg_loss', 'masked_mean', 'policy_loss', 'overlong_filter']
 
 # %% ../nbs/04_loss.ipynb #45d21a25
 def clipped_token_loss(
@@ -87,7 +87,7 @@ def agg_loss(
     return row.sum() / denom
 
 # %% ../nbs/04_loss.ipynb #078361d0
-def _masked_mean(x: Tensor, keep: Tensor, empty: float = 0.0) -> float:
+def masked_mean(x: Tensor, keep: Tensor, empty: float = 0.0) -> float:
     "Mean of `x` over `keep` as a python float; `empty` when `keep` selects nothing."
     n = int(keep.sum())
     return float(x[keep].double().sum() / n) if n else empty
@@ -142,15 +142,15 @@ def policy_loss(
         n = int(keep.sum())
         rk = r[keep]
         metrics = dict(
-            clipfrac_high=_masked_mean(up.double(), keep),
-            clipfrac_low=_masked_mean(low.double(), keep),
-            clipfrac_dual=_masked_mean(dual.double(), keep),
-            approx_kl=_masked_mean(old_logp.detach() - logp.detach(), keep),
+            clipfrac_high=masked_mean(up.double(), keep),
+            clipfrac_low=masked_mean(low.double(), keep),
+            clipfrac_dual=masked_mean(dual.double(), keep),
+            approx_kl=masked_mean(old_logp.detach() - logp.detach(), keep),
             ratio_min=float(rk.min()) if n else 1.0,
             ratio_max=float(rk.max()) if n else 1.0,
-            up_clipped_prob=_masked_mean(old_logp.detach().exp(), up, empty=0.0),
+            up_clipped_prob=masked_mean(old_logp.detach().exp(), up, empty=0.0),
             up_clipped_prob_max=float(old_logp.detach()[up].exp().max()) if bool(up.any()) else 0.0,
-            prob_mean=_masked_mean(logp.detach().exp(), keep),
+            prob_mean=masked_mean(logp.detach().exp(), keep),
         )
     return loss, metrics
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .advantage import _as_rewards, group_advantages
+from .advantage import as_rewards, group_advantages
 from .core import IS_LEVELS, LOSS_MODES, SCALE_REWARDS
-from .loss import _masked_mean, agg_loss, policy_loss
+from .loss import masked_mean, agg_loss, policy_loss
 
 # %% auto #0
-__all__ = ['scaled_advantages', 'sequence_logprobs', 'cispo_loss', 'family_loss']
+__all__ = ['scaled_advantages', 'sequence_logprobs', 'cispo_loss', 'family_loss', 'family_kwargs']
 
 # %% ../nbs/04c_loss_family.ipynb #966924f5
 def scaled_advantages(
@@ -26,7 +26,7 @@ def scaled_advantages(
     assert scale_rewards in SCALE_REWARDS, f"scale_rewards = {scale_rewards!r}: allowed {', '.join(SCALE_REWARDS)}"
     if scale_rewards == "group":
         return group_advantages(rewards, group_size, eps)
-    r = _as_rewards(rewards)  # (B,)
+    r = as_rewards(rewards)  # (B,)
     if group_size < 1 or r.shape[0] % group_size:
         group_advantages(r, group_size, eps)  # raises the one error message for a bad group_size
     if group_size == 1:
@@ -71,15 +71,15 @@ def cispo_loss(
         up = keep & (a > 0) & (r > 1 + eps_high)  # (B, T) capped where the weight pushes up
         rk = r[keep]
         metrics = dict(
-            clipfrac_high=_masked_mean(up.double(), keep),
+            clipfrac_high=masked_mean(up.double(), keep),
             clipfrac_low=0.0,  # no lower bound
             clipfrac_dual=0.0,
-            approx_kl=_masked_mean(-log_ratio, keep),
+            approx_kl=masked_mean(-log_ratio, keep),
             ratio_min=float(rk.min()) if rk.numel() else 1.0,
             ratio_max=float(rk.max()) if rk.numel() else 1.0,
-            up_clipped_prob=_masked_mean(old_logp.detach().exp(), up, empty=0.0),
+            up_clipped_prob=masked_mean(old_logp.detach().exp(), up, empty=0.0),
             up_clipped_prob_max=float(old_logp.detach()[up].exp().max()) if bool(up.any()) else 0.0,
-            prob_mean=_masked_mean(logp.detach().exp(), keep),
+            prob_mean=masked_mean(logp.detach().exp(), keep),
         )
     return loss, metrics
 
@@ -116,3 +116,18 @@ def family_loss(
         )
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
     return cispo_loss(logp, old_logp, adv, mask, cispo_eps_high, agg, **denominators)
+
+# %% ../nbs/04c_loss_family.ipynb #1d312cc8
+def family_kwargs(cfg) -> dict:
+    "The `family_loss` arguments a `DAPOConfig` names (the learner adds the rollout-correction weights and denominators)."
+    return dict(
+        level=cfg.importance_sampling_level,
+        loss_mode=cfg.loss_mode,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        seq_eps_low=cfg.seq_eps_low,
+        seq_eps_high=cfg.seq_eps_high,
+        cispo_eps_high=cfg.cispo_eps_high,
+        clip_c=cfg.clip_c,
+        agg=cfg.loss_agg,
+    )
