@@ -10,7 +10,7 @@ Writes `benchmarks/loss-family/family.json` (per variant and seed: the metrics r
 and wall time) and `family.md` (the table); the notebook reads both. A run's folder holds a checkpoint and its logs
 (`runs/`, not committed)."""
 
-import argparse, json, sys, time
+import argparse, json, os, sys, time
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +26,9 @@ KEYS = ("step", "grad_updates", "eval_acc", "resp_len_mean", "entropy", "clipfra
 
 def configs(base, seeds, out: Path) -> dict:
     "{(variant, seed): DAPOConfig}: the base with the variant's fields and the seed; DAPO's runs are Table 1's row 6."
-    table_runs = ROOT / "benchmarks" / "ablation" / "runs" / "6-dynamic-sampling"
+    # the folder exactly as `dapo-ablate` (run from the repository's root) names it: the cached run's key holds its
+    # output_dir, and an absolute spelling of the same folder would not match (the run would be trained again)
+    table_runs = Path("benchmarks") / "ablation" / "runs" / "6-dynamic-sampling"
     cfgs = {}
     for name, fields in VARIANTS.items():
         for s in seeds:
@@ -48,15 +50,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "loss-family"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/loss-family")
     ap.add_argument("--quick", action="store_true", help="2 rollout steps a run, 8 held-out problems: the machinery")
     a = ap.parse_args(argv)
+    out = Path(a.out).resolve() if a.out else ROOT / "benchmarks" / "loss-family"
+    os.chdir(ROOT)  # the run folders are named relative to the repository's root, as dapo-ablate names them
+    out = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
     from dapo_ref.cli import load_config
     from dapo_ref.jobs import compare_arms, mean_se, run_many
     from dapo_ref.testbeds import model_fingerprint
 
     base = load_config(ROOT / "recipes" / "ablation-tiny.yaml")
-    out = Path(a.out)
     if a.quick:
         base = replace(base, total_steps=2, eval_every=1, save_every=0)
         out = out / "quick"
