@@ -73,14 +73,17 @@ def _parser() -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def _errors(rank: int):
-    "`cli_errors` on rank 0; the other ranks exit with the same status, silently (rank 0 has said it)."
+    """`cli_errors` on rank 0; another rank exits with the same status and says its line with its rank (a check that
+    fails on that rank alone would otherwise end the job with no word of why; where every rank fails alike, the others
+    repeat rank 0's `dapo-train: error:` line, named by rank)."""
     if rank == 0:
         with cli_errors("dapo-train"):
             yield
     else:
         try:
             yield
-        except USER_ERRORS:
+        except USER_ERRORS as e:
+            print(f"dapo-train (rank {rank}): {one_line(e)}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 
 

@@ -291,7 +291,9 @@ def _raise(e):
     raise e
 
 # %% ../nbs/00c_one_writer.ipynb #476b3974
-BUILD_LOCK_AGE_S = 60.0  # a build lock older than this, in a folder where no process works, is a dead builder's
+BUILD_LOCK_AGE_S = 600.0  # a build lock older than this, in a folder where no process works, is a dead builder's
+# (ten minutes: a live first build took about two minutes on a loaded 2-core machine, and between its compiler runs
+# no process works in the folder; a dead builder's lock stays forever, so waiting longer to name it costs little)
 
 
 def extensions_root() -> Path:

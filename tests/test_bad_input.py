@@ -189,11 +189,11 @@ def train_args(w: World, *extra, out="runs/old", data=None, saved=False, lock=Fa
 
 
 def stale_build_lock(w: World) -> list:
-    "The lock a build of DeepSpeed's shm op killed two minutes ago left in ext/ (TORCH_EXTENSIONS_DIR); no arguments."
+    "The lock a build of DeepSpeed's shm op killed twenty minutes ago left in ext/ (TORCH_EXTENSIONS_DIR); no arguments."
     import time
 
     lock = w.write("ext/deepspeed_shm_comm/lock", "")
-    os.utime(lock, (time.time() - 120, time.time() - 120))
+    os.utime(lock, (time.time() - 1200, time.time() - 1200))  # 2 x writers.BUILD_LOCK_AGE_S
     return []
 
 
