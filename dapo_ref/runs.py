@@ -116,8 +116,10 @@ def check_owned(
             f"{name} = {folder} is a dapo_ref {m['kind']} folder (written by `{m.get('command', '?')[:80]}`), "
             f"not a {kind} folder; choose a new or empty folder"
         )
-    # a starting run's lock, and the probe files of the writability and clock checks (`.dapo-...`), are not the user's
-    entries = sorted(e.name for e in p.iterdir() if not e.name.startswith((LOCK, ".dapo-")))
+    # a starting run's lock, the temporary files `write_whole` holds beside the lock and the marker while it writes them
+    # (`..dapo_ref.lock.*.tmp`: another rank of the run can look while rank 0 takes the lock), and the probe files of the
+    # writability and clock checks (`.dapo-...`) are not the user's
+    entries = sorted(e.name for e in p.iterdir() if not e.name.startswith((LOCK, f".{LOCK}.", f".{MARKER}.", ".dapo-")))
     if not entries:
         return None
     if kind == "run" and set(entries) <= set(RUN_ENTRIES) and _unmarked_run(p):

@@ -6,8 +6,10 @@ exactly one writes, the other says so in one line, and nothing either of them wr
 refusals with a stand-in holder, one process at a time, are cases of tests/test_bad_input.py (`train-live-run*`).
 """
 
-import json, signal, subprocess, time
+import json, os, signal, subprocess, time
 from pathlib import Path
+
+import pytest
 
 
 from test_bad_input import ENV, command, jsonl_rows
@@ -99,3 +101,23 @@ def test_two_evaluations_on_one_new_out(tmp_path):
         assert "written by another process" in line[0] and json.loads(kept.read_text())["n_prompts"] == 4
     else:
         assert "already exists" in line[0]
+
+
+def test_a_lock_or_marker_being_written_is_not_a_users_file(tmp_path):
+    """Another rank checks the run folder (`check_owned`, in `prepare_output_dir`) while rank 0 takes the run lock:
+    `write_whole` holds a temporary file beside the lock (`..dapo_ref.lock.<random>.tmp`) until it is linked and
+    fsynced, and that file is not the user's. Before, it was taken for one, and rank 1 exited 2 alone (seen in two CI
+    runs of 2-rank launches: `test_export_that_fails_midway_on_rank_0_stops_both_ranks`). The marker's the same."""
+    import tempfile
+    from dapo_ref.core import InputError
+    from dapo_ref.runs import MARKER, check_owned
+    from dapo_ref.writers import LOCK
+
+    for name, d in ((LOCK, tmp_path / "lock"), (MARKER, tmp_path / "marker")):
+        d.mkdir()
+        fd, _ = tempfile.mkstemp(dir=d, prefix=f".{name}.", suffix=".tmp")  # as write_whole names it
+        os.close(fd)
+        assert check_owned(d, "run", "output_dir") is None
+    (tmp_path / "lock" / "notes.txt").write_text("mine")  # a user's file beside it is still refused
+    with pytest.raises(InputError, match="notes.txt"):
+        check_owned(tmp_path / "lock", "run", "output_dir")

@@ -697,6 +697,9 @@ def test_export_that_fails_midway_on_rank_0_stops_both_ranks(tmp_path):
         ],
         timeout=600,
     )  # hang guard
+    assert all((tmp_path / f"rank{r}.json").exists() for r in (0, 1)), p.stderr[
+        -3000:
+    ]  # a rank ended before its result
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert p.returncode != 0 and r0["rc"] == r1["rc"] == 1, (r0, r1, p.stderr[-3000:])  # each rank returned on its own
     assert r0["failed_at"] is not None and r1["failed_at"] is None
