@@ -19,8 +19,8 @@ from .interfaces import Completion, Learner, RolloutBatch, RolloutEngine, sampli
 from .rollout_correction import log_ratios, rollout_gap, rollout_weight_stats
 
 # %% auto #0
-__all__ = ['PromptSampler', 'seed_of', 'Group', 'score_groups', 'Rollout', 'collect', 'make_batch', 'train_on', 'step_metrics',
-           'dapo_step']
+__all__ = ['PromptSampler', 'seed_of', 'Group', 'score_groups', 'Rollout', 'batch_stats', 'collect', 'make_batch', 'train_on',
+           'step_metrics', 'dapo_step']
 
 # %% ../nbs/09_algorithm.ipynb #b9c152cc
 class PromptSampler:
@@ -159,6 +159,17 @@ class Rollout:
         "Lines 10-11 with the engine's memory freed, then line 3: the engine loads the learner's new weights."
         return self.engine.around_update(update, weights)
 
+# %% ../nbs/09_algorithm.ipynb #663e5674
+def batch_stats(learner: Learner, minis: list[RolloutBatch], olds: list[tuple[list, list]]) -> dict:
+    "The step's mean entropy and token probability under pi_old (summed over ranks), and the engine's log-probs against pi_old's (04b)."
+    lp, en = [t for l, _ in olds for t in l], [t for _, e in olds for t in e]
+    s = learner.all_sum(
+        [sum(float(t.exp().sum()) for t in lp), sum(float(t.sum()) for t in en), sum(t.numel() for t in lp)]
+    )
+    stats = dict(entropy=s[1] / max(s[2], 1), prob_mean=s[0] / max(s[2], 1))
+    d = log_ratios(minis, olds)  # per response: log pi_old - log pi_rollout (None: the engine gave no log-probs)
+    return stats | rollout_gap(learner, d) | rollout_weight_stats(learner, d)
+
 # %% ../nbs/09_algorithm.ipynb #a4d98c17
 def collect(
     rollout,  # `Rollout` (or `sharded.ShardedRollout`): `groups(indices, step, round)`
@@ -223,13 +234,7 @@ def train_on(
     minis = learner.minibatches(batch, mini_batch_size)  # line 10: one iteration per mini-batch
     olds = [learner.compute_logprobs(mini) for mini in minis]  # pi_theta_old: before any update
     t1 = time.perf_counter()
-    lp, en = [t for l, _ in olds for t in l], [t for _, e in olds for t in e]
-    s = learner.all_sum(
-        [sum(float(t.exp().sum()) for t in lp), sum(float(t.sum()) for t in en), sum(t.numel() for t in lp)]
-    )
-    stats = dict(entropy=s[1] / max(s[2], 1), prob_mean=s[0] / max(s[2], 1))
-    d = log_ratios(minis, olds)  # per response: log pi_old - log pi_rollout (None: the engine gave no log-probs)
-    stats.update(**rollout_gap(learner, d), **rollout_weight_stats(learner, d))  # engine vs learner (04b)
+    stats = batch_stats(learner, minis, olds)  # entropy, prob_mean; the engine's log-probs against them (04b)
     updates = []
     for mini, (old_logp, _) in zip(minis, olds):
         updates.append(learner.update(mini, old_logp))  # line 11: maximise J_DAPO (Eq. 8) on the mini-batch
