@@ -11,7 +11,7 @@ __all__ = ['SWITCHES', 'ROWS', 'PAPER_AIME', 'row_switches']
 # %% ../nbs/14_ablation.ipynb #0988fedb
 SWITCHES = ("eps_low", "eps_high", "loss_agg", "overlong_filter", "soft_overlong_punishment", "dynamic_sampling")
 
-ROWS = [  # (name, Table 1 label, what this row adds): the rows are cumulative
+ROWS = [  # (name, Table 1 label, what this row adds): cumulative, but row 4 drops row 2's filter
     (
         "1-grpo",
         "Naive GRPO",
