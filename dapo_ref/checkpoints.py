@@ -13,6 +13,7 @@ import torch
 from . import dist
 from .core import InputError
 from .guards import checkpoint_error, export_error
+from .lora import ADAPTER_DIR, adapter_problem
 from .runs import MARKER, check_owned, check_writable, latest_checkpoint, rng_state, step_folders, write_marker
 from .writers import linked_copy, publish_folder, remove_tree, write_whole
 
@@ -73,6 +74,10 @@ def checkpoint_problem(path: str | Path) -> str | None:
         if not (path / name).is_file():
             return f"{name} is missing"
         if why := safetensors_problem(path / name):
+            return why
+    exp = s.get("experiment") if isinstance(s.get("experiment"), dict) else {}
+    if exp.get("lora_r") or (path / ADAPTER_DIR).exists():  # a LoRA run resumes from its adapters (08a_lora)
+        if why := adapter_problem(path / ADAPTER_DIR):
             return why
     torch_files = ["learner_state.pt", *(f"rng-rank{r}.pt" for r in range(s.get("world_size", 1)))]
     torch_files += [str(p.relative_to(path)) for p in sorted((path / "deepspeed").rglob("*.pt"))]

@@ -355,6 +355,17 @@ class DAPOConfig(DAPOHyperparams):
         1, "Ulysses: ranks sharing each packed row, 1/size of its tokens each", ge(1, "1 = off"), "", "8"
     )
     attn_implementation: str = knob("sdpa", "learner attention (flash: GPU, bf16)", one_of(*ATTN_IMPLEMENTATIONS))
+    # --- LoRA (PEFT's names; 08g_lora) ---
+    lora_r: int = knob(0, "LoRA rank: adapters trained, the base frozen; 0 = full fine-tuning", ge(0, "0 = off"))
+    lora_alpha: float = knob(16.0, "LoRA scale numerator: an adapter's update is scaled by lora_alpha / lora_r", gt(0))
+    lora_target_modules: str = knob(
+        "all-linear", "modules given adapters: all-linear (PEFT's: every linear layer but the output layer) or names"
+    )
+    lora_dropout: float = knob(
+        0.0,
+        "dropout on the adapters' input (PEFT's name)",
+        Allowed(lambda v: v == 0, "{} = 0 only: the learner runs in eval mode, where dropout never acts"),
+    )
     offload_params: bool = knob(False, "ZeRO-3 parameter offload to CPU", None, "", "on")
     offload_optimizer: bool = knob(False, "ZeRO optimizer-state offload to CPU", None, "", "on")
     vllm_tensor_parallel: int = knob(1, "vLLM tensor-parallel size per engine", ge(1), "", "4 for 32B")
@@ -489,6 +500,21 @@ def _launch_rules(c) -> Iterator[tuple[str, bool, str]]:
             f"(its all-to-all over the network in every layer); use one of {_divisors(per)}"
         ),
     )
+    yield (
+        "lora_r",
+        not c.lora_r or c.zero_stage != 3,
+        (
+            f"lora_r = {c.lora_r} with zero_stage = 3: this ZeRO-3 path (partitioned build, gathered sync, streamed export) "
+            "reads the model's own parameter names, which PEFT's wrapping changes; use zero_stage: 2 or 0 (with LoRA the "
+            "frozen base has no gradients or optimizer states: most of what ZeRO-3 would partition)"
+        ),
+    )
+    for f in ("lora_alpha", "lora_target_modules"):
+        yield (
+            f,
+            c.lora_r > 0 or getattr(c, f) == getattr(DAPOConfig, f),
+            f"{f} = {getattr(c, f)!r} configures LoRA, but lora_r = 0 (full fine-tuning); set lora_r or remove {f}",
+        )
     for f in VLLM_FIELDS:
         yield (
             f,
@@ -614,7 +640,11 @@ def _check_type(name: str, value: Any, tp: str, allowed: Allowed | None = None) 
         return int(value)
     if want is str and name == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value) or "none"  # report_to: [tensorboard, wandb] in YAML
-    if want is str and name in ("eval_data", "reward", "reward_weights") and isinstance(value, list):
+    if (
+        want is str
+        and name in ("eval_data", "reward", "reward_weights", "lora_target_modules")
+        and isinstance(value, list)
+    ):
         if all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
             value = ",".join(map(str, value))  # eval_data: [a.parquet, b.jsonl] in YAML; eval_data=a.parquet,b.jsonl
     if want is str and isinstance(value, str):

@@ -19,6 +19,7 @@ from .loss_family import family_kwargs, family_loss
 from .rollout_correction import batch_weights
 from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, use_varlen_attention
 from .guards import UpdateGuard
+from .lora import ADAPTER_DIR, base_of, is_lora, load_adapters, merged_named_weights, save_adapters, with_lora
 
 # %% auto #0
 __all__ = ['STAGED', 'METRIC_KEYS', 'model_path', 'load_model', 'load_tokenizer', 'load_policy', 'warmup_factor',
@@ -319,18 +320,21 @@ class MicroBatchLearner(Learner):
         return self.reduce([local])[0]
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
-        "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes)."
-        return self.model.state_dict().items()
+        "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes); with LoRA, merged (08a_lora)."
+        return merged_named_weights(self.model) if is_lora(self.model) else self.model.state_dict().items()
 
     def save_model(self, path: str | Path):
-        "The full model as safetensors (`save_pretrained`), written by rank 0; every rank calls it, and every rank raises if rank 0's write failed."
+        """The full model as safetensors (`save_pretrained`; with LoRA the merged weights, and the adapters in PEFT's format
+        in `adapter/`), written by rank 0; every rank calls it, and every rank raises if rank 0's write failed."""
         main, sd, failed = self.writes_files, {}, None
         for n, t in self.named_weights():  # every rank iterates: a collective for partitioned learners
             if main:
                 sd[n] = t.detach().cpu()
         if main:
             try:
-                self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
+                base_of(self.model).save_pretrained(path, state_dict=sd, safe_serialization=True)
+                if is_lora(self.model):
+                    save_adapters(self.model, Path(path) / ADAPTER_DIR)
             except (OSError, RuntimeError) as e:
                 failed = e  # a full disk: the other ranks must not wait in a barrier for it
         if self.reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
@@ -340,9 +344,10 @@ class MicroBatchLearner(Learner):
         "A transformers model holding the learner's current weights, on its device: the transformers rollout engine's own copy."
         from transformers import AutoModelForCausalLM
 
-        m = AutoModelForCausalLM.from_config(self.model.config, dtype=getattr(torch, self.cfg.dtype))
+        base = base_of(self.model)  # with LoRA: the base's architecture, loaded with the merged weights
+        m = AutoModelForCausalLM.from_config(base.config, dtype=getattr(torch, self.cfg.dtype))
         m.load_state_dict(dict(self.named_weights()))
-        m.generation_config = copy.deepcopy(self.model.generation_config)
+        m.generation_config = copy.deepcopy(base.generation_config)
         return m.to(self.device).eval()
 
 # %% ../nbs/08b_learner.ipynb #7cb53dbb
@@ -355,8 +360,12 @@ class TorchLearner(MicroBatchLearner):
         cfg: DAPOConfig,  # lr, betas, weight decay, warm-up, grad clip, gradient_checkpointing
         pad_token_id: int,
     ):
+        model = with_lora(model, cfg)  # lora_r > 0: adapters (PEFT), the base frozen; else the model itself
         self.opt = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+            [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters only
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.weight_decay,
         )
         super().__init__(
             prepare_model(model, cfg.gradient_checkpointing),
@@ -396,12 +405,15 @@ class TorchLearner(MicroBatchLearner):
             )
 
     def load(self, path: str | Path):
-        "Restore weights, AdamW and schedule from `save`'s files (tensors only: weights_only)."
+        "Restore weights (with LoRA: the adapters; the frozen base is `cfg.model`'s), AdamW and schedule from `save`'s files."
         from transformers import AutoModelForCausalLM
 
-        src = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.cfg.dtype))
-        with torch.no_grad():
-            self.model.load_state_dict(src.state_dict())
+        if is_lora(self.model):
+            load_adapters(self.model, Path(path) / ADAPTER_DIR)
+        else:
+            src = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.cfg.dtype))
+            with torch.no_grad():
+                self.model.load_state_dict(src.state_dict())
         st = torch.load(Path(path) / "learner_state.pt", weights_only=True, map_location=self.device)
         self.opt.load_state_dict(st["optimizer"])
         self.sched.load_state_dict(st["scheduler"])

@@ -318,6 +318,10 @@ FROZEN = (  # change the experiment: a resumed run must keep them
     "offload_params",
     "offload_optimizer",
     "vllm_tensor_parallel",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "lora_dropout",  # LoRA: which parameters train
 )
 FREE = (  # may change on resume: applied from the next step on, written to config.yaml, one log line
     "total_steps",

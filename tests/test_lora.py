@@ -1,0 +1,137 @@
+"""LoRA (nbs/08a_lora.ipynb): with `lora_r: 0` the learner is the full fine-tuning one, unchanged; with adapters only
+they train and sit in the optimizer; the engine loads the merged weights, which compute the adapted policy; a run
+resumes exactly from its adapters; `final/` holds the merged transformers model and PEFT's adapter folder."""
+
+import copy, json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dapo_ref.algorithm import train_on
+from dapo_ref.checkpoints import checkpoint_problem, export_checkpoint
+from dapo_ref.cli import load_config
+from dapo_ref.core import DAPOConfig
+from dapo_ref.interfaces import RolloutBatch
+from dapo_ref.learner import TorchLearner, load_policy
+from dapo_ref.lora import ADAPTER_DIR, base_of, is_lora
+from dapo_ref.runs import read_metrics
+from dapo_ref.trainer import Trainer, strip_timing
+
+ROOT = Path(__file__).resolve().parents[1]
+EPS64 = 2.0**-52
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_policy("tiny")
+
+
+def batch(tok) -> RolloutBatch:
+    "Four fixed responses of two groups: advantages +-1 per group, none truncated."
+    p = tok("Q: 3+4=? Answer:")["input_ids"]
+    resp = [tok(s)["input_ids"] for s in (" 7", " 8 then 9", " 7 so 7", " 1")]
+    return RolloutBatch(
+        [p] * 4, resp, torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.zeros(4, dtype=torch.bool), torch.zeros(4), None
+    )
+
+
+def test_lora_r_0_is_the_full_fine_tuning_learner(policy):
+    model = copy.deepcopy(policy[0])
+    learner = TorchLearner(model, DAPOConfig(), pad_token_id=policy[1].pad_token_id)
+    assert learner.model is model and not is_lora(learner.model)
+    # the optimizer holds every parameter, in the model's order (what a checkpoint's AdamW state is indexed by)
+    assert [id(p) for p in learner.opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    w = list(learner.named_weights())  # the model's own tensors, not copies: nothing merged
+    assert [(k, v.data_ptr()) for k, v in w] == [(k, v.data_ptr()) for k, v in model.state_dict().items()]
+
+
+def test_an_update_moves_only_the_adapters_and_the_engine_gets_the_adapted_policy(policy):
+    from transformers import AutoModelForCausalLM
+
+    cfg = DAPOConfig(lora_r=4, lora_alpha=8, lr=1e-2, warmup_steps=0)
+    model = copy.deepcopy(policy[0]).double()  # float64: the merged model's logits against the adapted model's
+    base0 = {k: v.clone() for k, v in model.state_dict().items()}
+    learner = TorchLearner(model, cfg, pad_token_id=policy[1].pad_token_id)
+    trained = [p for p in learner.model.parameters() if p.requires_grad]
+    assert [id(p) for p in learner.opt.param_groups[0]["params"]] == [id(p) for p in trained]
+    assert trained and all("lora_" in n for n, p in learner.model.named_parameters() if p.requires_grad)
+    b = batch(policy[1])
+    for _ in range(2):  # the second update: B != 0, so the adapters change the policy
+        train_on(learner, b, 4)
+    merged = dict(learner.named_weights())
+    assert set(merged) == set(base0)  # the base model's names: what the engine's load_weights takes
+    moved = [k for k in base0 if not torch.equal(merged[k], base0[k])]
+    assert moved and all(k.endswith("proj.weight") for k in moved)  # only adapted linear weights differ
+    for n, p in base_of(learner.model).named_parameters():  # the frozen base itself never moves
+        if ".lora_" not in n:
+            assert torch.equal(p, base0[n.replace(".base_layer.", ".")]), n
+    plain = AutoModelForCausalLM.from_config(base_of(learner.model).config, dtype=torch.float64)
+    plain.load_state_dict(merged)
+    ids = torch.tensor([b.prompt_ids[0] + b.response_ids[1]])
+    with torch.no_grad():
+        a, m = learner.model(input_ids=ids).logits, plain(input_ids=ids).logits
+        with learner.model.disable_adapter():
+            off = learner.model(input_ids=ids).logits
+    # (W0 + BA) x against W0 x + B (A x): the same sums in another order. Each logit sums ~1e3 float64 products of
+    # magnitude <= its scale; their rounding is bounded by 1e3 x 2 x eps64 x scale, well below this 1e-10 x scale
+    scale = float(a.abs().max())
+    assert float((a - m).abs().max()) <= 1e-10 * scale
+    assert float((a - off).abs().max()) > 1e-6 * scale  # and the adapters did change the policy
+    copy_sd = learner.policy_copy().state_dict()  # the transformers engine's own copy: the merged weights, cast
+    assert all(torch.equal(copy_sd[k], merged[k].to(copy_sd[k].dtype)) for k in merged)
+
+
+@pytest.mark.slow
+def test_lora_run_resumes_exactly_from_its_adapters_and_exports_both_forms(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    common = dict(
+        lora_r=8, total_steps=4, save_every=2, eval_every=0, eval_k=1, prompts_per_step=4, group_size=4,
+        gen_batch_size=8, mini_batch_size=8, lr=1e-3,
+    )  # fmt: skip
+    recipe = ROOT / "recipes" / "tiny-cpu.yaml"
+    runs = {}
+    for name, steps in (("ref", 4), ("resumed", 2)):
+        t = Trainer(load_config(recipe, {**common, "total_steps": steps, "output_dir": str(tmp_path / name)}))
+        t.fit(), t.close()
+    assert checkpoint_problem(tmp_path / "resumed" / "checkpoints" / "step-2") is None
+    t = Trainer(load_config(recipe, {**common, "output_dir": str(tmp_path / "resumed")}))
+    t.fit(resume=True), t.close()
+    for name in ("ref", "resumed"):
+        runs[name] = [strip_timing(r) for r in read_metrics(tmp_path / name / "metrics.jsonl")]
+    # bit-identical rows; the first run of "resumed" also evaluated at its end, step 2 (ref did not: eval_every 0)
+    no_eval = [{k: v for k, v in r.items() if not k.startswith("eval")} for r in runs["resumed"]]
+    assert len(runs["ref"]) == 5 and runs["ref"][:2] + runs["ref"][3:] == runs["resumed"][:2] + runs["resumed"][3:]
+    assert runs["ref"][2] == no_eval[2] and runs["ref"][-1]["eval/avg@1"] == runs["resumed"][-1]["eval/avg@1"]
+    fa, fb = (load_file(tmp_path / n / "final" / ADAPTER_DIR / "adapter_model.safetensors") for n in ("ref", "resumed"))
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+    final = tmp_path / "ref" / "final"
+    assert json.loads((final / ADAPTER_DIR / "adapter_config.json").read_text())["r"] == 8
+    merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)  # a plain transformers folder
+    adapted = PeftModel.from_pretrained(load_policy("tiny")[0], final / ADAPTER_DIR)  # PEFT's own loader
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        a, m = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+    # float32, the same sums in another order: ~1e3 products per logit, rounding <= 1e3 x 2 x 2**-24 x scale = 1.2e-4 x
+    # scale in the worst case; the adapters' own effect (checked above in float64) is not what this bounds
+    assert float((a - m).abs().max()) <= 1.2e-4 * float(a.abs().max())
+    # dapo-export of a LoRA checkpoint: the merged model it holds
+    out = export_checkpoint(tmp_path / "ref" / "checkpoints" / "step-4", tmp_path / "exported")
+    e, f = load_file(out / "model.safetensors"), load_file(final / "model.safetensors")
+    assert e.keys() == f.keys() and all(torch.equal(e[k], f[k]) for k in e)
+    # a LoRA checkpoint without its adapters cannot resume: named, before anything loads
+    (tmp_path / "resumed" / "checkpoints" / "step-4" / ADAPTER_DIR / "adapter_model.safetensors").unlink()
+    assert checkpoint_problem(tmp_path / "resumed" / "checkpoints" / "step-4") == (
+        "adapter/adapter_model.safetensors is missing"
+    )
