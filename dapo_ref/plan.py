@@ -12,8 +12,9 @@ from .cli import ArgParser, cli_errors, load_config, parse_overrides
 
 # %% auto #0
 __all__ = ['BYTES', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
-           'model_state_bytes', 'load_bytes', 'activation_bytes', 'engine_bytes', 'sync_bytes', 'advise',
-           'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'disk_per_run', 'format_plan', 'main']
+           'model_state_bytes', 'lora_state_bytes', 'lora_dims', 'lora_params', 'load_bytes', 'activation_bytes',
+           'engine_bytes', 'sync_bytes', 'advise', 'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory',
+           'disk_per_run', 'format_plan', 'main']
 
 # %% ../nbs/12_plan.ipynb #5531a48d
 def valid_tensor_parallel(
@@ -52,11 +53,14 @@ def model_state_bytes(
     offload_params: bool = False,  # ZeRO-3 parameter partition in CPU memory
     offload_optimizer: bool = False,  # optimizer states + fp32 gradients in CPU memory
     dtype_bytes: int = 2,  # 2: bf16 mixed precision; 4: float32 throughout
+    trained: int = 0,  # LoRA: the adapters' parameters (`lora_params`); 0 = full fine-tuning
 ) -> dict:
     "Bytes per GPU (params, grads, optimizer, gathered) and CPU bytes per node of the learner's model states."
     if zero_stage not in (0, 2, 3):
         raise ValueError(f"zero_stage = {zero_stage}: the planner knows 0 (plain PyTorch), 2 and 3")
     p = dtype_bytes
+    if trained:  # LoRA (08a_lora): the frozen base holds its weights only; gradients and AdamW are the adapters'
+        return lora_state_bytes(n, trained, dp, gpus_per_node, zero_stage, offload_optimizer, p)
     if zero_stage == 0:  # torch AdamW: parameter, gradient, m and v, all in the parameter dtype, nothing partitioned
         return dict(params=p * n, grads=p * n, optimizer=2 * p * n, gathered=0, cpu_per_node=0)
     optim_b = BYTES["optim"] if p == 2 else 8  # fp32 master + m + v; float32 needs no master copy
@@ -74,6 +78,53 @@ def model_state_bytes(
     if offload_optimizer:
         cpu_rank += (BYTES["grad_fp32"] + optim_b) * n / dp
     return dict(params=params, grads=grads, optimizer=optim, gathered=gathered, cpu_per_node=cpu_rank * gpus_per_node)
+
+
+def lora_state_bytes(
+    n: int,  # parameters of the base model (frozen)
+    trained: int,  # parameters of the adapters
+    dp: int,  # learner ranks
+    gpus_per_node: int,
+    zero_stage: int,  # 0 or 2 (the config refuses LoRA with ZeRO-3)
+    offload_optimizer: bool,
+    p: int,  # bytes per base parameter (the learner dtype)
+) -> dict:
+    """The learner's model states with LoRA. The base: p bytes per parameter, no gradient, no optimizer state, whole on
+    every rank. The adapters, plain learner: fp32 (PEFT keeps adapters fp32 over a bf16 base), their fp32 gradients and
+    AdamW's fp32 m and v: 4 + 4 + 8 bytes each. ZeRO-2: DeepSpeed's bf16 engine casts the adapters to the learner dtype
+    and keeps fp32 gradients, master and moments partitioned, as for full fine-tuning's parameters."""
+    if zero_stage == 0:
+        return dict(params=p * n + 4 * trained, grads=4 * trained, optimizer=8 * trained, gathered=0, cpu_per_node=0)
+    optim_b = BYTES["optim"] if p == 2 else 8
+    grads = 0 if offload_optimizer else (BYTES["grad_bf16"] * (p == 2) + BYTES["grad_fp32"]) * trained / dp
+    optim = 0 if offload_optimizer else optim_b * trained / dp
+    cpu = (BYTES["grad_fp32"] + optim_b) * trained / dp if offload_optimizer else 0
+    return dict(params=p * (n + trained), grads=grads, optimizer=optim, gathered=0, cpu_per_node=cpu * gpus_per_node)
+
+
+def lora_dims(arch: ModelArch) -> dict[str, tuple[int, int]]:
+    "(in, out) features of the linear layers of one Qwen2-style decoder layer: the layers LoRA may adapt."
+    h, q, kv, i = arch.hidden_size, arch.q_dim, arch.kv_dim, arch.intermediate_size
+    return dict(
+        q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h), gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h)
+    )
+
+
+def lora_params(
+    arch: ModelArch,
+    r: int,  # lora_r
+    targets: str = "all-linear",  # lora_target_modules: all-linear (every linear layer but the output layer) or names
+) -> int:
+    "Trained parameters of rank-`r` adapters: r (in + out) per adapted linear layer, in every decoder layer."
+    dims = lora_dims(arch)
+    names = list(dims) if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    if unknown := [t for t in names if t not in dims]:
+        raise InputError(
+            f"lora_target_modules = {targets}: {', '.join(unknown)} is not a linear layer of a Qwen2-style decoder "
+            f"layer; use all-linear or some of {', '.join(dims)}",
+            "lora_target_modules",
+        )
+    return arch.num_hidden_layers * sum(r * sum(dims[t]) for t in names)
 
 # %% ../nbs/12_plan.ipynb #02c37e5e
 def load_bytes(
@@ -168,7 +219,8 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
     n, world, g = n_params(arch), cfg.nnodes * cfg.gpus_per_node, cfg.gpus_per_node
     check_tensor_parallel(arch, cfg.vllm_tensor_parallel, world)
     p, ll, z = (2 if cfg.dtype == "bfloat16" else 4), largest_layer_params(arch), cfg.zero_stage
-    s = model_state_bytes(n, ll, world, g, z, cfg.offload_params and z == 3, cfg.offload_optimizer and z > 0, p)
+    t = lora_params(arch, cfg.lora_r, cfg.lora_target_modules) if cfg.lora_r else 0  # LoRA: the adapters train
+    s = model_state_bytes(n, ll, world, g, z, cfg.offload_params and z == 3, cfg.offload_optimizer and z > 0, p, t)
     tokens = max(cfg.micro_token_budget, cfg.max_prompt_length + cfg.l_max)
     a = activation_bytes(arch, tokens, cfg.gradient_checkpointing)
     gpu = gpu_memory_gb * 2**30
@@ -210,6 +262,7 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
         cpu_per_node=max(cpu.values()),
         load_no_init=load_no_init,
         dtype_bytes=p,
+        trained=t,
     )
 
 
@@ -337,12 +390,21 @@ def save_sizes(
     n: int,  # parameters
     dtype: str,  # the learner's dtype (bfloat16 | float32)
     zero_stage: int,  # 0: the plain learner (torch AdamW), 2/3: DeepSpeed
+    trained: int = 0,  # LoRA: the adapters' parameters (fp32 in the plain learner's files)
 ) -> dict:
     """GiB on disk of one HF export (the weights in `dtype`, written by rank 0: `final/`, `exports/step-N`) and of one
     checkpoint (`save_every`: what resume needs). DeepSpeed's ZeRO files hold the weights in `dtype` and, per parameter,
     Adam's m and v in fp32 plus an fp32 master copy when `dtype` is bf16: 2 + 12 = 14 bytes (fp32: 4 + 8 = 12), and no
-    export. The plain learner's checkpoint is an export plus AdamW's m and v in `dtype`: 3 x the weights."""
+    export. The plain learner's checkpoint is an export plus AdamW's m and v in `dtype`: 3 x the weights. With LoRA
+    (`trained` > 0) an export and a checkpoint are the merged model plus the adapters (`adapter/`), and the checkpoint adds
+    AdamW's m and v of the adapters; a DeepSpeed checkpoint holds the adapters' partitions only (the frozen base is not
+    saved: resume reads it from `model`), plus `adapter/`."""
     w = 2 if dtype == "bfloat16" else 4
+    if trained:
+        a = 4 if zero_stage == 0 else w  # the adapters' bytes each (fp32 in the plain learner)
+        export = n * w + trained * a
+        ckpt = export + 8 * trained if zero_stage == 0 else trained * (a + w + (12 if w == 2 else 8))
+        return dict(export_gb=_gib(export), checkpoint_gb=_gib(ckpt))
     ckpt = (w + (12 if w == 2 else 8)) if zero_stage else 3 * w
     return dict(export_gb=_gib(n * w), checkpoint_gb=_gib(n * ckpt))
 
@@ -385,6 +447,7 @@ def plan_memory(
     return dict(
         model=cfg.model if model_arch is None else (arch.name or str(model_arch)),
         n_params=p["n"],
+        lora_params=p["trained"],  # 0: full fine-tuning
         world_size=p["world"],
         gpu_memory_gb=gpu_memory_gb,
         zero_stage=cfg.zero_stage,
@@ -408,7 +471,7 @@ def plan_memory(
         engine_weights_gb=_gib(e["weights"]),
         fits=fits,
         engine_layout=engine_layout(p["world"], tp, cfg.gpus_per_node),
-        **(sizes := save_sizes(p["n"], cfg.dtype, cfg.zero_stage)),
+        **(sizes := save_sizes(p["n"], cfg.dtype, cfg.zero_stage, p["trained"])),
         disk=disk_per_run(cfg, sizes["checkpoint_gb"], sizes["export_gb"], keep_checkpoints),
         advice=[] if fits else advise(cfg, arch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb),
         notes=notes,
@@ -456,6 +519,11 @@ def format_plan(plan: dict) -> str:
     "The plan as a small text table: one row per item, one column per phase, the binding phase, the verdict, the advice."
     it, ph, tp = plan["items"], plan["phases_gb"], plan["tensor_parallel"]
     learner = f"ZeRO-{plan['zero_stage']}" if plan["zero_stage"] else "plain PyTorch AdamW (zero_stage 0)"
+    if plan.get("lora_params"):
+        learner += (
+            f", LoRA: {plan['lora_params'] / 1e6:.1f}M adapter params trained "
+            f"({plan['lora_params'] / plan['n_params']:.2%} of the base; the base frozen: no gradients or optimizer states)"
+        )
     lines = [
         f"{plan['model']}: {plan['n_params'] / 1e9:.2f}B params, {learner} over {plan['world_size']} GPUs"
         + (" (partitioned init)" if plan["partitioned_init"] else "")
