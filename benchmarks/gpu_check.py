@@ -29,7 +29,11 @@ the step's update peak is the trainer's own (`perf/peak_mem_gb/update`), printed
 4. `fused`:   the lm head's fused log-prob backward in bf16 on the device (fused_bf16.py, tests/test_fused_bf16.py's
               derived bound);
 5. `free`:    the engine closed (its memory back), then `restart`: a new engine, the learner's weights loaded, the
-              same log-prob comparison.
+              same log-prob comparison;
+6. `lora`:    where PEFT is installed, a plain learner with LoRA adapters (rank 8, nbs/08a_lora.ipynb) beside the
+              others: three updates on responses the engine sampled, the merged weights loaded into the engine, its
+              log-probs against the adapted learner's (within the sync bound), and the update's own move on the same
+              tokens above twice that gap (an engine still serving the base would be off by the whole move).
 
 A JSON summary goes to OUT/gpu_check.json. Exit status: 0 every check passed, 1 a check failed or the run ran past
 --timeout, 2 a missing requirement or bad input (one line, before any work)."""
@@ -240,6 +244,52 @@ def logprob_gap(engine, learner, prompts: list[list[int]], max_tokens: int) -> d
     return dict(tokens=int(d.numel()), mean=float(d.mean()), max=float(d.max()))
 
 
+def lora_phase(cfg, model: Path, engine, prompts: list[list[int]], max_tokens: int, pad_id: int) -> dict:
+    """A plain learner with rank-8 LoRA adapters on `model` (the base frozen): three updates on responses `engine`
+    samples, the merged weights loaded into the engine; the engine's log-prob gap to the adapted learner, and how far
+    the updates moved the learner's log-probs of the same tokens (a measure of what a stale engine would miss)."""
+    import dataclasses
+    import torch
+    from dapo_ref.algorithm import train_on
+    from dapo_ref.interfaces import RolloutBatch, SamplingParams
+    from dapo_ref.learner import TorchLearner, load_model
+
+    lcfg = dataclasses.replace(
+        cfg,
+        zero_stage=0,
+        lora_r=8,
+        lora_alpha=16,
+        lr=1e-2,
+        warmup_steps=0,
+        offload_params=False,
+        rollout_correction="none",
+    )  # updates on a batch without the engine's log-probs: this phase checks the sync, not the correction
+    from dapo_ref.zero import plain_from_pretrained
+
+    with plain_from_pretrained():  # whole, not partitioned: the ZeRO-3 learner's config is still alive in this process
+        base = load_model(str(model), lcfg.dtype, "sdpa").to("cuda" if torch.cuda.is_available() else "cpu")
+    learner = TorchLearner(base, lcfg, pad_token_id=pad_id)  # on the base's device
+    comps = [c for c in engine.generate(prompts, SamplingParams(n=4, max_tokens=max_tokens, seed=11)) if c.token_ids]
+    n = len(comps) - len(comps) % 2
+    batch = RolloutBatch(
+        [prompts[c.prompt_index] for c in comps[:n]],
+        [c.token_ids for c in comps[:n]],
+        torch.tensor([1.0, -1.0] * (n // 2)),  # half pushed up, half down: the policy moves
+        torch.zeros(n, dtype=torch.bool),
+        torch.zeros(n),
+    )
+    before, _ = learner.compute_logprobs(batch)
+    for _ in range(3):
+        train_on(learner, batch, n)
+    after, _ = learner.compute_logprobs(batch)
+    moved = float(torch.cat([(a.double() - b.double()).abs().cpu() for a, b in zip(after, before)]).mean())
+    engine.load_weights(learner.named_weights())  # the merged weights W0 + (alpha / r) B A, under the base's names
+    gap = logprob_gap(engine, learner, prompts, max_tokens)
+    trained = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
+    del learner
+    return dict(trained=trained, moved_mean=moved, **{f"gap_{k}": v for k, v in gap.items()})
+
+
 def plan(recipe_path: Path, model: Path, gpu_gb: float) -> dict:
     "`dapo-plan --json` for the recipe (exit status 1 = does not fit still prints the plan)."
     p = subprocess.run(
@@ -444,6 +494,16 @@ def main(argv: list[str] | None = None) -> int:
             gap2 = logprob_gap(engine, tr.learner, probe, run["l_max"])
             phase("restart", **{f"gap_{k}": v for k, v in gap2.items()})
             checks[f"a restarted engine serves the learner's weights (mean |d| < {tol:g})"] = gap2["mean"] < tol
+        if importlib.util.find_spec("peft") is not None:
+            stage = "lora"
+            lo = lora_phase(cfg, work / "model", engine if with_vllm else tr.engine, probe, run["l_max"], tr.pad_id)
+            phase("lora", **lo)
+            checks[
+                f"LoRA: the engine serves the merged adapters (mean |d| < {tol:g}, and < half the update's move)"
+            ] = lo["gap_mean"] < tol and lo["moved_mean"] > 2 * lo["gap_mean"]
+        else:
+            skipped.append("the LoRA phase (PEFT is not installed: pip install peft)")
+        if with_vllm:
             engine.close()
     except TimeoutError as e:
         print(f"gpu_check: {e}", file=sys.stderr)

@@ -258,7 +258,8 @@ def _load_checkpoint_model(ckpt: Path, dtype: str | None):
 
     config = AutoConfig.from_pretrained(ckpt)
     dt = getattr(torch, dtype or str(getattr(config, "dtype", None) or "float32").replace("torch.", ""))
-    if not (ckpt / "deepspeed").is_dir():  # the plain learner's checkpoint is a transformers folder already
+    if not (ckpt / "deepspeed").is_dir() or (ckpt / ADAPTER_DIR).is_dir():  # a transformers folder already: the plain
+        # learner's checkpoint, and a LoRA run's (the merged model beside adapter/; its deepspeed/ holds the adapters)
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -16,6 +16,7 @@ from .core import DAPOConfig, InputError
 from fastcore.basics import patch
 
 from .learner import MicroBatchLearner, prepare_model, model_path
+from .lora import is_lora, merged_named_weights, with_lora
 from .sharded_learner import ShardedLearner
 from .packing import SeqParallel
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
@@ -181,9 +182,10 @@ class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
         dist.init_distributed(single=True)  # DeepSpeed's engine runs collectives even on one rank
         self.world = dist.world_size()
         self.ds_config = ds_config or deepspeed_config(cfg, self.world)
+        model = with_lora(model, cfg)  # lora_r > 0 (ZeRO-2; the config refuses ZeRO-3): the adapters alone train
         engine, opt, _, _ = deepspeed.initialize(
             model=prepare_model(model, cfg.gradient_checkpointing),
-            model_parameters=model.parameters(),
+            model_parameters=[p for p in model.parameters() if p.requires_grad],  # LoRA: the frozen base not in ZeRO
             config=self.ds_config,
         )
         self.engine, self.opt = engine, opt
@@ -219,14 +221,19 @@ class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
         return gn
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
-        "Full tensors by name, gathered module by module (a collective: every rank iterates it)."
-        return gathered_named_weights(self.model)
+        "Full tensors by name, gathered module by module (a collective: every rank iterates it); LoRA: merged (ZeRO-2, whole)."
+        return merged_named_weights(self.model) if is_lora(self.model) else gathered_named_weights(self.model)
 
     def save(self, path: str | Path):
         """What a resume needs: DeepSpeed's partitions of weights and optimizer (every rank writes its own), the schedule,
         and the model's config (rank 0). No HF export: at 32B it would add 61 GiB through rank 0 to every checkpoint;
         `Trainer.export` writes those (`export_every`, `final/`), and `dapo-export` makes one from any checkpoint."""
-        self.engine.save_checkpoint(str(Path(path) / "deepspeed"), tag="zero", save_latest=False)
+        lora = is_lora(self.model)  # LoRA: the adapters' partitions; the frozen base is `model`'s, read again on resume
+        self.engine.save_checkpoint(
+            str(Path(path) / "deepspeed"), tag="zero", save_latest=False, exclude_frozen_parameters=lora
+        )
+        if lora:  # and the merged model with adapter/, as the plain learner's checkpoint (what dapo-export reads)
+            MicroBatchLearner.save_model(self, path)
         if self.writes_files:
             torch.save({"scheduler": self.sched.state_dict()}, Path(path) / "learner_state.pt")
             self.model.config.save_pretrained(path)
@@ -235,7 +242,12 @@ class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
 
     def load(self, path: str | Path):
         "Restore this rank's partitions and the schedule from `save`'s files."
-        self.engine.load_checkpoint(str(Path(path) / "deepspeed"), tag="zero", load_lr_scheduler_states=False)
+        self.engine.load_checkpoint(
+            str(Path(path) / "deepspeed"),
+            tag="zero",
+            load_lr_scheduler_states=False,
+            load_module_strict=not is_lora(self.model),  # LoRA: the checkpoint holds the adapters, not the base
+        )
         self.sched.load_state_dict(torch.load(Path(path) / "learner_state.pt", weights_only=True)["scheduler"])
 
     def close(self):
@@ -287,6 +299,8 @@ def build(cls: DeepSpeedLearner, cfg: DAPOConfig, pad_token_id: int, model=None)
 @patch
 def save_model(self: DeepSpeedLearner, path: str | Path):
     "The full model as an HF folder, written shard by shard as modules are gathered (rank 0 writes; every rank calls)."
+    if is_lora(self.model):  # ZeRO-2: the weights are whole on every rank; merged, and adapter/ beside them
+        return MicroBatchLearner.save_model(self, path)
     save_pretrained_streamed(self.model, path, overwrite=True)
 
 

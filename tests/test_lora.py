@@ -135,3 +135,42 @@ def test_lora_run_resumes_exactly_from_its_adapters_and_exports_both_forms(tmp_p
     assert checkpoint_problem(tmp_path / "resumed" / "checkpoints" / "step-4") == (
         "adapter/adapter_model.safetensors is missing"
     )
+
+
+@pytest.mark.slow
+def test_zero2_lora_trains_the_adapters_alone_and_resumes_from_its_checkpoint(tmp_path, policy):
+    """DeepSpeed ZeRO-2 on one rank with adapters: ZeRO's fp32 partition holds the adapters and nothing of the base;
+    an update moves only adapted weights; the checkpoint (the adapters' partitions, the merged model, adapter/) loads
+    into a fresh learner with the same weights, and dapo-export reads it."""
+    pytest.importorskip("deepspeed")
+    from dapo_ref.scale import DeepSpeedLearner
+
+    recipe = ROOT / "recipes" / "tiny-cpu.yaml"
+    cfg = load_config(recipe, dict(zero_stage=2, lora_r=4, lora_alpha=8, lr=1e-2, warmup_steps=0))
+    learner = DeepSpeedLearner(copy.deepcopy(policy[0]), cfg, policy[1].pad_token_id)
+    trained = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
+    assert is_lora(learner.model) and trained == sum(p.numel() for p in learner.guard_weights())  # ZeRO: adapters only
+    base0 = dict(copy.deepcopy(policy[0]).state_dict())
+    b = batch(policy[1])
+    for _ in range(2):
+        train_on(learner, b, 4)
+    merged = dict(learner.named_weights())
+    assert set(merged) == set(base0)
+    moved = [k for k in base0 if not torch.equal(merged[k], base0[k])]
+    assert moved and all(k.endswith("proj.weight") for k in moved)
+    learner.save(tmp_path / "ck")
+    assert (tmp_path / "ck" / ADAPTER_DIR / "adapter_model.safetensors").is_file()
+    saved = sum(f.stat().st_size for f in (tmp_path / "ck" / "deepspeed").rglob("*model_states.pt"))
+    assert saved < 4 * sum(v.numel() for v in base0.values())  # the frozen base is not in DeepSpeed's files
+    again = DeepSpeedLearner(copy.deepcopy(policy[0]), cfg, policy[1].pad_token_id)
+    again.load(tmp_path / "ck")
+    back = dict(again.named_weights())
+    assert all(torch.equal(back[k], merged[k]) for k in merged)
+    assert all(torch.equal(a, b) for a, b in zip(again.guard_weights(), learner.guard_weights()))  # the fp32 master
+    # what write_checkpoint adds around learner.save, so that dapo-export takes the folder for a checkpoint
+    (tmp_path / "ck" / "state.json").write_text(json.dumps(dict(step=1, data_pos=0, grad_updates=2, metrics=[])))
+    torch.save({}, tmp_path / "ck" / "rng-rank0.pt")
+    policy[1].save_pretrained(tmp_path / "ck")
+    out = export_checkpoint(tmp_path / "ck", tmp_path / "exported")
+    e = load_file(out / "model.safetensors")
+    assert all(torch.equal(e[k], merged[k].to(e[k].dtype)) for k in e)

@@ -680,7 +680,8 @@ def test_gpu_check_cpu(tmp_path):
     """The one-GPU check's phases at tiny shapes (so the script cannot rot), in a process where pytest cannot be imported:
     a ZeRO-3 learner (float32) and a vLLM engine
     (bfloat16) in one process, one DAPO step (rollout-corrected), the engine's log-probs against the learner's after it, the bf16 fused-gradient check, the
-    engine closed and a new one started and synced. On the CPU it says what it skipped (compiled engine, sleep mode)."""
+    engine closed and a new one started and synced, then a LoRA learner's merged adapters served by that engine. On the
+    CPU it says what it skipped (compiled engine, sleep mode)."""
     import json, subprocess, sys
     from pathlib import Path
 
@@ -700,8 +701,12 @@ def test_gpu_check_cpu(tmp_path):
     )  # hang guard
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     s = json.loads((out / "gpu_check.json").read_text())
-    assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused", "free", "restart"]
-    assert len(s["checks"]) == 6 and all(s["checks"].values()), s["checks"]
+    assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused", "free", "restart", "lora"]
+    assert len(s["checks"]) == 7 and all(s["checks"].values()), s["checks"]
+    # LoRA (nbs/08a_lora): the bfloat16 engine, after loading the merged adapters, is within the bf16 sync bound of the
+    # adapted float32 learner on tokens it sampled, while the adapters moved those log-probs by more than twice that gap
+    lora = s["phases"][-1]
+    assert lora["trained"] > 0 and lora["gap_tokens"] > 0 and lora["moved_mean"] > 2 * lora["gap_mean"], lora
     assert s["phases"][0]["engine"] == "VLLMRolloutEngine" and s["phases"][0]["learner"] == "DeepSpeedLearner"
     assert any("sleep" in x for x in s["skipped"]) and any("compiled" in x for x in s["skipped"])
     assert set(s["plan"]["phases_gb"]) >= {"load", "update"}  # dapo-plan's prediction for the shape was read
