@@ -6,16 +6,17 @@
 from __future__ import annotations
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
-from torch import Tensor
+from .arch import ModelArch
+from .core import DAPOConfig, InputError
 
-from .core import DAPOConfig
+if TYPE_CHECKING:
+    from torch import Tensor  # torch is imported where it is used: `dapo-plan` sizes adapters without it
 
 # %% auto #0
-__all__ = ['ADAPTER_DIR', 'lora_config', 'with_lora', 'is_lora', 'base_of', 'merged_named_weights', 'save_adapters',
-           'load_adapters', 'adapter_problem']
+__all__ = ['ADAPTER_DIR', 'lora_config', 'with_lora', 'is_lora', 'base_of', 'merged_named_weights', 'lora_state_bytes',
+           'lora_dims', 'lora_params', 'save_adapters', 'load_adapters', 'adapter_problem']
 
 # %% ../nbs/08a_lora.ipynb #c346c7c8
 ADAPTER_DIR = "adapter"  # PEFT's files (adapter_config.json, adapter_model.safetensors), beside the merged model
@@ -41,6 +42,7 @@ def with_lora(model, cfg: DAPOConfig):
     "`model` with LoRA adapters when `cfg.lora_r > 0` (only the adapters trainable), else `model` itself."
     if not cfg.lora_r or is_lora(model):
         return model
+    import torch
     from peft import get_peft_model
 
     with torch.random.fork_rng(devices=[]):  # A's random init from the run's seed: a run and its rerun start alike
@@ -58,9 +60,9 @@ def base_of(model):
     return model.get_base_model() if is_lora(model) else model
 
 # %% ../nbs/08a_lora.ipynb #fca1865c
-@torch.no_grad()
 def merged_named_weights(model) -> Iterator[tuple[str, Tensor]]:
     "The base model's (name, tensor) pairs with each adapted weight replaced by W0 + (alpha / r) B A; no copy of the rest."
+    import torch
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -75,8 +77,56 @@ def merged_named_weights(model) -> Iterator[tuple[str, Tensor]]:
         k = k.replace(".base_layer.", ".")  # PEFT's wrapper -> the base model's name
         if k in deltas:
             m = deltas[k]
-            v = v + m.get_delta_weight(m.active_adapters[0]).to(v.dtype)  # (out, in)
+            with torch.no_grad():
+                v = v + m.get_delta_weight(m.active_adapters[0]).to(v.dtype)  # (out, in)
         yield k, v
+
+# %% ../nbs/08a_lora.ipynb #8c6d051d
+def lora_state_bytes(
+    n: int,  # parameters of the base model (frozen)
+    trained: int,  # parameters of the adapters
+    dp: int,  # learner ranks
+    gpus_per_node: int,
+    zero_stage: int,  # 0 or 2 (the config refuses LoRA with ZeRO-3)
+    offload_optimizer: bool,
+    p: int,  # bytes per base parameter (the learner dtype)
+) -> dict:
+    """The learner's model states with LoRA. The base: p bytes per parameter, no gradient, no optimizer state, whole on
+    every rank. The adapters, plain learner: fp32 (PEFT keeps adapters fp32 over a bf16 base), their fp32 gradients and
+    AdamW's fp32 m and v: 4 + 4 + 8 bytes each. ZeRO-2: DeepSpeed's bf16 engine casts the adapters to the learner dtype
+    and keeps fp32 gradients, master and moments partitioned, as for full fine-tuning's parameters."""
+    if zero_stage == 0:
+        return dict(params=p * n + 4 * trained, grads=4 * trained, optimizer=8 * trained, gathered=0, cpu_per_node=0)
+    optim_b = 12 if p == 2 else 8  # fp32 master + m + v (float32: no master copy)
+    grads = 0 if offload_optimizer else (2 * (p == 2) + 4) * trained / dp
+    optim = 0 if offload_optimizer else optim_b * trained / dp
+    cpu = (4 + optim_b) * trained / dp if offload_optimizer else 0
+    return dict(params=p * (n + trained), grads=grads, optimizer=optim, gathered=0, cpu_per_node=cpu * gpus_per_node)
+
+
+def lora_dims(arch: ModelArch) -> dict[str, tuple[int, int]]:
+    "(in, out) features of the linear layers of one Qwen2-style decoder layer: the layers LoRA may adapt."
+    h, q, kv, i = arch.hidden_size, arch.q_dim, arch.kv_dim, arch.intermediate_size
+    return dict(
+        q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h), gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h)
+    )
+
+
+def lora_params(
+    arch: ModelArch,
+    r: int,  # lora_r
+    targets: str = "all-linear",  # lora_target_modules: all-linear (every linear layer but the output layer) or names
+) -> int:
+    "Trained parameters of rank-`r` adapters: r (in + out) per adapted linear layer, in every decoder layer."
+    dims = lora_dims(arch)
+    names = list(dims) if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    if unknown := [t for t in names if t not in dims]:
+        raise InputError(
+            f"lora_target_modules = {targets}: {', '.join(unknown)} is not a linear layer of a Qwen2-style decoder "
+            f"layer; use all-linear or some of {', '.join(dims)}",
+            "lora_target_modules",
+        )
+    return arch.num_hidden_layers * sum(r * sum(dims[t]) for t in names)
 
 # %% ../nbs/08a_lora.ipynb #1eb28467
 def save_adapters(model, path: str | Path):

@@ -9,12 +9,12 @@ import dataclasses, json, math, sys
 from .arch import ModelArch, kv_bytes_per_token, largest_layer_params, layer_params, n_params, resolve_arch
 from .core import DAPOConfig, InputError
 from .cli import ArgParser, cli_errors, load_config, parse_overrides
+from .lora import lora_params, lora_state_bytes
 
 # %% auto #0
 __all__ = ['BYTES', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
-           'model_state_bytes', 'lora_state_bytes', 'lora_dims', 'lora_params', 'load_bytes', 'activation_bytes',
-           'engine_bytes', 'sync_bytes', 'advise', 'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory',
-           'disk_per_run', 'format_plan', 'main']
+           'model_state_bytes', 'load_bytes', 'activation_bytes', 'engine_bytes', 'sync_bytes', 'advise',
+           'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'disk_per_run', 'format_plan', 'main']
 
 # %% ../nbs/12_plan.ipynb #5531a48d
 def valid_tensor_parallel(
@@ -78,53 +78,6 @@ def model_state_bytes(
     if offload_optimizer:
         cpu_rank += (BYTES["grad_fp32"] + optim_b) * n / dp
     return dict(params=params, grads=grads, optimizer=optim, gathered=gathered, cpu_per_node=cpu_rank * gpus_per_node)
-
-
-def lora_state_bytes(
-    n: int,  # parameters of the base model (frozen)
-    trained: int,  # parameters of the adapters
-    dp: int,  # learner ranks
-    gpus_per_node: int,
-    zero_stage: int,  # 0 or 2 (the config refuses LoRA with ZeRO-3)
-    offload_optimizer: bool,
-    p: int,  # bytes per base parameter (the learner dtype)
-) -> dict:
-    """The learner's model states with LoRA. The base: p bytes per parameter, no gradient, no optimizer state, whole on
-    every rank. The adapters, plain learner: fp32 (PEFT keeps adapters fp32 over a bf16 base), their fp32 gradients and
-    AdamW's fp32 m and v: 4 + 4 + 8 bytes each. ZeRO-2: DeepSpeed's bf16 engine casts the adapters to the learner dtype
-    and keeps fp32 gradients, master and moments partitioned, as for full fine-tuning's parameters."""
-    if zero_stage == 0:
-        return dict(params=p * n + 4 * trained, grads=4 * trained, optimizer=8 * trained, gathered=0, cpu_per_node=0)
-    optim_b = BYTES["optim"] if p == 2 else 8
-    grads = 0 if offload_optimizer else (BYTES["grad_bf16"] * (p == 2) + BYTES["grad_fp32"]) * trained / dp
-    optim = 0 if offload_optimizer else optim_b * trained / dp
-    cpu = (BYTES["grad_fp32"] + optim_b) * trained / dp if offload_optimizer else 0
-    return dict(params=p * (n + trained), grads=grads, optimizer=optim, gathered=0, cpu_per_node=cpu * gpus_per_node)
-
-
-def lora_dims(arch: ModelArch) -> dict[str, tuple[int, int]]:
-    "(in, out) features of the linear layers of one Qwen2-style decoder layer: the layers LoRA may adapt."
-    h, q, kv, i = arch.hidden_size, arch.q_dim, arch.kv_dim, arch.intermediate_size
-    return dict(
-        q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h), gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h)
-    )
-
-
-def lora_params(
-    arch: ModelArch,
-    r: int,  # lora_r
-    targets: str = "all-linear",  # lora_target_modules: all-linear (every linear layer but the output layer) or names
-) -> int:
-    "Trained parameters of rank-`r` adapters: r (in + out) per adapted linear layer, in every decoder layer."
-    dims = lora_dims(arch)
-    names = list(dims) if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    if unknown := [t for t in names if t not in dims]:
-        raise InputError(
-            f"lora_target_modules = {targets}: {', '.join(unknown)} is not a linear layer of a Qwen2-style decoder "
-            f"layer; use all-linear or some of {', '.join(dims)}",
-            "lora_target_modules",
-        )
-    return arch.num_hidden_layers * sum(r * sum(dims[t]) for t in names)
 
 # %% ../nbs/12_plan.ipynb #02c37e5e
 def load_bytes(
