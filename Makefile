@@ -55,10 +55,10 @@ lab: install
 # pytest they were slower: vLLM's CPU threads compete with it).
 NICE ?=
 test: lint check-export check-clean
-	@echo "make test: $$(date +%T) notebooks then pytest, and beside them docs and .venv-vllm"
-	$(MAKE) --no-print-directory -j3 --output-sync=target pytest-after-nbtest docs venv-vllm NICE="nice -n 15"
-	@echo "make test: $$(date +%T) vLLM tests"
-	$(MAKE) --no-print-directory test-vllm
+	@echo "make test: $$(date +%T) notebooks then pytest, and beside them .venv-vllm"
+	$(MAKE) --no-print-directory -j2 --output-sync=target pytest-after-nbtest venv-vllm NICE="nice -n 15"
+	@echo "make test: $$(date +%T) vLLM tests, and beside them the docs"
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm docs NICE="nice -n 15"
 	@echo "make test: $$(date +%T) all checks passed"
 
 # ruff, configured in pyproject.toml (line length 120): the notebooks, tests, benchmarks and CI scripts formatted (the

@@ -30,7 +30,7 @@ the step's update peak is the trainer's own (`perf/peak_mem_gb/update`), printed
               derived bound);
 5. `free`:    the engine closed (its memory back), then `restart`: a new engine, the learner's weights loaded, the
               same log-prob comparison;
-6. `lora`:    where PEFT is installed, a plain learner with LoRA adapters (rank 8, nbs/08a_lora.ipynb) beside the
+6. `lora`:    where PEFT is installed, a plain learner with LoRA adapters (rank 8, nbs/07c_lora.ipynb) beside the
               others: three updates on responses the engine sampled, the merged weights loaded into the engine, its
               log-probs against the adapted learner's (within the sync bound), and the update's own move on the same
               tokens above twice that gap (an engine still serving the base would be off by the whole move).
@@ -252,7 +252,8 @@ def lora_phase(cfg, model: Path, engine, prompts: list[list[int]], max_tokens: i
     import torch
     from dapo_ref.algorithm import train_on
     from dapo_ref.interfaces import RolloutBatch, SamplingParams
-    from dapo_ref.learner import TorchLearner, load_model
+    from dapo_ref.learner import TorchLearner
+    from dapo_ref.policy import load_model
 
     lcfg = dataclasses.replace(
         cfg,

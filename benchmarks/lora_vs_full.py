@@ -7,7 +7,7 @@ seeds, wall time, and the learner's model states (parameters, gradients, AdamW) 
 Arms: full fine-tuning (the recipe as it is: lr 3e-4); LoRA rank 8 on every linear layer (alpha 16) at the same
 learning rate; and at ten times it (3e-3: LoRA's update starts from B = 0 and is scaled by alpha / r, and LoRA runs are
 usually given a larger learning rate). Writes `benchmarks/lora/lora.json` (per arm and seed: the metrics rows, wall
-time, the run's key) and `lora.md` (the table); `nbs/08a_lora.ipynb` reads both. Run folders go to `runs/` (not
+time, the run's key) and `lora.md` (the table); `nbs/07c_lora.ipynb` reads both. Run folders go to `runs/` (not
 committed)."""
 
 import argparse, json, os, sys, time
@@ -28,7 +28,8 @@ def state_bytes(cfg) -> dict:
     import torch
     from dapo_ref.algorithm import train_on
     from dapo_ref.interfaces import RolloutBatch
-    from dapo_ref.learner import TorchLearner, load_policy
+    from dapo_ref.learner import TorchLearner
+    from dapo_ref.policy import load_policy
 
     model, tok = load_policy(cfg.model)
     learner = TorchLearner(model, cfg, pad_token_id=tok.pad_token_id)

@@ -76,7 +76,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
         if why := safetensors_problem(path / name):
             return why
     exp = s.get("experiment") if isinstance(s.get("experiment"), dict) else {}
-    if exp.get("lora_r") or (path / ADAPTER_DIR).exists():  # a LoRA run resumes from its adapters (08a_lora)
+    if exp.get("lora_r") or (path / ADAPTER_DIR).exists():  # a LoRA run resumes from its adapters (07c_lora)
         if why := adapter_problem(path / ADAPTER_DIR):
             return why
     torch_files = ["learner_state.pt", *(f"rng-rank{r}.pt" for r in range(s.get("world_size", 1)))]

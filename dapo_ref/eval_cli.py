@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors import SafetensorError
 
 from .arch import arch_from_config, kv_bytes_per_token, n_params
 from .core import DAPOConfig, REWARD_MODES, InputError
@@ -20,12 +19,11 @@ from .reward_pool import RewardPluginError, check_plugin
 from .rollout import check_host_memory
 from .writers import write_whole
 from .eval import evaluate
-from .testbeds import resolve_model
+from .policy import LOAD_ERRORS, check_model, weights_problem
 
 # %% auto #0
-__all__ = ['WRITTEN_BY', 'LOAD_ERRORS', 'check_output_file', 'check_device', 'data_files', 'load_model_config', 'check_model',
-           'weights_problem', 'generation_memory', 'available_memory', 'check_generation_memory', 'report_lines',
-           'main', 'vllm_engine']
+__all__ = ['WRITTEN_BY', 'check_output_file', 'check_device', 'data_files', 'generation_memory', 'available_memory',
+           'check_generation_memory', 'report_lines', 'main', 'vllm_engine']
 
 # %% ../nbs/08_eval_cli.ipynb #37f2a250
 def _parser() -> argparse.ArgumentParser:
@@ -251,78 +249,6 @@ def _check_args(args) -> None:
     check_device(args.device)
     inputs = {f"--data{f' item {i + 1}' if len(args.data_files) > 1 else ''}": f for i, f in enumerate(args.data_files)}
     check_output_file(args.out, args.overwrite, inputs={**inputs, "--model": args.model})
-
-# %% ../nbs/08_eval_cli.ipynb #a664d8f9
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def load_model_config(name: str, flag: str = "--model"):
-    "The transformers config of `name` (a folder or hub name), or a one-line `InputError` (offline, unknown name, bad file)."
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError, KeyError) as e:
-        if not Path(name).expanduser().exists() and _offline():
-            raise InputError(
-                f"{flag} {name}: not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
-                "forbids downloading it; download it where the hub is reachable, or give a local folder"
-            ) from None
-        raise InputError(
-            f"{flag} {name}: cannot read its config ({one_line(e)[:300]}); "
-            "check the name, or give a local folder written by save_pretrained"
-        ) from None
-
-# %% ../nbs/08_eval_cli.ipynb #e7ccd93c
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def check_model(
-    name: str,  # `--model` / `model`: a local folder, a hub name, or tiny
-    flag: str = "--model",  # names the input in errors ("model =" in dapo-train)
-):
-    """Before any weight loads, what can be known of a model: the folder (config.json, tokenizer files, every
-    safetensors file whole, by its header) or the hub name (in the cache when offline), and its config; returns
-    `(name to load, config)`. dapo-train and dapo-eval run the same checks."""
-    path = resolve_model(name, flag)
-    config = load_model_config(path, flag)
-    folder = Path(path)
-    if folder.is_dir():
-        if not any((folder / f).is_file() for f in _TOKENIZER_FILES):  # transformers would make an empty one
-            raise InputError(
-                f"{flag} {name}: no tokenizer files in this folder ({', '.join(_TOKENIZER_FILES)}); "
-                "save the tokenizer next to the model with tokenizer.save_pretrained"
-            )
-        from safetensors import safe_open
-
-        for f in sorted(folder.glob("*.safetensors")):
-            try:
-                with safe_open(f, "pt"):
-                    pass  # reads the header, checks that the file holds every tensor it declares
-            except (SafetensorError, OSError) as e:
-                raise InputError(
-                    f"{flag} {name}: {f.name} is truncated or not a safetensors file ({one_line(e)[:200]}); "
-                    "copy or export the model again"
-                ) from None
-    return path, config
-
-
-LOAD_ERRORS = (
-    OSError,
-    ValueError,
-    SafetensorError,
-)  # what from_pretrained raises for a missing, broken or mismatched file
-
-
-def weights_problem(model: torch.nn.Module) -> str | None:
-    "Which parameter of `model` holds a NaN or an infinity (the first, by name), or None; one pass over the weights."
-    for n, p in model.named_parameters():
-        if p.numel() and not bool(torch.isfinite(p).all()):
-            return f"weight {n} holds NaN or infinite values"
-    return None
 
 # %% ../nbs/08_eval_cli.ipynb #29796180
 def generation_memory(

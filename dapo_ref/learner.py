@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .core import DAPOConfig
 from .interfaces import Learner, RolloutBatch
-from .testbeds import resolve_model
+from .policy import load_model
 from .loss import overlong_filter
 from .loss_family import family_kwargs, family_loss
 from .rollout_correction import batch_weights
@@ -22,42 +22,8 @@ from .guards import UpdateGuard
 from .lora import ADAPTER_DIR, base_of, is_lora, load_adapters, merged_named_weights, save_adapters, with_lora
 
 # %% auto #0
-__all__ = ['STAGED', 'METRIC_KEYS', 'model_path', 'load_model', 'load_tokenizer', 'load_policy', 'warmup_factor',
-           'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators', 'MicroBatchLearner', 'TorchLearner']
-
-# %% ../nbs/08b_learner.ipynb #a17cddde
-STAGED: dict[str, str] = {}  # hub name -> its files on this node (`sharded_learner.stage_model` fills it)
-
-
-def model_path(name: str) -> str:
-    "The folder or hub name that transformers (and vLLM) load for `name`; `tiny` builds (once, cached) the tiny model."
-    if name in STAGED:
-        return STAGED[name]  # a hub model this node has staged
-    return resolve_model(name, "model =")  # the one resolver dapo-eval uses too
-
-
-def load_model(name: str, dtype: str = "float32", attn_implementation: str = "sdpa"):
-    "The causal LM `name` (see `model_path`) in `dtype`, its attention `attn_implementation` (transformers' name)."
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        model_path(name), dtype=getattr(torch, dtype), attn_implementation=attn_implementation
-    )
-
-
-def load_tokenizer(name: str):
-    "The tokenizer saved with the model `name`."
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path(name))
-
-
-def load_policy(
-    name: str,  # "tiny", a hub name, or a local folder
-    dtype: str = "float32",  # learner dtype: float32 | bfloat16
-):
-    "`(model, tokenizer)` of `name`."
-    return load_model(name, dtype), load_tokenizer(name)
+__all__ = ['METRIC_KEYS', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators',
+           'MicroBatchLearner', 'TorchLearner']
 
 # %% ../nbs/08b_learner.ipynb #46a2e433
 def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
@@ -129,7 +95,7 @@ class MicroBatchLearner(Learner):
     def build(cls, cfg: DAPOConfig, pad_token_id: int, model=None) -> "MicroBatchLearner":
         "The learner of `cfg`: loads `cfg.model` (unless `model` is given) onto `gpu()`, or the CPU."
         if model is None:
-            model = load_model(cfg.model, cfg.dtype, cfg.attn_implementation)
+            model = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, lora=cfg)
         if torch.cuda.is_available():
             model = model.to(cls.gpu())
         return cls(model, cfg, pad_token_id)
@@ -320,7 +286,7 @@ class MicroBatchLearner(Learner):
         return self.reduce([local])[0]
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
-        "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes); with LoRA, merged (08a_lora)."
+        "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes); with LoRA, merged (07c_lora)."
         return merged_named_weights(self.model) if is_lora(self.model) else self.model.state_dict().items()
 
     def save_model(self, path: str | Path):

@@ -59,7 +59,7 @@ def model_state_bytes(
     if zero_stage not in (0, 2, 3):
         raise ValueError(f"zero_stage = {zero_stage}: the planner knows 0 (plain PyTorch), 2 and 3")
     p = dtype_bytes
-    if trained:  # LoRA (08a_lora): the frozen base holds its weights only; gradients and AdamW are the adapters'
+    if trained:  # LoRA (07c_lora): the frozen base holds its weights only; gradients and AdamW are the adapters'
         return lora_state_bytes(n, trained, dp, gpus_per_node, zero_stage, offload_optimizer, p)
     if zero_stage == 0:  # torch AdamW: parameter, gradient, m and v, all in the parameter dtype, nothing partitioned
         return dict(params=p * n, grads=p * n, optimizer=2 * p * n, gathered=0, cpu_per_node=0)

@@ -15,7 +15,8 @@ from . import dist
 from .core import DAPOConfig, InputError
 from fastcore.basics import patch
 
-from .learner import MicroBatchLearner, prepare_model, model_path
+from .learner import MicroBatchLearner, prepare_model
+from .policy import model_path
 from .lora import is_lora, merged_named_weights, with_lora
 from .sharded_learner import ShardedLearner
 from .packing import SeqParallel

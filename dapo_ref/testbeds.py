@@ -9,14 +9,13 @@ from pathlib import Path
 
 import torch
 
-from .core import InputError
 from .data import PROMPT_TEMPLATE
 from .tiny import MAX_OPS, RESPONSE_PREFIX, problem_text, sample_problem, sft_collate, worked_lines
-from .tiny_ship import code_identity, ensure_tiny_model
+from .tiny_ship import code_identity
 
 # %% auto #0
 __all__ = ['TESTBED', 'TESTBED_VERSION', 'TESTBED_NAME', 'TESTBEDS', 'TESTBED_SHIP_COMMAND', 'model_fingerprint', 'versions',
-           'testbed_response', 'testbed_batches', 'build_testbed', 'testbed_model', 'ship_testbeds', 'resolve_model']
+           'testbed_response', 'testbed_batches', 'build_testbed', 'testbed_model', 'ship_testbeds']
 
 # %% ../nbs/06a_testbeds.ipynb #7c348bd1
 def model_fingerprint(model: str) -> str:
@@ -229,25 +228,3 @@ def ship_testbeds(log=print) -> list[Path]:
         if old.is_dir() and old not in keep:
             shutil.rmtree(old)
     return keep
-
-# %% ../nbs/06a_testbeds.ipynb #acae54e37e7d407bbb7b55eff062a284
-def resolve_model(name: str, flag: str = "--model") -> str:
-    """The folder or hub name to load for the model `name`: `tiny` is the embedded tiny model, `tiny-testbed` and
-    `tiny-guesser` the testbeds above, a folder needs a config.json; dapo-train and dapo-eval resolve alike."""
-    if name == "tiny":
-        return str(ensure_tiny_model())
-    if name in TESTBEDS:
-        return str(testbed_model(**TESTBEDS[name]))  # built once and cached, or shipped
-    p = Path(name).expanduser()
-    if p.is_file():
-        raise InputError(f"{flag} {name} is a file; give the model's folder (written by save_pretrained)")
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise InputError(
-                f"{flag} {name}: no config.json in this folder; give the folder save_pretrained wrote "
-                "(config.json, the weights and the tokenizer files)"
-            )
-        return str(p)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise InputError(f"{flag} {name}: no such folder (a hub name looks like org/name)")
-    return name  # a hub name

@@ -36,8 +36,9 @@ from .writers import check_build_locks
 from .guards import MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_error, divergence_error
 from .rollout import HFRolloutEngine, check_host_memory, rollout_groups
 from .interfaces import Learner, RolloutEngine
-from .learner import TorchLearner, model_path, load_tokenizer
-from .sharded_learner import ShardedTorchLearner, stage_model
+from .learner import TorchLearner
+from .policy import LOAD_ERRORS, check_model, load_tokenizer, model_path, stage_model
+from .sharded_learner import ShardedTorchLearner
 from .algorithm import Group, PromptSampler, Rollout, dapo_step, seed_of
 from .sharded import ShardedRollout
 from .track import SampleLog, Trackers, check_trackers
@@ -199,7 +200,6 @@ class Trainer:
         if hold:
             self._hold()  # a second run on this folder is refused here, before anything loads
         tiny = cfg.model == "tiny" or cfg.model.startswith("tiny-")  # built in code: nothing to check before it loads
-        from dapo_ref.eval_cli import LOAD_ERRORS, check_model
 
         if model is None and not tiny:
             check_model(cfg.model, "model =")  # the folder or hub name, config, tokenizer files

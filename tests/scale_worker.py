@@ -157,7 +157,7 @@ def trainer_update(cfg, model, tok, engine=None):
 def run_stage(name: str, out: Path):
     "name: ZeRO stage, with a `gc` suffix for gradient checkpointing (e.g. `3gc`); `0` is the plain learner."
     from dapo_ref import dist
-    from dapo_ref.learner import load_policy
+    from dapo_ref.policy import load_policy
     from dapo_ref.rollout import HFRolloutEngine
 
     rank, world = dist.rank(), dist.world_size()
@@ -241,7 +241,7 @@ def run_build(model_name: str, out: Path, mode: str = "ours"):
     from dapo_ref.scale import DeepSpeedLearner
     from dapo_ref.tiny import tiny_splits
     from dapo_ref.trainer import Trainer
-    from dapo_ref.learner import load_tokenizer
+    from dapo_ref.policy import load_tokenizer
     import dapo_ref.zero
     from dapo_ref.zero import PeakRSS, save_pretrained_streamed
 

@@ -11,7 +11,7 @@ pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dapo_ref.cli import load_config  # noqa: E402
-from dapo_ref.learner import load_policy  # noqa: E402
+from dapo_ref.policy import load_policy  # noqa: E402
 
 RECIPE = "recipes/tiny-cpu.yaml"
 U32 = 2.0**-24  # float32 unit roundoff

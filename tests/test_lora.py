@@ -1,4 +1,4 @@
-"""LoRA (nbs/08a_lora.ipynb): with `lora_r: 0` the learner is the full fine-tuning one, unchanged; with adapters only
+"""LoRA (nbs/07c_lora.ipynb): with `lora_r: 0` the learner is the full fine-tuning one, unchanged; with adapters only
 they train and sit in the optimizer; the engine loads the merged weights, which compute the adapted policy; a run
 resumes exactly from its adapters; `final/` holds the merged transformers model and PEFT's adapter folder."""
 
@@ -14,7 +14,8 @@ from dapo_ref.checkpoints import checkpoint_problem, export_checkpoint
 from dapo_ref.cli import load_config
 from dapo_ref.core import DAPOConfig
 from dapo_ref.interfaces import RolloutBatch
-from dapo_ref.learner import TorchLearner, load_policy
+from dapo_ref.learner import TorchLearner
+from dapo_ref.policy import load_policy
 from dapo_ref.lora import ADAPTER_DIR, base_of, is_lora
 from dapo_ref.runs import read_metrics
 from dapo_ref.trainer import Trainer, strip_timing

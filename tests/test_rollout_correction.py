@@ -108,7 +108,7 @@ def test_none_and_unit_weights_leave_the_loss_bit_for_bit():
 # ---------------------------------------------------------------- through the learner: micro-batches, a step's metrics
 @pytest.fixture(scope="module")
 def tiny():
-    from dapo_ref.learner import load_policy
+    from dapo_ref.policy import load_policy
 
     torch.set_num_threads(1)
     return load_policy("tiny")

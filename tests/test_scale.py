@@ -12,7 +12,7 @@
   rank 0 < 2 modules + the allowance and loads back equal to the learner's weights, also cut into >= 8 shards;
 - `dapo-train` under torchrun with ZeRO-3 (the tiny recipe, 8 rollout steps) raises the held-out accuracy like the
   one-device run; it stops with the same DynamicSamplingError on both ranks when the batch cannot be filled; and its
-  folder as a kill -9 after step 4 leaves it, resumed with --resume, repeats the uninterrupted run exactly.
+  folder as a kill -9 after step 6 leaves it, resumed with --resume, repeats the uninterrupted run exactly.
 
 Learner equivalence (both sides float32; the learner has no float64 mode): what is compared is what the equivalence
 is about, each at a bound derived next to it: the loss against its exact float64 value (every ratio is 1 at the
@@ -154,7 +154,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def one_device_update():
     "The same fixed batch, the same config, one process: `algorithm.train_on` with the plain learner."
-    from dapo_ref.learner import load_policy
+    from dapo_ref.policy import load_policy
 
     model, tok = load_policy("tiny")
     init = {n: t.clone() for n, t in model.state_dict().items()}
@@ -394,7 +394,7 @@ def build_run(tmp_path_factory):
     batch in this process (one thread). No one-rank ZeRO-3 launch: the two-rank ZeRO-3 update is held to the plain
     one-device update at derived bounds, which is what a one-rank ZeRO-3 twin would add (see the module docstring)."""
     from test_zero import HUB_NAME, fake_hub, qwen2_57m
-    from dapo_ref.learner import load_tokenizer
+    from dapo_ref.policy import load_tokenizer
 
     tmp = tmp_path_factory.mktemp("build")
     model = qwen2_57m()
@@ -561,7 +561,7 @@ def test_two_process_run_learns_and_resume_repeats_it(tmp_path):
     """ZeRO-3 on two ranks, one run answering two questions (two launches; they were four, then three):
     1. the run learns: the held-out accuracy rises as the one-device run's does, rank 0 alone writes metrics, the
        rounds are gathered from both ranks, full weights are exported from the shards;
-    2. its folder as a kill -9 after step 4 leaves it (that checkpoint the newest, rows written past it, no final/),
+    2. its folder as a kill -9 after step 6 leaves it (that checkpoint the newest, rows written past it, no final/),
        then `--resume` (ZeRO-3 partitions, schedule, RNG of each rank and data position restored) repeats the run
        exactly: identical metrics apart from timings, the held-out evaluation at the end included. (A real kill -9
        of a whole run and its resume: test_trainer.py at world 1; of one rank of four: test_tp.py. Killing this run
@@ -615,7 +615,7 @@ def test_two_process_run_learns_and_resume_repeats_it(tmp_path):
     assert sorted(p.name for p in (run / "final").iterdir()) == sorted(p.name for p in (out / "final").iterdir())
 
 
-E2E_KILL = 4  # the resume trains steps 5-8 again (a kill -9 of torchrun and its ranks mid-run: test_tp.py, world 1: test_trainer.py)
+E2E_KILL = 6  # the resume trains steps 7-8 again (a kill -9 of torchrun and its ranks mid-run: test_tp.py, world 1: test_trainer.py)
 E2E_STEPS = 8  # the tiny-cpu recipe (16 prompts x G = 8 per step, 2 updates each) for 8 rollout steps: 16 updates
 E2E_OVERRIDES = ["eval_every=0", "eval_k=4", f"total_steps={E2E_STEPS}"]  # held-out avg@4 at the start and the end
 # The same run and criterion as the one-device test_trainer.py::test_short_run_raises_held_out_accuracy (8 steps,

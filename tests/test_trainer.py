@@ -43,7 +43,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def policy():
     "The warm-started tiny model and tokenizer, loaded once (built and cached on first use)."
-    from dapo_ref.learner import load_policy
+    from dapo_ref.policy import load_policy
 
     return load_policy("tiny")
 
@@ -567,7 +567,7 @@ GUARD_WORKER = """
 import json, sys, torch
 from dapo_ref import dist
 from dapo_ref.cli import load_config
-from dapo_ref.learner import load_policy
+from dapo_ref.policy import load_policy
 from dapo_ref.interfaces import RolloutBatch
 from dapo_ref.scale import DeepSpeedLearner
 recipe, stages, out = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]

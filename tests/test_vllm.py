@@ -703,7 +703,7 @@ def test_gpu_check_cpu(tmp_path):
     s = json.loads((out / "gpu_check.json").read_text())
     assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused", "free", "restart", "lora"]
     assert len(s["checks"]) == 7 and all(s["checks"].values()), s["checks"]
-    # LoRA (nbs/08a_lora): the bfloat16 engine, after loading the merged adapters, is within the bf16 sync bound of the
+    # LoRA (nbs/07c_lora): the bfloat16 engine, after loading the merged adapters, is within the bf16 sync bound of the
     # adapted float32 learner on tokens it sampled, while the adapters moved those log-probs by more than twice that gap
     lora = s["phases"][-1]
     assert lora["trained"] > 0 and lora["gap_tokens"] > 0 and lora["moved_mean"] > 2 * lora["gap_mean"], lora

@@ -102,7 +102,7 @@ def main(out: Path, tp: int):
     from dapo_ref import trainer as T
     from dapo_ref.cli import config_from_dict
     from dapo_ref.tiny import tiny_splits
-    from dapo_ref.learner import load_policy
+    from dapo_ref.policy import load_policy
 
     rank, world = dist.init_distributed()
     model, tok = load_policy("tiny")
