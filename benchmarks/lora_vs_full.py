@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         lines.append(f"| {n} | {f('acc_end', 100)} | {f('wall')} |")
     md = "\n".join(lines) + (
         f"\n\nmean ± standard error over seeds {a.seeds}; accuracy in points (held-out avg@{base.eval_k}); "
-        "* beyond 2 standard errors; wall: each run alone in its process, 2 at a time on 2 cores"
+        "* beyond 2 standard errors; wall: each run alone in its process, 2 at a time on 2 cores. The end is one "
+        "evaluation: read it against the curves (nbs/07c_lora.ipynb), where an arm that peaked early may have drifted"
     )
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(

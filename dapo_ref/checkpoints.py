@@ -11,9 +11,10 @@ from typing import Callable
 import torch
 
 from . import dist
-from .core import InputError
+from .core import DAPOConfig, InputError
 from .guards import checkpoint_error, export_error
-from .lora import ADAPTER_DIR, adapter_problem
+from .lora import ADAPTER_DIR, adapter_problem, load_adapters
+from .policy import load_model
 from .runs import MARKER, check_owned, check_writable, latest_checkpoint, rng_state, step_folders, write_marker
 from .writers import linked_copy, publish_folder, remove_tree, write_whole
 
@@ -68,17 +69,17 @@ def checkpoint_problem(path: str | Path) -> str | None:
     shards = (
         sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     )
-    if (path / "deepspeed").is_dir() and not index.is_file() and not (path / "model.safetensors").exists():
-        shards = []  # a DeepSpeed learner's checkpoint: its weights are in its partitions (deepspeed/)
+    exp = s.get("experiment") if isinstance(s.get("experiment"), dict) else {}
+    lora = bool(exp.get("lora_r")) or (path / ADAPTER_DIR).exists()  # a LoRA run resumes from its adapters (07c_lora)
+    if ((path / "deepspeed").is_dir() or lora) and not index.is_file() and not (path / "model.safetensors").exists():
+        shards = []  # a DeepSpeed learner's checkpoint: its weights are in its partitions (deepspeed/); LoRA: adapter/
     for name in shards:
         if not (path / name).is_file():
             return f"{name} is missing"
         if why := safetensors_problem(path / name):
             return why
-    exp = s.get("experiment") if isinstance(s.get("experiment"), dict) else {}
-    if exp.get("lora_r") or (path / ADAPTER_DIR).exists():  # a LoRA run resumes from its adapters (07c_lora)
-        if why := adapter_problem(path / ADAPTER_DIR):
-            return why
+    if lora and (why := adapter_problem(path / ADAPTER_DIR)):
+        return why
     torch_files = ["learner_state.pt", *(f"rng-rank{r}.pt" for r in range(s.get("world_size", 1)))]
     torch_files += [str(p.relative_to(path)) for p in sorted((path / "deepspeed").rglob("*.pt"))]
     for name in torch_files:  # torch.save writes a zip archive: a truncated one has no central directory
@@ -238,6 +239,8 @@ def export_checkpoint(
             raise InputError(f"{ckpt} was removed while it was being read; export a newer checkpoint")
         write_marker(tmp, "model")
         model.save_pretrained(tmp)
+        if (src / ADAPTER_DIR).is_dir():  # a LoRA run's: its adapters in PEFT's format beside the merged model
+            shutil.copytree(src / ADAPTER_DIR, tmp / ADAPTER_DIR)
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
@@ -258,8 +261,9 @@ def _load_checkpoint_model(ckpt: Path, dtype: str | None):
 
     config = AutoConfig.from_pretrained(ckpt)
     dt = getattr(torch, dtype or str(getattr(config, "dtype", None) or "float32").replace("torch.", ""))
-    if not (ckpt / "deepspeed").is_dir() or (ckpt / ADAPTER_DIR).is_dir():  # a transformers folder already: the plain
-        # learner's checkpoint, and a LoRA run's (the merged model beside adapter/; its deepspeed/ holds the adapters)
+    if (ckpt / ADAPTER_DIR).is_dir():  # a LoRA run's: the adapters alone, the base is the run's `model`
+        return _merged_lora_model(ckpt).to(dt)
+    if not (ckpt / "deepspeed").is_dir():  # the plain learner's checkpoint is a transformers folder already
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -274,6 +278,28 @@ def _load_checkpoint_model(ckpt: Path, dtype: str | None):
             f"unexpected {sorted(unexpected)[:3]})"
         )
     return model
+
+# %% ../nbs/08b_checkpoints.ipynb #e1b8255c
+def _merged_lora_model(ckpt: Path):
+    """A LoRA run's checkpoint as one float32 transformers model: the base (the run's `model`, read again) with the
+    adapters merged in, taken at full precision: the plain learner's fp32 `adapter/`, or DeepSpeed's fp32 master."""
+    exp = json.loads((ckpt / "state.json").read_text()).get("experiment") or {}
+    if not exp.get("lora_r") or "model" not in exp:
+        raise InputError(f"{ckpt}: its state.json does not name the LoRA run's base model; export its final/ instead")
+    fields = ("lora_r", "lora_alpha", "lora_target_modules", "lora_dropout")
+    cfg = DAPOConfig(model=exp["model"], **{k: exp[k] for k in fields if k in exp})
+    model = load_model(exp["model"], "float32", lora=cfg)  # the frozen base, whole, with fresh adapters on it
+    if (ckpt / "deepspeed").is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="zero")  # the adapters' fp32 master
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in sd]
+        if missing:
+            raise RuntimeError(f"{ckpt}: the partitions lack adapters the run's LoRA fields name ({missing[:3]})")
+        model.load_state_dict({k: v for k, v in sd.items() if ".lora_" in k}, strict=False)
+    else:
+        load_adapters(model, ckpt / ADAPTER_DIR)
+    return model.merge_and_unload()  # W0 + (alpha / r) B A in every adapted layer; the PEFT wrappers gone
 
 # %% ../nbs/08b_checkpoints.ipynb #8065caa9
 def export_main(argv: list[str] | None = None) -> int:

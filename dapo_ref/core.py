@@ -10,9 +10,9 @@ from typing import Any, Callable, Iterator
 
 # %% auto #0
 __all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'SCALE_REWARDS', 'IS_LEVELS', 'LOSS_MODES',
-           'ROLLOUT_CORRECTIONS', 'ANSWER_FORMATS', 'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS', 'PATH_FIELDS', 'Allowed',
-           'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'answer_formats', 'DAPOHyperparams', 'DAPOConfig',
-           'InputError', 'short', 'validate']
+           'ROLLOUT_CORRECTIONS', 'ANSWER_FORMATS', 'LORA_TARGETS', 'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS',
+           'PATH_FIELDS', 'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'answer_formats',
+           'DAPOHyperparams', 'DAPOConfig', 'InputError', 'short', 'validate']
 
 # %% ../nbs/00_core.ipynb #e040a55c
 @dataclass(frozen=True)
@@ -289,6 +289,15 @@ class DAPOHyperparams:
     eval_k: int = knob(32, "samples per evaluation prompt: avg@k", ge(1), "32 (avg@32)", "rows repeated 32 times")
 
 # %% ../nbs/00_core.ipynb #33a257cf
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)  # a Qwen2 decoder layer's linears
 ATTN_IMPLEMENTATIONS = (
     "sdpa",
     "eager",
@@ -355,11 +364,21 @@ class DAPOConfig(DAPOHyperparams):
         1, "Ulysses: ranks sharing each packed row, 1/size of its tokens each", ge(1, "1 = off"), "", "8"
     )
     attn_implementation: str = knob("sdpa", "learner attention (flash: GPU, bf16)", one_of(*ATTN_IMPLEMENTATIONS))
-    # --- LoRA (PEFT's names; 08g_lora) ---
+    # --- LoRA (PEFT's names; 07c_lora) ---
     lora_r: int = knob(0, "LoRA rank: adapters trained, the base frozen; 0 = full fine-tuning", ge(0, "0 = off"))
-    lora_alpha: float = knob(16.0, "LoRA scale numerator: an adapter's update is scaled by lora_alpha / lora_r", gt(0))
+    lora_alpha: float | None = knob(
+        None,
+        "LoRA scale numerator: an adapter's update is scaled by lora_alpha / lora_r; null = lora_r (a scale of 1)",
+        Allowed(lambda v: v is None or v > 0, "{} > 0, or null for lora_r"),
+    )
     lora_target_modules: str = knob(
-        "all-linear", "modules given adapters: all-linear (PEFT's: every linear layer but the output layer) or names"
+        "all-linear",
+        "decoder-layer linear layers given adapters: all-linear (all seven, PEFT's name) or some of them, a list or a,b",
+        Allowed(
+            lambda v: v == "all-linear" or bool(v.strip()) and all(t.strip() in LORA_TARGETS for t in v.split(",")),
+            "all-linear or some of " + ", ".join(LORA_TARGETS) + " (the embedding and the output layer are tied in "
+            "small Qwen2.5 models: an adapter there would give the engine another policy than the learner's)",
+        ),
     )
     lora_dropout: float = knob(
         0.0,

@@ -19,7 +19,7 @@ from .reward_pool import RewardPluginError, check_plugin
 from .rollout import check_host_memory
 from .writers import write_whole
 from .eval import evaluate
-from .policy import LOAD_ERRORS, check_model, weights_problem
+from .policy import LOAD_ERRORS, check_model, load_model, load_tokenizer, weights_problem
 
 # %% auto #0
 __all__ = ['WRITTEN_BY', 'check_output_file', 'check_device', 'data_files', 'generation_memory', 'available_memory',
@@ -319,10 +319,8 @@ def _prepare(args):
     if not examples:
         raise InputError(f"--data {','.join(args.data)}: no problems to evaluate")
     name, config = check_model(args.model)
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = load_tokenizer(name)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(
             f"--model {args.model}: cannot load its tokenizer ({one_line(e)[:300]}); the folder needs the "
@@ -469,10 +467,8 @@ def _evaluate(args, engine, tokenizer, examples) -> dict:
 # %% ../nbs/08_eval_cli.ipynb #68cade6d
 def _hf_engine(args, name, tokenizer, device):
     "dapo-eval's transformers engine: the model on `device`, checked for damaged weights."
-    from transformers import AutoModelForCausalLM
-
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, args.dtype)).to(device).eval()
+        model = load_model(name, args.dtype).to(device).eval()  # the learners' loader (07d_policy)
     except LOAD_ERRORS as e:
         raise InputError(f"--model {args.model}: cannot load its weights ({one_line(e)[:300]})") from None
     if why := weights_problem(model):

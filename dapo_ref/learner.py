@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+from fastcore.basics import patch
 from torch import Tensor
 
 from .core import DAPOConfig
@@ -19,7 +20,16 @@ from .loss_family import family_kwargs, family_loss
 from .rollout_correction import batch_weights
 from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, use_varlen_attention
 from .guards import UpdateGuard
-from .lora import ADAPTER_DIR, base_of, is_lora, load_adapters, merged_named_weights, save_adapters, with_lora
+from dapo_ref.lora import (
+    ADAPTER_DIR,
+    base_of,
+    is_lora,
+    load_adapters,
+    merged_named_weights,
+    save_adapter_checkpoint,
+    save_adapters,
+    with_lora,
+)
 
 # %% auto #0
 __all__ = ['METRIC_KEYS', 'warmup_factor', 'enable_gradient_checkpointing', 'prepare_model', 'loss_denominators',
@@ -115,7 +125,8 @@ class MicroBatchLearner(Learner):
         raise NotImplementedError  # clip, guarded step; returns the grad norm
 
     def guard_weights(self) -> Iterable[Tensor]:
-        return self.model.parameters()  # this rank's part of the weights (the guard's)
+        # this rank's trained weights (LoRA: the adapters; the frozen base cannot blow up)
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def end_step(self):
         self.sched.step()  # one rollout step of the warm-up schedule
@@ -285,36 +296,42 @@ class MicroBatchLearner(Learner):
             self.dummy_loss()
         return self.reduce([local])[0]
 
-    def named_weights(self) -> Iterable[tuple[str, Tensor]]:
-        "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes); with LoRA, merged (07c_lora)."
-        return merged_named_weights(self.model) if is_lora(self.model) else self.model.state_dict().items()
+# %% ../nbs/08b_learner.ipynb #fbafeeff
+@patch
+def named_weights(self: MicroBatchLearner) -> Iterable[tuple[str, Tensor]]:
+    "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes); with LoRA, merged (07c_lora)."
+    return merged_named_weights(self.model) if is_lora(self.model) else self.model.state_dict().items()
 
-    def save_model(self, path: str | Path):
-        """The full model as safetensors (`save_pretrained`; with LoRA the merged weights, and the adapters in PEFT's format
-        in `adapter/`), written by rank 0; every rank calls it, and every rank raises if rank 0's write failed."""
-        main, sd, failed = self.writes_files, {}, None
-        for n, t in self.named_weights():  # every rank iterates: a collective for partitioned learners
-            if main:
-                sd[n] = t.detach().cpu()
+
+@patch
+def save_model(self: MicroBatchLearner, path: str | Path):
+    """The full model as safetensors (`save_pretrained`; with LoRA the merged weights, and the adapters in PEFT's format
+    in `adapter/`), written by rank 0; every rank calls it, and every rank raises if rank 0's write failed."""
+    main, sd, failed = self.writes_files, {}, None
+    for n, t in self.named_weights():  # every rank iterates: a collective for partitioned learners
         if main:
-            try:
-                base_of(self.model).save_pretrained(path, state_dict=sd, safe_serialization=True)
-                if is_lora(self.model):
-                    save_adapters(self.model, Path(path) / ADAPTER_DIR)
-            except (OSError, RuntimeError) as e:
-                failed = e  # a full disk: the other ranks must not wait in a barrier for it
-        if self.reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
-            raise failed or OSError(f"rank 0 could not write the model to {path}")
+            sd[n] = t.detach().cpu()
+    if main:
+        try:
+            base_of(self.model).save_pretrained(path, state_dict=sd, safe_serialization=True)
+            if is_lora(self.model):
+                save_adapters(self.model, Path(path) / ADAPTER_DIR, base=self.cfg.model)
+        except (OSError, RuntimeError) as e:
+            failed = e  # a full disk: the other ranks must not wait in a barrier for it
+    if self.reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
+        raise failed or OSError(f"rank 0 could not write the model to {path}")
 
-    def policy_copy(self):
-        "A transformers model holding the learner's current weights, on its device: the transformers rollout engine's own copy."
-        from transformers import AutoModelForCausalLM
 
-        base = base_of(self.model)  # with LoRA: the base's architecture, loaded with the merged weights
-        m = AutoModelForCausalLM.from_config(base.config, dtype=getattr(torch, self.cfg.dtype))
-        m.load_state_dict(dict(self.named_weights()))
-        m.generation_config = copy.deepcopy(base.generation_config)
-        return m.to(self.device).eval()
+@patch
+def policy_copy(self: MicroBatchLearner):
+    "A transformers model holding the learner's current weights, on its device: the transformers rollout engine's own copy."
+    from transformers import AutoModelForCausalLM
+
+    base = base_of(self.model)  # with LoRA: the base's architecture, loaded with the merged weights
+    m = AutoModelForCausalLM.from_config(base.config, dtype=getattr(torch, self.cfg.dtype))
+    m.load_state_dict(dict(self.named_weights()))
+    m.generation_config = copy.deepcopy(base.generation_config)
+    return m.to(self.device).eval()
 
 # %% ../nbs/08b_learner.ipynb #7cb53dbb
 class TorchLearner(MicroBatchLearner):
@@ -327,11 +344,9 @@ class TorchLearner(MicroBatchLearner):
         pad_token_id: int,
     ):
         model = with_lora(model, cfg)  # lora_r > 0: adapters (PEFT), the base frozen; else the model itself
+        trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters only
         self.opt = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters only
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            weight_decay=cfg.weight_decay,
+            trained, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
         )
         super().__init__(
             prepare_model(model, cfg.gradient_checkpointing),
@@ -362,8 +377,11 @@ class TorchLearner(MicroBatchLearner):
         return grad_norm
 
     def save(self, path: str | Path):
-        "Weights (safetensors) and AdamW + schedule state (`learner_state.pt`); rank 0 writes, every rank calls."
-        self.save_model(path)
+        "Weights (LoRA: the adapters alone) and AdamW + schedule state (`learner_state.pt`); rank 0 writes, every rank calls."
+        if not is_lora(self.model):
+            self.save_model(path)
+        elif self.writes_files:  # the frozen base is `cfg.model`'s, read again on resume and by dapo-export
+            save_adapter_checkpoint(self.model, path, self.cfg.model)
         if self.writes_files:
             torch.save(
                 {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()},

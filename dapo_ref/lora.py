@@ -9,14 +9,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from .arch import ModelArch
-from .core import DAPOConfig, InputError
+from .core import LORA_TARGETS, DAPOConfig, InputError
 
 if TYPE_CHECKING:
     from torch import Tensor  # torch is imported where it is used: `dapo-plan` sizes adapters without it
 
 # %% auto #0
 __all__ = ['ADAPTER_DIR', 'lora_config', 'with_lora', 'is_lora', 'base_of', 'merged_named_weights', 'lora_state_bytes',
-           'lora_dims', 'lora_params', 'save_adapters', 'load_adapters', 'adapter_problem']
+           'lora_dims', 'lora_params', 'lora_activation_bytes', 'save_adapters', 'save_adapter_checkpoint',
+           'load_adapters', 'adapter_problem']
 
 # %% ../nbs/07c_lora.ipynb #c346c7c8
 ADAPTER_DIR = "adapter"  # PEFT's files (adapter_config.json, adapter_model.safetensors), beside the merged model
@@ -30,7 +31,7 @@ def lora_config(cfg: DAPOConfig):
     targets = t if t == "all-linear" else [s.strip() for s in t.split(",") if s.strip()]
     return LoraConfig(
         r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=cfg.lora_r if cfg.lora_alpha is None else cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules=targets,
         bias="none",
@@ -107,9 +108,16 @@ def lora_state_bytes(
 def lora_dims(arch: ModelArch) -> dict[str, tuple[int, int]]:
     "(in, out) features of the linear layers of one Qwen2-style decoder layer: the layers LoRA may adapt."
     h, q, kv, i = arch.hidden_size, arch.q_dim, arch.kv_dim, arch.intermediate_size
-    return dict(
-        q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h), gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h)
-    )
+    dims = (
+        (h, q),
+        (h, kv),
+        (h, kv),
+        (q, h),
+        (h, i),
+        (h, i),
+        (i, h),
+    )  # in LORA_TARGETS' order: q, k, v, o, gate, up, down
+    return dict(zip(LORA_TARGETS, dims))
 
 
 def lora_params(
@@ -128,10 +136,35 @@ def lora_params(
         )
     return arch.num_hidden_layers * sum(r * sum(dims[t]) for t in names)
 
+
+def lora_activation_bytes(
+    arch: ModelArch,
+    targets: str,  # lora_target_modules
+    tokens: int,  # tokens in one micro-batch
+    layers: int,  # decoder layers whose activations are kept at once (1 under gradient checkpointing)
+) -> int:
+    "What adapters add to backward's activations: PEFT casts each adapted layer's input to the adapters' fp32 and keeps it."
+    dims = lora_dims(arch)
+    names = list(dims) if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    return 4 * tokens * layers * sum(dims[t][0] for t in names)
+
 # %% ../nbs/07c_lora.ipynb #1eb28467
-def save_adapters(model, path: str | Path):
-    "The adapters of the PEFT model `model` in PEFT's format into `path` (created)."
+def save_adapters(
+    model,  # a PEFT model
+    path: str | Path,  # created
+    base: str | None = None,  # the base model's name as the run gave it (cfg.model), recorded in adapter_config.json
+):
+    "The adapters of the PEFT model `model` in PEFT's format into `path`, naming `base` as their base model."
+    for c in model.peft_config.values():  # PEFT records the folder it loaded from: a cache path on this machine
+        c.base_model_name_or_path = base or c.base_model_name_or_path
     model.save_pretrained(str(path), safe_serialization=True)
+
+
+def save_adapter_checkpoint(model, path: str | Path, base: str):
+    "A LoRA checkpoint's model part: the adapters (`adapter/`) and the base's configs; the frozen base itself is `base`'s."
+    save_adapters(model, Path(path) / ADAPTER_DIR, base)
+    base_of(model).config.save_pretrained(path)
+    base_of(model).generation_config.save_pretrained(path)
 
 
 def load_adapters(model, path: str | Path):

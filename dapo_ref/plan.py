@@ -9,7 +9,7 @@ import dataclasses, json, math, sys
 from .arch import ModelArch, kv_bytes_per_token, largest_layer_params, layer_params, n_params, resolve_arch
 from .core import DAPOConfig, InputError
 from .cli import ArgParser, cli_errors, load_config, parse_overrides
-from .lora import lora_params, lora_state_bytes
+from .lora import lora_activation_bytes, lora_params, lora_state_bytes
 
 # %% auto #0
 __all__ = ['BYTES', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
@@ -176,6 +176,9 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
     s = model_state_bytes(n, ll, world, g, z, cfg.offload_params and z == 3, cfg.offload_optimizer and z > 0, p, t)
     tokens = max(cfg.micro_token_budget, cfg.max_prompt_length + cfg.l_max)
     a = activation_bytes(arch, tokens, cfg.gradient_checkpointing)
+    if t:  # LoRA: each adapted layer's input in fp32, kept for backward (one layer's under checkpointing)
+        kept = 1 if cfg.gradient_checkpointing else arch.num_hidden_layers
+        a["layers"] += lora_activation_bytes(arch, cfg.lora_target_modules, tokens, kept)
     gpu = gpu_memory_gb * 2**30
     e = engine_bytes(arch, n, gpu, cfg.vllm_gpu_memory_utilization, cfg.vllm_tensor_parallel)
     y = sync_bytes(arch, z, dtype_bytes=p)
@@ -349,15 +352,15 @@ def save_sizes(
     checkpoint (`save_every`: what resume needs). DeepSpeed's ZeRO files hold the weights in `dtype` and, per parameter,
     Adam's m and v in fp32 plus an fp32 master copy when `dtype` is bf16: 2 + 12 = 14 bytes (fp32: 4 + 8 = 12), and no
     export. The plain learner's checkpoint is an export plus AdamW's m and v in `dtype`: 3 x the weights. With LoRA
-    (`trained` > 0) an export and a checkpoint are the merged model plus the adapters (`adapter/`), and the checkpoint adds
-    AdamW's m and v of the adapters; a DeepSpeed checkpoint holds the adapters' partitions only (the frozen base is not
-    saved: resume reads it from `model`), plus `adapter/`."""
+    (`trained` > 0) an export is the merged model plus the adapters (`adapter/`); a checkpoint holds the adapters alone
+    with their optimizer state (the frozen base is not saved: resume and `dapo-export` read it from `model`): the plain
+    learner's fp32 adapters and AdamW's m and v, 4 + 8 bytes each; DeepSpeed's copy in `dtype` in `adapter/` and in its
+    module states, and the fp32 master, m and v in its partitions."""
     w = 2 if dtype == "bfloat16" else 4
     if trained:
         a = 4 if zero_stage == 0 else w  # the adapters' bytes each (fp32 in the plain learner)
-        export = n * w + trained * a
-        ckpt = export + 8 * trained if zero_stage == 0 else trained * (a + w + (12 if w == 2 else 8))
-        return dict(export_gb=_gib(export), checkpoint_gb=_gib(ckpt))
+        ckpt = trained * (a + 8) if zero_stage == 0 else trained * (2 * w + (12 if w == 2 else 8))
+        return dict(export_gb=_gib(n * w + trained * a), checkpoint_gb=_gib(ckpt))
     ckpt = (w + (12 if w == 2 else 8)) if zero_stage else 3 * w
     return dict(export_gb=_gib(n * w), checkpoint_gb=_gib(n * ckpt))
 

@@ -32,6 +32,11 @@ def resolve_model(name: str, flag: str = "--model") -> str:
     if p.is_file():
         raise InputError(f"{flag} {name} is a file; give the model's folder (written by save_pretrained)")
     if p.is_dir():
+        if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
+            raise InputError(
+                f"{flag} {name} holds LoRA adapters (PEFT's files), not a model; give the folder above it, which holds "
+                "the merged model (a run's final/ or a dapo-export)"
+            )
         if not (p / "config.json").is_file():
             raise InputError(
                 f"{flag} {name}: no config.json in this folder; give the folder save_pretrained wrote "

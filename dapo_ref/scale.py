@@ -17,7 +17,7 @@ from fastcore.basics import patch
 
 from .learner import MicroBatchLearner, prepare_model
 from .policy import model_path
-from .lora import is_lora, merged_named_weights, with_lora
+from .lora import ADAPTER_DIR, is_lora, merged_named_weights, save_adapters, with_lora
 from .sharded_learner import ShardedLearner
 from .packing import SeqParallel
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
@@ -233,9 +233,9 @@ class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
         self.engine.save_checkpoint(
             str(Path(path) / "deepspeed"), tag="zero", save_latest=False, exclude_frozen_parameters=lora
         )
-        if lora:  # and the merged model with adapter/, as the plain learner's checkpoint (what dapo-export reads)
-            MicroBatchLearner.save_model(self, path)
         if self.writes_files:
+            if lora:  # and adapter/ in PEFT's format (DeepSpeed's copy in the learner dtype; the fp32 master is in deepspeed/)
+                save_adapters(self.model, Path(path) / ADAPTER_DIR, base=self.cfg.model)
             torch.save({"scheduler": self.sched.state_dict()}, Path(path) / "learner_state.pt")
             self.model.config.save_pretrained(path)
             if getattr(self.model, "generation_config", None) is not None:

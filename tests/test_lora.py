@@ -131,6 +131,8 @@ def test_lora_run_resumes_exactly_from_its_adapters_and_exports_both_forms(tmp_p
     out = export_checkpoint(tmp_path / "ref" / "checkpoints" / "step-4", tmp_path / "exported")
     e, f = load_file(out / "model.safetensors"), load_file(final / "model.safetensors")
     assert e.keys() == f.keys() and all(torch.equal(e[k], f[k]) for k in e)
+    ea = load_file(out / ADAPTER_DIR / "adapter_model.safetensors")  # and the adapters, in PEFT's format
+    assert ea.keys() == fa.keys() and all(torch.equal(ea[k], fa[k]) for k in ea)
     # a LoRA checkpoint without its adapters cannot resume: named, before anything loads
     (tmp_path / "resumed" / "checkpoints" / "step-4" / ADAPTER_DIR / "adapter_model.safetensors").unlink()
     assert checkpoint_problem(tmp_path / "resumed" / "checkpoints" / "step-4") == (
@@ -141,8 +143,8 @@ def test_lora_run_resumes_exactly_from_its_adapters_and_exports_both_forms(tmp_p
 @pytest.mark.slow
 def test_zero2_lora_trains_the_adapters_alone_and_resumes_from_its_checkpoint(tmp_path, policy):
     """DeepSpeed ZeRO-2 on one rank with adapters: ZeRO's fp32 partition holds the adapters and nothing of the base;
-    an update moves only adapted weights; the checkpoint (the adapters' partitions, the merged model, adapter/) loads
-    into a fresh learner with the same weights, and dapo-export reads it."""
+    an update moves only adapted weights; the checkpoint (the adapters' partitions and adapter/, no base) loads into a
+    fresh learner with the same weights, and dapo-export merges the base with the adapters' fp32 master."""
     pytest.importorskip("deepspeed")
     from dapo_ref.scale import DeepSpeedLearner
 
@@ -169,7 +171,11 @@ def test_zero2_lora_trains_the_adapters_alone_and_resumes_from_its_checkpoint(tm
     assert all(torch.equal(back[k], merged[k]) for k in merged)
     assert all(torch.equal(a, b) for a, b in zip(again.guard_weights(), learner.guard_weights()))  # the fp32 master
     # what write_checkpoint adds around learner.save, so that dapo-export takes the folder for a checkpoint
-    (tmp_path / "ck" / "state.json").write_text(json.dumps(dict(step=1, data_pos=0, grad_updates=2, metrics=[])))
+    exp = dict(
+        model="tiny", lora_r=4, lora_alpha=8.0, lora_target_modules="all-linear", lora_dropout=0.0
+    )  # the FROZEN part
+    state = dict(step=1, data_pos=0, grad_updates=2, metrics=[], experiment=exp)
+    (tmp_path / "ck" / "state.json").write_text(json.dumps(state))
     torch.save({}, tmp_path / "ck" / "rng-rank0.pt")
     policy[1].save_pretrained(tmp_path / "ck")
     out = export_checkpoint(tmp_path / "ck", tmp_path / "exported")

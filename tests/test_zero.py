@@ -202,8 +202,8 @@ def test_gpu_check_without_vllm_cpu(tmp_path):
     """`--without-vllm` (asked for by name) on a machine with PyTorch and transformers alone (pytest and DeepSpeed not
     importable: a clean `pip install -e .` has neither): every phase that needs neither runs, with the plain PyTorch
     learner and the HF engine: the build, one DAPO step, the learner's packed log-probs against a plain forward of the
-    engine's copy of the weights, the fused check; the ZeRO-3 learner and the vLLM phases are listed as skipped, and
-    the exit status is 0. Float32 on both sides: the gap is kernel rounding (< 1e-3, SYNC_TOL's bound)."""
+    engine's copy of the weights, the fused check, the LoRA phase (PEFT is installed); the ZeRO-3 learner and the vLLM
+    phases are listed as skipped, and the exit status is 0. Float32 on both sides: the gap is kernel rounding (< 1e-3, SYNC_TOL's bound)."""
     import json
 
     out = tmp_path / "gc"
@@ -218,8 +218,10 @@ def test_gpu_check_without_vllm_cpu(tmp_path):
     )  # hang guard
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     s = json.loads((out / "gpu_check.json").read_text())
-    assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused"]
-    assert len(s["checks"]) == 4 and all(s["checks"].values()), s["checks"]
+    assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused", "lora"]  # lora: PEFT is installed
+    assert len(s["checks"]) == 5 and all(s["checks"].values()), s["checks"]
+    lora = s["phases"][4]  # the HF engine's copy loaded with the merged adapters: float32 rounding against the move
+    assert lora["trained"] > 0 and lora["gap_mean"] < 1e-4 and lora["moved_mean"] > 1e-2, lora
     assert s["backend"] == "hf" and s["phases"][0]["engine"] == "HFRolloutEngine"
     assert s["phases"][0]["learner"] == "TorchLearner" and not {"vllm", "deepspeed"} & set(s["versions"])
     assert any(x.startswith("the ZeRO-3 learner (DeepSpeed is not installed") for x in s["skipped"]), s["skipped"]
