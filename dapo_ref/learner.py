@@ -296,13 +296,11 @@ class MicroBatchLearner(Learner):
             self.dummy_loss()
         return self.reduce([local])[0]
 
+    def named_weights(self) -> Iterable[tuple[str, Tensor]]:
+        "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes); with LoRA, merged (07c_lora)."
+        return merged_named_weights(self.model) if is_lora(self.model) else self.model.state_dict().items()
+
 # %% ../nbs/08b_learner.ipynb #fbafeeff
-@patch
-def named_weights(self: MicroBatchLearner) -> Iterable[tuple[str, Tensor]]:
-    "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes); with LoRA, merged (07c_lora)."
-    return merged_named_weights(self.model) if is_lora(self.model) else self.model.state_dict().items()
-
-
 @patch
 def save_model(self: MicroBatchLearner, path: str | Path):
     """The full model as safetensors (`save_pretrained`; with LoRA the merged weights, and the adapters in PEFT's format

@@ -19,7 +19,7 @@ import torch
 
 from dapo_ref.core import DAPOConfig
 from dapo_ref.rollout import HFRolloutEngine
-from dapo_ref.interfaces import RolloutBatch, SamplingParams
+from dapo_ref.interfaces import SamplingParams
 from dapo_ref.vllm_rollout import VLLMRolloutEngine, vllm_engine_kwargs
 
 PAD = 0
@@ -759,43 +759,22 @@ def test_one_gpu_notebook_cpu_twin(tmp_path):
 
 # ---------------------------------------------------------------- LoRA: the engine serves the merged adapters
 def test_lora_learner_merged_weights_served_exactly(setup):
-    """A float32 engine beside a float32 LoRA learner (nbs/07c_lora.ipynb): after updates that move the adapters, the
-    engine loads `named_weights()` (W0 + (alpha / r) B A under the base's names) and its log-probs of tokens it samples
-    equal the adapted learner's within float32 kernel rounding (the bounds of test_four_ranks_two_independent_tp2_engines:
-    mean < 1e-4, max < 1e-3), while the updates moved those log-probs by far more (an engine still serving the base, or
-    missing one adapted layer's delta, would be off by a share of that move); greedy paths equal transformers' on the
-    adapted model."""
+    """A float32 engine beside a float32 LoRA learner (nbs/07c_lora.ipynb; gpu_check's `lora` phase on this module's
+    engine and policy): after three updates that move the adapters, the engine loads `named_weights()` (W0 + (alpha / r)
+    B A under the base's names) and its log-probs of tokens it samples equal the adapted learner's within float32
+    kernel rounding (the bounds of test_four_ranks_two_independent_tp2_engines: mean < 1e-4, max < 1e-3), while the
+    updates moved those log-probs by more than 1e-2: an engine still serving the base, or missing one adapted layer's
+    delta, would be off by a share of that move."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from gpu_check import logprob_gap
-    from dapo_ref.algorithm import train_on
-    from dapo_ref.learner import TorchLearner
+    from gpu_check import lora_phase
 
-    eng, eos, policy = setup["engine"], setup["eos"], setup["policy"]
-    cfg = DAPOConfig(lora_r=8, lora_alpha=16, lr=1e-2, warmup_steps=0, rollout_correction="none")
-    learner = TorchLearner(copy.deepcopy(policy), cfg, pad_token_id=PAD)
-    comps = [c for c in eng.generate(PROMPTS, SamplingParams(n=4, max_tokens=12, seed=5)) if c.token_ids]
-    n = len(comps) - len(comps) % 2
-    batch = RolloutBatch(
-        [PROMPTS[c.prompt_index] for c in comps[:n]],
-        [c.token_ids for c in comps[:n]],
-        torch.tensor([1.0, -1.0] * (n // 2)),
-        torch.zeros(n, dtype=torch.bool),
-        torch.zeros(n),
-    )
-    before, _ = learner.compute_logprobs(batch)
-    for _ in range(3):
-        train_on(learner, batch, n)
-    after, _ = learner.compute_logprobs(batch)
-    moved = float(torch.cat([(a - b).abs() for a, b in zip(after, before)]).mean())
+    eng, policy = setup["engine"], setup["policy"]
     try:
-        eng.load_weights(learner.named_weights())
-        gap = logprob_gap(eng, learner, PROMPTS, 12)
-        assert gap["tokens"] > 0 and gap["mean"] < 1e-4 and gap["max"] < 1e-3, gap
-        assert moved > 1e-2, moved  # 100 x the gap bound: the adapters moved the policy
-        hf = HFRolloutEngine(learner.policy_copy(), eos_token_id=eos, pad_token_id=PAD)
-        assert ids(eng.generate(PROMPTS, GREEDY)) == ids(hf.generate(PROMPTS, GREEDY))
+        lo = lora_phase(DAPOConfig(), setup["dir"], eng, PROMPTS, 12, PAD)
+        assert lo["trained"] > 0 and lo["gap_tokens"] > 0, lo
+        assert lo["gap_mean"] < 1e-4 and lo["gap_max"] < 1e-3 and lo["moved_mean"] > 1e-2, lo
     finally:
         eng.load_weights(policy.state_dict().items())  # back to the module's policy
