@@ -6,13 +6,11 @@
 from __future__ import annotations
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from .arch import ModelArch
 from .core import LORA_TARGETS, DAPOConfig, InputError
-
-if TYPE_CHECKING:
-    from torch import Tensor  # torch is imported where it is used: `dapo-plan` sizes adapters without it
+# torch is imported where it is used: `dapo-plan` sizes adapters with this module and without torch
 
 # %% auto #0
 __all__ = ['ADAPTER_DIR', 'lora_config', 'with_lora', 'is_lora', 'base_of', 'merged_named_weights', 'lora_state_bytes',
@@ -61,7 +59,7 @@ def base_of(model):
     return model.get_base_model() if is_lora(model) else model
 
 # %% ../nbs/07c_lora.ipynb #fca1865c
-def merged_named_weights(model) -> Iterator[tuple[str, Tensor]]:
+def merged_named_weights(model) -> Iterator:  # of (name, tensor) pairs
     "The base model's (name, tensor) pairs with each adapted weight replaced by W0 + (alpha / r) B A; no copy of the rest."
     import torch
     from peft.tuners.lora import LoraLayer
