@@ -566,7 +566,15 @@ def test_two_process_run_learns_and_resume_repeats_it(tmp_path):
        exactly: identical metrics apart from timings, the held-out evaluation at the end included. (A real kill -9
        of a whole run and its resume: test_trainer.py at world 1; of one rank of four: test_tp.py. Killing this run
        at its first checkpoint cost a third launch and seven more steps for the same question.)"""
-    common = [*TRAIN, ZERO3, *E2E_OVERRIDES, "save_every=1", "export_every=4", "--keep-checkpoints", "0"]
+    common = [
+        *TRAIN,
+        ZERO3,
+        *E2E_OVERRIDES,
+        "save_every=2",
+        "export_every=4",
+        "--keep-checkpoints",
+        "0",
+    ]  # checkpoints 2, 4, 6, 8
     t0 = time.perf_counter()
     out = tmp_path / "ref"
     p, dt = _torchrun([*common, f"output_dir={out}"], timeout=900)
