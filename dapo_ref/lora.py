@@ -13,12 +13,17 @@ from .core import LORA_TARGETS, DAPOConfig, InputError
 # torch is imported where it is used: `dapo-plan` sizes adapters with this module and without torch
 
 # %% auto #0
-__all__ = ['ADAPTER_DIR', 'lora_config', 'with_lora', 'is_lora', 'base_of', 'merged_named_weights', 'lora_state_bytes',
-           'lora_dims', 'lora_params', 'lora_activation_bytes', 'save_adapters', 'save_adapter_checkpoint',
-           'load_adapters', 'adapter_problem']
+__all__ = ['ADAPTER_DIR', 'target_names', 'lora_config', 'with_lora', 'is_lora', 'base_of', 'merged_named_weights',
+           'lora_state_bytes', 'lora_dims', 'lora_params', 'lora_activation_bytes', 'save_adapters',
+           'save_adapter_checkpoint', 'load_adapters', 'adapter_problem']
 
 # %% ../nbs/07c_lora.ipynb #c346c7c8
 ADAPTER_DIR = "adapter"  # PEFT's files (adapter_config.json, adapter_model.safetensors), beside the merged model
+
+
+def target_names(targets: str) -> list[str]:
+    "The layer names `lora_target_modules` means: all-linear is every one of `LORA_TARGETS`, else the names given."
+    return list(LORA_TARGETS) if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
 
 
 def lora_config(cfg: DAPOConfig):
@@ -26,7 +31,7 @@ def lora_config(cfg: DAPOConfig):
     from peft import LoraConfig
 
     t = cfg.lora_target_modules
-    targets = t if t == "all-linear" else [s.strip() for s in t.split(",") if s.strip()]
+    targets = t if t == "all-linear" else target_names(t)  # all-linear: PEFT's own name, passed as it is
     return LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_r if cfg.lora_alpha is None else cfg.lora_alpha,
@@ -106,15 +111,8 @@ def lora_state_bytes(
 def lora_dims(arch: ModelArch) -> dict[str, tuple[int, int]]:
     "(in, out) features of the linear layers of one Qwen2-style decoder layer: the layers LoRA may adapt."
     h, q, kv, i = arch.hidden_size, arch.q_dim, arch.kv_dim, arch.intermediate_size
-    dims = (
-        (h, q),
-        (h, kv),
-        (h, kv),
-        (q, h),
-        (h, i),
-        (h, i),
-        (i, h),
-    )  # in LORA_TARGETS' order: q, k, v, o, gate, up, down
+    # in LORA_TARGETS' order: q, k, v, o, gate, up, down
+    dims = (h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)
     return dict(zip(LORA_TARGETS, dims))
 
 
@@ -124,8 +122,7 @@ def lora_params(
     targets: str = "all-linear",  # lora_target_modules: all-linear (every linear layer but the output layer) or names
 ) -> int:
     "Trained parameters of rank-`r` adapters: r (in + out) per adapted linear layer, in every decoder layer."
-    dims = lora_dims(arch)
-    names = list(dims) if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    dims, names = lora_dims(arch), target_names(targets)
     if unknown := [t for t in names if t not in dims]:
         raise InputError(
             f"lora_target_modules = {targets}: {', '.join(unknown)} is not a linear layer of a Qwen2-style decoder "
@@ -143,8 +140,7 @@ def lora_activation_bytes(
 ) -> int:
     "What adapters add to backward's activations: PEFT casts each adapted layer's input to the adapters' fp32 and keeps it."
     dims = lora_dims(arch)
-    names = list(dims) if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    return 4 * tokens * layers * sum(dims[t][0] for t in names)
+    return 4 * tokens * layers * sum(dims[t][0] for t in target_names(targets))
 
 # %% ../nbs/07c_lora.ipynb #1eb28467
 def save_adapters(
