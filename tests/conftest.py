@@ -6,8 +6,11 @@ one after another (each fixture once); every other test is spread freely. Fixtur
 worker are listed in `SPREAD`: their tests spread (test_bad_input's 48 command-line cases are a big share of the
 suite). The mark is set as each item is collected, before xdist turns marks into the `@group` it schedules by."""
 
+from collections import defaultdict
+
 import pytest
 
+import budgets
 import vllm_shm
 
 SPREAD = {
@@ -39,3 +42,24 @@ def pytest_collection_modifyitems(config, items):
 def no_stale_vllm_shm():
     "A vLLM-CPU run killed earlier (kill -9) leaves shared memory that fails the next one's TP engine: remove it."
     vllm_shm.remove_stale()
+
+
+# --- time budgets (tests/budgets.py, the table in tests/README.md): reported at the end, never a failure ---
+_spent = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    "Setup, call and teardown of each test (with pytest-xdist, the controller receives every worker's reports)."
+    _spent[budgets.test_id(report.nodeid)] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput") or not _spent:  # an xdist worker: the controller reports
+        return
+    try:
+        table = budgets.load()
+    except ValueError as e:
+        terminalreporter.write_line(f"time budgets: {e}")
+        return
+    for line in budgets.report(_spent, table, budgets.column(budgets.cpu_flags())):
+        terminalreporter.write_line(line)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+VOCAB = 32768  # 2**24 // VOCAB = 512 rows per fused log-prob chunk: 4 chunks of the 2048 tokens, the chunked path at scale
+
 if __name__ == "__main__":
     out, T, gc = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:4] == ["gc"]
     torch.set_num_threads(1)
@@ -26,7 +28,7 @@ if __name__ == "__main__":
     folder = Path(tempfile.mkdtemp()) / "qwen2"
     torch.manual_seed(0)
     c = Qwen2Config(
-        vocab_size=32768,
+        vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=1024,
         num_hidden_layers=4,
@@ -49,8 +51,8 @@ if __name__ == "__main__":
     learner = TorchLearner.build(cfg, 0, model=model)
     g = torch.Generator().manual_seed(1)
     prompt, resp = (
-        torch.randint(5, 32768, (64,), generator=g).tolist(),
-        torch.randint(5, 32768, (T - 64,), generator=g).tolist(),
+        torch.randint(5, VOCAB, (64,), generator=g).tolist(),
+        torch.randint(5, VOCAB, (T - 64,), generator=g).tolist(),
     )
     batch = RolloutBatch([prompt], [resp], torch.ones(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1))
     with PeakRSS() as m:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from dapo_ref.ablation import ROWS, row_switches
-from dapo_ref.ablation_table import COLUMNS
+from dapo_ref.ablation_table import COLUMNS, FIGURES
 from dapo_ref.ablate import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,21 +155,27 @@ def test_testbed_has_what_the_length_studies_act_on():
 
 
 @pytest.mark.slow
-def test_all_quick_interrupted_resumed_and_cached(tmp_path):
-    """dapo-ablate --all --quick (every part of the study, one seed each, on the --quick base and 10-step testbeds),
-    interrupted after its first two runs, then (1) the same command resumes it: finished runs reused, the rest trained,
-    every table, study, figure and mechanisms.md written; (2) a third invocation of a part reuses every run, for the
-    table from its run folders and for a study from study.json alone; (3) another base config is trained again.
-    One --all launch and its resume answer what three launches did (a Table 1 ablation, a study, --all)."""
-    from dapo_ref.ablation_table import FIGURES
-    from dapo_ref.ablate import ALL, MECHANISMS, TESTBED_TARGET
-    from dapo_ref.studies import STUDY_FIGURES
+def test_table_quick_interrupted_resumed_and_cached(tmp_path):
+    """The testbed's Table 1 on the --quick base (6 rows, one seed: the smallest table, and the first part of --all),
+    interrupted after its first two runs; then (1) the same command resumes it: finished runs reused, the rest trained,
+    table and figures written; (2) a third invocation reuses every run; (3) another base config is trained again.
+    (Until #57 this rode on a whole `--all --quick` launch, 21 runs; the parts of --all: the study test and
+    `test_all_runs_every_part_then_mechanisms` below.)"""
+    from dapo_ref.ablate import TESTBED_TARGET
 
-    out = tmp_path / "abl"
-    cmd = [PY, "-m", "dapo_ref.ablate", "--all", "--quick", "--out", str(out)]
-    table_dir = out / next(
-        folder for kind, _, _, folder in ALL if kind == "table"
-    )  # the first part: the testbed's Table 1
+    table_dir = tmp_path / "testbed"
+    argv = [
+        "--quick",
+        "--seeds",
+        "0",
+        "--out",
+        str(table_dir),
+        "--base",
+        "recipes/ablation-testbed.yaml",
+        "--target",
+        str(TESTBED_TARGET),
+    ]
+    cmd = [PY, "-m", "dapo_ref.ablate", *argv]
     # 1. interrupted after its first two runs finished
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0 = time.time()
@@ -185,26 +191,13 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
     finished = len(list(table_dir.glob("runs/*/seed-0/result.json")))
     assert 2 <= finished < 6
 
-    # 2. the same command again resumes: the finished runs are reused, the rest are trained, every part is written
+    # 2. the same command again resumes: the finished runs are reused, the rest are trained, the table is written
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)  # hang guard
     assert r.returncode == 0, r.stderr[-2000:]
-    for kind, name, seeds, folder in ALL:
-        j = json.loads((out / folder / ("table.json" if kind == "table" else "study.json")).read_text())
-        assert j["meta"]["quick"] and j["meta"]["seeds"] == list(seeds[:1]), folder  # --quick: one seed per part
-        if kind == "study":  # the testbed parts ran on the 10-step testbed folder, not the full build
-            cfg = next(iter(next(iter(j["runs"].values())).values()))["key"]["config"]
-            tiny = name.startswith("dynamic-sampling")  # both dynamic-sampling studies: Table 1's tiny base
-            assert (cfg["model"] == "tiny") == tiny, cfg["model"]
-            assert tiny or "testbed-v1-" in cfg["model"]
-            for f, *_ in STUDY_FIGURES[name]:
-                assert (out / folder / f).stat().st_size > 1000, (folder, f)
-    md = (out / "mechanisms.md").read_text()
-    for tech, *_ in MECHANISMS:
-        assert tech in md
-    assert "reproduced" in md and "dapo-ablate --all --quick" in md
-    # the table part: resumed, whole, its figures
     m = _meta(table_dir)
     assert m["runs"] == 6 and m["cached_runs"] == finished and m["quick"] and m["seeds"] == [0]
+    # the testbed table ran on the 10-step testbed folder (--quick), not the full build
+    assert "testbed-v1-" in m["base"]["model"], m["base"]["model"]
     table = json.loads((table_dir / "table.json").read_text())["table"]
     assert [t["row"] for t in table] == [r[0] for r in ROWS]
     assert all(t["n_seeds"] == 1 for t in table)
@@ -223,37 +216,11 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
         assert not (d / "checkpoints").exists() and not (d / "final").exists()
         cfg = json.loads((d / "result.json").read_text())["key"]["config"]
         assert {k: cfg[k] for k in row_switches(row)} == row_switches(row)
-    # a study part: its arms, the --quick overrides, its updates
-    s = json.loads((out / "clip-higher-testbed" / "study.json").read_text())
-    assert (
-        s["meta"]["runs"] == 2
-        and s["meta"]["cached_runs"] == 0
-        and s["meta"]["date"]
-        and "--all" in s["meta"]["command"]
-    )
-    assert [a[0] for a in s["arms"]] == ["eps-high-0.20", "eps-high-0.28"]
-    for arm, eps in (("eps-high-0.20", 0.2), ("eps-high-0.28", 0.28)):
-        cfg = s["runs"][arm]["0"]["key"]["config"]
-        assert cfg["eps_high"] == eps and cfg["mini_batch_size"] == 1 and cfg["seed"] == 0
-        steps = [m for m in s["runs"][arm]["0"]["metrics"] if m.get("step", 0) > 0]
-        assert [m["grad_updates"] for m in steps] == [16, 32]  # 16 responses, 16 updates per step
-    assert "entropy, mean over the run" in (out / "clip-higher-testbed" / "study.md").read_text()
 
-    # 3. a third invocation of the table part reuses every run: none is trained again. A trained run rewrites its folder
-    # (key.json, lock, metrics.jsonl, result.json with new timings), so every file under runs/ unchanged, bytes and
-    # mtime, proves reuse without timing anything
-    table_argv = [
-        "--quick",
-        "--seeds",
-        "0",
-        "--out",
-        str(table_dir),
-        "--base",
-        "recipes/ablation-testbed.yaml",
-        "--target",
-        str(TESTBED_TARGET),
-        "--no-figures",
-    ]
+    # 3. a third invocation reuses every run: none is trained again. A trained run rewrites its folder (key.json, lock,
+    # metrics.jsonl, result.json with new timings), so every file under runs/ unchanged, bytes and mtime, proves reuse
+    # without timing anything
+    table_argv = [*argv, "--no-figures"]
     before = _snapshot(table_dir / "runs")
     assert main(table_argv) == 0
     m3 = _meta(table_dir)
@@ -262,27 +229,84 @@ def test_all_quick_interrupted_resumed_and_cached(tmp_path):
     assert after.keys() == before.keys() and all(after[k] == before[k] for k in before), sorted(
         k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
     )
-    # the study reuses its runs from study.json alone (the committed cache keeps only that file)
-    study_argv = [
-        "--quick",
-        "--study",
-        "clip-higher-testbed",
-        "--seeds",
-        "0",
-        "--out",
-        str(out / "clip-higher-testbed"),
-        "--no-figures",
-    ]
-    shutil.rmtree(out / "clip-higher-testbed" / "runs")
-    assert main(study_argv) == 0
-    s2 = json.loads((out / "clip-higher-testbed" / "study.json").read_text())
-    assert s2["meta"]["cached_runs"] == 2 and s2["summaries"] == s["summaries"]
-
-    # 4. a different base config is not served from the cache (table and study)
+    # 4. a different base config is not served from the cache
     assert main(["--rows", "1-grpo", *table_argv, "lr=1e-4"]) == 0
     assert _meta(table_dir)["cached_runs"] == 0
-    assert main([*study_argv, "lr=1e-4"]) == 0
-    assert json.loads((out / "clip-higher-testbed" / "study.json").read_text())["meta"]["cached_runs"] == 0
+
+
+@pytest.mark.slow
+def test_study_quick_cached_from_study_json(tmp_path):
+    """The smallest study (clip-higher-testbed: 2 arms, one seed) on the --quick base: its arms, the --quick overrides,
+    its figures; run again with its run folders deleted, it reuses both runs from study.json alone (the committed
+    cache keeps only that file); another base config is trained again."""
+    from dapo_ref.studies import STUDY_FIGURES
+
+    out = tmp_path / "clip-higher-testbed"
+    study_argv = ["--quick", "--study", "clip-higher-testbed", "--seeds", "0", "--out", str(out)]
+    assert main(study_argv) == 0
+    s = json.loads((out / "study.json").read_text())
+    assert s["meta"]["runs"] == 2 and s["meta"]["cached_runs"] == 0 and s["meta"]["date"]
+    assert [a[0] for a in s["arms"]] == ["eps-high-0.20", "eps-high-0.28"]
+    for arm, eps in (("eps-high-0.20", 0.2), ("eps-high-0.28", 0.28)):
+        cfg = s["runs"][arm]["0"]["key"]["config"]
+        assert cfg["eps_high"] == eps and cfg["mini_batch_size"] == 1 and cfg["seed"] == 0
+        assert "testbed-v1-" in cfg["model"], cfg["model"]  # --quick: the 10-step testbed folder, not the full build
+        steps = [m for m in s["runs"][arm]["0"]["metrics"] if m.get("step", 0) > 0]
+        assert [m["grad_updates"] for m in steps] == [16, 32]  # 16 responses, 16 updates per step
+    assert "entropy, mean over the run" in (out / "study.md").read_text()
+    for f, *_ in STUDY_FIGURES["clip-higher-testbed"]:
+        assert (out / f).stat().st_size > 1000, f
+    shutil.rmtree(out / "runs")
+    assert main([*study_argv, "--no-figures"]) == 0
+    s2 = json.loads((out / "study.json").read_text())
+    assert s2["meta"]["cached_runs"] == 2 and s2["summaries"] == s["summaries"]
+    assert main([*study_argv, "--no-figures", "lr=1e-4"]) == 0
+    assert json.loads((out / "study.json").read_text())["meta"]["cached_runs"] == 0
+
+
+def test_all_runs_every_part_then_mechanisms(tmp_path, monkeypatch, capsys):
+    """`dapo-ablate --all --quick`: every part of ALL in order, each with one seed (--quick), its own recipe, --quick,
+    the testbed target for the table and the command line; then mechanisms.md over the parts' study.json. The parts
+    themselves are the two tests above (a table and a study, trained for real); here they are recorded, and each
+    part's study.json is the committed one (benchmarks/ablation), so mechanisms.md is built from real studies."""
+    from dapo_ref import ablate
+    from dapo_ref.ablate import ALL, MECHANISMS, TESTBED_TARGET
+    from dapo_ref.studies import STUDIES
+    from dapo_ref.testbeds import TESTBEDS
+    from dapo_ref.cli import load_config
+
+    calls = []
+
+    def part(kind):
+        def run(name, seeds, *args, **kw):
+            out = Path(args[1] if kind == "table" else args[0])
+            calls.append((kind, name, tuple(seeds), out.name, kw["quick"], kw.get("target"), kw["command"]))
+            if kind == "study":
+                out.mkdir(parents=True)
+                shutil.copy(ROOT / "benchmarks/ablation" / out.name / "study.json", out / "study.json")
+            return dict(meta=dict(runs=len(seeds), cached_runs=0), markdown="")
+
+        return run
+
+    monkeypatch.setattr(ablate, "run_ablation", part("table"))
+    monkeypatch.setattr(ablate, "run_study", part("study"))
+    out = tmp_path / "abl"
+    assert main(["--all", "--quick", "--out", str(out)]) == 0
+    cmd = f"dapo-ablate --all --quick --out {out}"
+    assert calls == [
+        (kind, name, seeds[:1], folder, True, TESTBED_TARGET if kind == "table" else None, cmd)
+        for kind, name, seeds, folder in ALL
+    ]
+    md = (out / "mechanisms.md").read_text()
+    for tech, *_ in MECHANISMS:
+        assert tech in md
+    assert "reproduced" in md and cmd in md
+    # each study's base: the dynamic-sampling studies on Table 1's tiny base, every other on a testbed (which --quick
+    # replaces by the 10-step testbed: the study test above)
+    for kind, name, _, _ in ALL:
+        if kind == "study":
+            model = load_config(STUDIES[name]["base"]).model
+            assert (model == "tiny") == name.startswith("dynamic-sampling") and (model == "tiny" or model in TESTBEDS)
 
 
 def test_all_refuses_a_part(capsys):
