@@ -55,7 +55,10 @@ def test_column_follows_the_cpu_flags():
 def test_overruns_listed_largest_excess_first_and_none_said():
     b = budgets.load(TABLE)
     spent = {"test_a.py::test_slow": 12.0, "test_b.py::test_family[1]": 9.0, "test_z.py::test_quick": 0.5}
-    assert budgets.over_budget(spent, b, 0) == [(9.0, 2.0, "test_b.py::test_family[1]"), (12.0, 10.0, "test_a.py::test_slow")]
+    assert budgets.over_budget(spent, b, 0) == [
+        (9.0, 2.0, "test_b.py::test_family[1]"),
+        (12.0, 10.0, "test_a.py::test_slow"),
+    ]
     assert budgets.over_budget(spent, b, 1) == [(9.0, 5.0, "test_b.py::test_family[1]")]
     lines = budgets.report(spent, b, 1)
     assert "AVX2 only" in lines[0] and "1 over their budget" in lines[0] and "test_b.py::test_family[1]" in lines[1]

@@ -582,7 +582,7 @@ def test_bad_model_folder_config_json(tmp_path):
 
 
 def test_planner_learner_peak_within_25_percent_of_measured_rss(tmp_path):
-    """One bf16 learner update of a small Qwen2 on one packed 2048-token sequence (tests/plan_worker.py, a fresh
+    """One bf16 learner update of a small Qwen2 on one packed 2048-token micro-batch (tests/plan_worker.py, a fresh
     process per case, both at once), with and without gradient checkpointing: the planner's update-phase bytes above
     the weights (gradients, AdamW states, activations, fused log-probs) within 25% of the measured peak RSS of that
     step. One term is the CPU's own: the learner's CPU attention repeats K/V to every query head (`varlen_sdpa`: the
@@ -590,11 +590,13 @@ def test_planner_learner_peak_within_25_percent_of_measured_rss(tmp_path):
     attention keeps 2 x 2 h_kv; the check adds the difference, 4 (h - h_kv), to the planner's GPU count."""
     from dapo_ref.arch import arch_from_config
 
-    # Why 2048 tokens suffice: the terms the planner sums all show at this size (the fused log-probs run 4 chunks of
+    # Why 2048 tokens suffice: every term the planner sums shows at this size (the fused log-probs run 4 chunks of
     # 512 rows, 2**24 // 32768, as at scale; without checkpointing the activations are a quarter of the peak, with it
-    # the per-layer hidden states and one layer's set). Measured on a 2-core AMD EPYC: planned / measured 1.00 and
-    # 1.15 (without / with checkpointing) at 2048 tokens, 0.93 and 1.11 at 4096. 4096 tokens cost a bf16 step 4x the
-    # attention and 2x the logits; where bf16 is emulated (AVX2 only) that was 345 s of the suite.
+    # the per-layer hidden states and one layer's set). The worker packs 4 sequences of 512 tokens into the one
+    # micro-batch: the planner counts tokens, so the memory is a 2048-token micro-batch's, at a quarter of one long
+    # sequence's attention cost. Measured on a 2-core AMD EPYC: planned / measured 1.08 and 1.16 (without / with
+    # checkpointing), against 0.93 and 1.11 for one 4096-token sequence, which cost a bf16 step 8x the attention and 2x
+    # the logits: 345 s of the suite where bf16 is emulated (AVX2 only), now ~40 s per case emulated.
     T = 2048
     runs = {
         gc: (
