@@ -224,5 +224,8 @@ def test_dapo_eval_counts_reward_failures_and_stops_on_most(failing, tmp_path, c
     assert 0 < res["reward_errors"] < 6 and f"{res['reward_errors']} failed (raised" in out, out
     assert main([*base, "--reward", "failing_mod:always", "--out", str(tmp_path / "b.json")]) == 1
     err = capsys.readouterr().err
-    assert "dapo-eval: error: reward = failing_mod:always failed on 8 of the 8 calls" in err, err  # then it gave up
+    # it gave up once 8 calls had ended, all failed (`give_up`); a call that ended in the same poll as the 8th is
+    # counted too (two workers: 8 or 9), and the rest of the 12 were not made
+    m = re.search(r"dapo-eval: error: reward = failing_mod:always failed on (\d+) of the (\d+) calls", err)
+    assert m and m[1] == m[2] and 8 <= int(m[1]) < 12 and "calls not made" in err, err
     assert not (tmp_path / "b.json").exists()
