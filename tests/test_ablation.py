@@ -268,10 +268,11 @@ def test_all_runs_every_part_then_mechanisms(tmp_path, monkeypatch, capsys):
     """`dapo-ablate --all --quick`: every part of ALL in order, each with one seed (--quick), its own recipe, --quick,
     the testbed target for the table and the command line; then mechanisms.md over the parts' study.json. The parts
     themselves are the two tests above (a table and a study, trained for real); here they are recorded, and each
-    part's study.json is the committed one (benchmarks/ablation), so mechanisms.md is built from real studies."""
+    study part's study.json is the committed one (benchmarks/ablation): mechanisms.md is built from real studies, and
+    each study's figures are drawn by `plot_study` from its committed runs' metrics."""
     from dapo_ref import ablate
     from dapo_ref.ablate import ALL, MECHANISMS, TESTBED_TARGET
-    from dapo_ref.studies import STUDIES
+    from dapo_ref.studies import STUDIES, STUDY_FIGURES, plot_study
     from dapo_ref.testbeds import TESTBEDS
     from dapo_ref.cli import load_config
 
@@ -281,9 +282,12 @@ def test_all_runs_every_part_then_mechanisms(tmp_path, monkeypatch, capsys):
         def run(name, seeds, *args, **kw):
             out = Path(args[1] if kind == "table" else args[0])
             calls.append((kind, name, tuple(seeds), out.name, kw["quick"], kw.get("target"), kw["command"]))
-            if kind == "study":
+            if kind == "study":  # the committed study: its study.json, and its figures drawn from its runs' metrics
                 out.mkdir(parents=True)
                 shutil.copy(ROOT / "benchmarks/ablation" / out.name / "study.json", out / "study.json")
+                runs = json.loads((out / "study.json").read_text())["runs"]
+                if kw["figures"]:
+                    plot_study(name, {a: [r["metrics"] for r in by_seed.values()] for a, by_seed in runs.items()}, out)
             return dict(meta=dict(runs=len(seeds), cached_runs=0), markdown="")
 
         return run
@@ -301,6 +305,9 @@ def test_all_runs_every_part_then_mechanisms(tmp_path, monkeypatch, capsys):
     for tech, *_ in MECHANISMS:
         assert tech in md
     assert "reproduced" in md and cmd in md
+    for kind, name, _, folder in ALL:  # every study's figures, from real runs' metrics (every panel's metric read)
+        for f, *_ in STUDY_FIGURES.get(name, []) if kind == "study" else []:
+            assert (out / folder / f).stat().st_size > 1000, (folder, f)
     # each study's base: the dynamic-sampling studies on Table 1's tiny base, every other on a testbed (which --quick
     # replaces by the 10-step testbed: the study test above)
     for kind, name, _, _ in ALL:
