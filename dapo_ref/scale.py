@@ -56,9 +56,10 @@ def deepspeed_config(
         # smaller than that pays page faults for memory it never fills (a 2-rank ZeRO-2 launch of the tiny model:
         # 4.2M page faults and 8.6 s, against 0.3M and 5.5 s with buckets of the model's size). At 0.5B and up the
         # defaults stand.
-        zero["reduce_bucket_size"] = min(BUCKET_ELEMENTS, n_trained)
-        if cfg.zero_stage == 2:
-            zero["allgather_bucket_size"] = min(BUCKET_ELEMENTS, n_trained)
+        bucket = min(BUCKET_ELEMENTS, n_trained + n_trained % 2)  # ZeRO-2 asserts an even allgather bucket
+        zero["reduce_bucket_size"] = bucket
+        if cfg.zero_stage == 2:  # ZeRO-3 has no allgather bucket (it prefetches by stage3_prefetch_bucket_size)
+            zero["allgather_bucket_size"] = bucket
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not cpu}
     if cfg.offload_params:

@@ -3,7 +3,7 @@
     python tests/plan_worker.py OUT.json TOKENS [gc]
 
 A small Qwen2 (built in code, saved with `save_pretrained`, loaded with `from_pretrained`), bf16, the plain learner
-(`TorchLearner`, AdamW), one micro-batch of TOKENS tokens: SEQS packed sequences (64 prompt + the rest response each).
+(`TorchLearner`, AdamW), one micro-batch of one packed sequence of TOKENS tokens (64 prompt + the rest response).
 Writes the peak resident bytes of `Learner.update` above its start (`zero.PeakRSS`: the gradients, AdamW's two states
 created at the first step, the activations and the fused log-probs; the weights were resident before) and the model's
 shape for the planner."""
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-SEQS = 4
 VOCAB = (
     32768  # 2**24 // VOCAB = 512 rows per fused log-prob chunk: 4 chunks of the 2048 tokens, the chunked path at scale
 )
@@ -53,13 +52,11 @@ if __name__ == "__main__":
     )
     learner = TorchLearner.build(cfg, 0, model=model)
     g = torch.Generator().manual_seed(1)
-    # SEQS sequences of T / SEQS tokens packed into the one micro-batch: the planner counts tokens, not sequences, so
-    # the memory is a T-token micro-batch's, while attention's cost (sum of squared lengths) is 1 / SEQS of one sequence's
-    L = T // SEQS
-    prompts = [torch.randint(5, VOCAB, (64,), generator=g).tolist() for _ in range(SEQS)]
-    resps = [torch.randint(5, VOCAB, (L - 64,), generator=g).tolist() for _ in range(SEQS)]
-    z = torch.zeros(SEQS)
-    batch = RolloutBatch(prompts, resps, torch.ones(SEQS), torch.zeros(SEQS, dtype=torch.bool), z)
+    prompt, resp = (
+        torch.randint(5, VOCAB, (64,), generator=g).tolist(),
+        torch.randint(5, VOCAB, (T - 64,), generator=g).tolist(),
+    )
+    batch = RolloutBatch([prompt], [resp], torch.ones(1), torch.zeros(1, dtype=torch.bool), torch.zeros(1))
     with PeakRSS() as m:
-        learner.update(batch, [torch.full((L - 64,), -10.0) for _ in range(SEQS)])
+        learner.update(batch, [torch.full((T - 64,), -10.0)])
     out.write_text(json.dumps(dict(peak=m.extra, config=model.config.to_dict())))

@@ -197,7 +197,7 @@ def test_table_quick_interrupted_resumed_and_cached(tmp_path):
     m = _meta(table_dir)
     assert m["runs"] == 6 and m["cached_runs"] == finished and m["quick"] and m["seeds"] == [0]
     # the testbed table ran on the 10-step testbed folder (--quick), not the full build
-    assert "testbed-v1-" in m["base"]["model"], m["base"]["model"]
+    assert m["base"]["model"] == str(quick_testbed("tiny-testbed")), m["base"]["model"]
     table = json.loads((table_dir / "table.json").read_text())["table"]
     assert [t["row"] for t in table] == [r[0] for r in ROWS]
     assert all(t["n_seeds"] == 1 for t in table)
@@ -239,6 +239,7 @@ def test_study_quick_cached_from_study_json(tmp_path):
     """The smallest study (clip-higher-testbed: 2 arms, one seed) on the --quick base: its arms, the --quick overrides,
     its figures; run again with its run folders deleted, it reuses both runs from study.json alone (the committed
     cache keeps only that file); another base config is trained again."""
+    from dapo_ref.ablate import mechanism_table
     from dapo_ref.studies import STUDY_FIGURES
 
     out = tmp_path / "clip-higher-testbed"
@@ -246,22 +247,53 @@ def test_study_quick_cached_from_study_json(tmp_path):
     assert main(study_argv) == 0
     s = json.loads((out / "study.json").read_text())
     assert s["meta"]["runs"] == 2 and s["meta"]["cached_runs"] == 0 and s["meta"]["date"]
+    assert s["meta"]["command"] == "dapo-ablate " + " ".join(study_argv)
     assert [a[0] for a in s["arms"]] == ["eps-high-0.20", "eps-high-0.28"]
     for arm, eps in (("eps-high-0.20", 0.2), ("eps-high-0.28", 0.28)):
         cfg = s["runs"][arm]["0"]["key"]["config"]
         assert cfg["eps_high"] == eps and cfg["mini_batch_size"] == 1 and cfg["seed"] == 0
-        assert "testbed-v1-" in cfg["model"], cfg["model"]  # --quick: the 10-step testbed folder, not the full build
+        assert cfg["model"] == str(quick_testbed("tiny-testbed"))  # --quick: the 10-step testbed, not the full build
         steps = [m for m in s["runs"][arm]["0"]["metrics"] if m.get("step", 0) > 0]
         assert [m["grad_updates"] for m in steps] == [16, 32]  # 16 responses, 16 updates per step
     assert "entropy, mean over the run" in (out / "study.md").read_text()
     for f, *_ in STUDY_FIGURES["clip-higher-testbed"]:
         assert (out / f).stat().st_size > 1000, f
+    # mechanisms.md's rows from a one-seed study: no standard error, so never "separated" (--all --quick builds it so)
+    rows, md = mechanism_table(tmp_path)
+    assert rows and all(r["study"] == "clip-higher-testbed" and not r["separated"] for r in rows), rows
+    assert md.count("\n") == 1 + len(rows) and all(r["technique"] in md for r in rows)
     shutil.rmtree(out / "runs")
     assert main([*study_argv, "--no-figures"]) == 0
     s2 = json.loads((out / "study.json").read_text())
     assert s2["meta"]["cached_runs"] == 2 and s2["summaries"] == s["summaries"]
     assert main([*study_argv, "--no-figures", "lr=1e-4"]) == 0
     assert json.loads((out / "study.json").read_text())["meta"]["cached_runs"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("study, model", [("clip-higher-guesser", "tiny-guesser"), ("dynamic-sampling", "tiny")])
+def test_quick_study_on_each_other_base(tmp_path, study, model):
+    """The studies of --all stand on three bases: the testbed (the two tests above), the guesser testbed and Table 1's
+    tiny model. One study on each of the other two, --quick, one seed: it runs (the guesser's 10-step testbed is built
+    here), on that base, and writes its study and figures. The other studies differ from these only in the switches
+    Table 1's rows set, which the table test above trains on the same testbed."""
+    from dapo_ref.studies import STUDY_FIGURES
+
+    out = tmp_path / study
+    assert main(["--quick", "--study", study, "--seeds", "0", "--out", str(out)]) == 0
+    s = json.loads((out / "study.json").read_text())
+    assert s["meta"]["runs"] == 2 and s["meta"]["quick"] and f"--study {study}" in s["meta"]["command"]
+    want = "tiny" if model == "tiny" else str(quick_testbed(model))
+    assert all(r["0"]["key"]["config"]["model"] == want for r in s["runs"].values()), s["runs"]
+    for f, *_ in STUDY_FIGURES[study]:
+        assert (out / f).stat().st_size > 1000, f
+
+
+def quick_testbed(name: str):
+    "The folder --quick trains on for a testbed base: its 10-step build (`studies.testbed_base`)."
+    from dapo_ref.testbeds import TESTBEDS, testbed_model
+
+    return testbed_model(**{**TESTBEDS[name], "steps": 10}, log=None)
 
 
 def test_all_runs_every_part_then_mechanisms(tmp_path, monkeypatch, capsys):
@@ -281,6 +313,7 @@ def test_all_runs_every_part_then_mechanisms(tmp_path, monkeypatch, capsys):
     def part(kind):
         def run(name, seeds, *args, **kw):
             out = Path(args[1] if kind == "table" else args[0])
+            assert kind == "study" or args[0] is None  # the table part: every row
             calls.append((kind, name, tuple(seeds), out.name, kw["quick"], kw.get("target"), kw["command"]))
             if kind == "study":  # the committed study: its study.json, and its figures drawn from its runs' metrics
                 out.mkdir(parents=True)
@@ -304,7 +337,7 @@ def test_all_runs_every_part_then_mechanisms(tmp_path, monkeypatch, capsys):
     md = (out / "mechanisms.md").read_text()
     for tech, *_ in MECHANISMS:
         assert tech in md
-    assert "reproduced" in md and cmd in md
+    assert cmd in md
     for kind, name, _, folder in ALL:  # every study's figures, from real runs' metrics (every panel's metric read)
         for f, *_ in STUDY_FIGURES.get(name, []) if kind == "study" else []:
             assert (out / folder / f).stat().st_size > 1000, (folder, f)

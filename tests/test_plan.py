@@ -582,7 +582,7 @@ def test_bad_model_folder_config_json(tmp_path):
 
 
 def test_planner_learner_peak_within_25_percent_of_measured_rss(tmp_path):
-    """One bf16 learner update of a small Qwen2 on one packed 2048-token micro-batch (tests/plan_worker.py, a fresh
+    """One bf16 learner update of a small Qwen2 on one packed 2048-token sequence (tests/plan_worker.py, a fresh
     process per case, both at once), with and without gradient checkpointing: the planner's update-phase bytes above
     the weights (gradients, AdamW states, activations, fused log-probs) within 25% of the measured peak RSS of that
     step. One term is the CPU's own: the learner's CPU attention repeats K/V to every query head (`varlen_sdpa`: the
@@ -592,11 +592,11 @@ def test_planner_learner_peak_within_25_percent_of_measured_rss(tmp_path):
 
     # Why 2048 tokens suffice: every term the planner sums shows at this size (the fused log-probs run 4 chunks of
     # 512 rows, 2**24 // 32768, as at scale; without checkpointing the activations are a quarter of the peak, with it
-    # the per-layer hidden states and one layer's set). The worker packs 4 sequences of 512 tokens into the one
-    # micro-batch: the planner counts tokens, so the memory is a 2048-token micro-batch's, at a quarter of one long
-    # sequence's attention cost. Measured on a 2-core AMD EPYC: planned / measured 1.08 and 1.16 (without / with
-    # checkpointing), against 0.93 and 1.11 for one 4096-token sequence, which cost a bf16 step 8x the attention and 2x
-    # the logits: 345 s of the suite where bf16 is emulated (AVX2 only), now ~40 s per case emulated.
+    # the per-layer hidden states and one layer's set), and one sequence of 2048 tokens still catches attention that
+    # keeps its L x L scores (4 layers x 4 heads x 2048^2 fp32: 256 MiB, over half the peak). Measured on a 2-core AMD
+    # EPYC: planned / measured 1.00-1.02 and 1.07-1.15 (without / with checkpointing; two runs), against 0.93 and 1.11
+    # at 4096 tokens, which cost a bf16 step 4x the attention and 2x the logits: 345 s of the suite where bf16 is
+    # emulated (AVX2 only); 42 s per case here with torch held to AVX2.
     T = 2048
     runs = {
         gc: (

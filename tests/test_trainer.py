@@ -232,8 +232,8 @@ def _run_cli(args, env=None, **kw):
 @pytest.mark.slow
 def test_kill_9_and_resume_gives_identical_metrics(tmp_path):
     # held out at the start and the end. Rounds of 8 prompts x 4 (the recipe: 32 x 8) with dynamic sampling on, 4 of
-    # them kept, 2 updates a step as in the recipe: a resume restores the same state (weights, AdamW, schedule, RNG,
-    # data position, the sampler's buffer) at any size, and a step this small is ~8x cheaper
+    # them kept, 2 updates a step as in the recipe: what a resume restores (weights, AdamW, schedule, RNG, data
+    # position) does not depend on the round's size, and a step this small is ~8x cheaper
     small = ["prompts_per_step=4", "gen_batch_size=8", "group_size=4", "mini_batch_size=8"]
     common = ["total_steps=4", "save_every=1", "eval_every=0", "eval_k=1", *small]
     ref = _run_cli([*common, f"output_dir={tmp_path / 'ref'}"])
