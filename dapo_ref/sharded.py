@@ -4,14 +4,19 @@
 
 # %% ../nbs/09_sharded.ipynb #87232cfd
 from __future__ import annotations
+import pickle
+from dataclasses import replace
 from typing import Callable
 
+import torch
+
 from . import dist
+from .algorithm import Group
 from .rollout import rollout_groups
 from .reward_pool import RewardPluginError
 
 # %% auto #0
-__all__ = ['ShardedRollout', 'StubRollout']
+__all__ = ['ShardedRollout', 'pack_groups', 'unpack_groups', 'gather_groups', 'StubRollout']
 
 # %% ../nbs/09_sharded.ipynb #fcf8d570
 class ShardedRollout:
@@ -24,7 +29,7 @@ class ShardedRollout:
         world: int,  # this rank of the job
         tp: int = 1,
     ):  # ranks per engine (vllm_tensor_parallel)
-        self.local = local
+        self.local, self.gathered = local, {}  # the last round's gather: bytes received, the largest on the device
         self.d, self.D, self.t = rollout_groups(rank, world, tp)  # this engine of D, and this rank's place in it
         local.seed_key = ("rank", self.d) if self.D > 1 else ()  # each engine samples its share with a seed of its own
 
@@ -35,7 +40,7 @@ class ShardedRollout:
             got = self.local.groups(mine, step, rnd)
         except RewardPluginError as e:  # one engine's plug-in failed: every rank stops with it, none waits
             got = e
-        parts = dist.all_gather(got if self.t == 0 else None)  # one copy per engine: its first rank's
+        parts, self.gathered = gather_groups(got if self.t == 0 else None)  # one copy per engine: its first rank's
         if failed := [p for p in parts if isinstance(p, RewardPluginError)]:
             raise failed[0]
         return dist.interleave([p for p in parts if p is not None])  # the inverse of `dist.shard`
@@ -48,6 +53,93 @@ class ShardedRollout:
     def around_update(self, update: Callable, weights: Callable):
         "This rank's engine around the update (lines 10-11, then line 3); the learner's weights may be a collective."
         return self.local.around_update(update, weights)
+
+# %% ../nbs/09_sharded.ipynb #454c0153
+_HEADER = 3  # int64s: token ids, log-probs, pickle bytes
+
+
+def pack_groups(
+    groups: list,  # one engine's groups (`algorithm.Group`; any other object travels whole in the pickle)
+) -> torch.Tensor:  # (bytes,) uint8
+    "One engine's groups as one byte buffer: a header, the token ids (int32), the engine's log-probs (float32), a pickle of the rest."
+    ids, logps, meta = [], [], []
+    for g in groups:
+        if not isinstance(g, Group):
+            meta.append(g)
+            continue
+        ids += g.prompt_ids
+        for r in g.responses:
+            ids += r
+        if g.logps is not None:
+            for lp in g.logps:
+                logps += lp
+        meta.append(
+            replace(g, prompt_ids=len(g.prompt_ids), responses=[len(r) for r in g.responses], logps=g.logps is not None)
+        )
+    blob = pickle.dumps(meta)
+    head = torch.tensor([len(ids), len(logps), len(blob)], dtype=torch.int64)
+    parts = [
+        head.view(torch.uint8),
+        torch.tensor(ids, dtype=torch.int32).view(torch.uint8),  # token ids < 2^31 (vocabularies are < 2^18)
+        torch.tensor(logps, dtype=torch.float32).view(torch.uint8),  # the engine's own precision (vLLM: fp32)
+        torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+    ]
+    return torch.cat(parts)
+
+
+def unpack_groups(
+    buf: torch.Tensor,  # (bytes,) uint8, from `pack_groups`
+) -> list:
+    "The groups `pack_groups` packed."
+    n_ids, n_lp, n_blob = buf[: 8 * _HEADER].view(torch.int64).tolist()
+    o = 8 * _HEADER
+    ids = buf[o : o + 4 * n_ids].view(torch.int32).tolist()
+    o += 4 * n_ids
+    logps = buf[o : o + 4 * n_lp].view(torch.float32).tolist()
+    o += 4 * n_lp
+    meta = pickle.loads(buf[o : o + n_blob].numpy().tobytes())
+    out, i, j = [], 0, 0
+    for m in meta:
+        if not isinstance(m, Group):
+            out.append(m)
+            continue
+        prompt, i = ids[i : i + m.prompt_ids], i + m.prompt_ids
+        responses, lps = [], []
+        for n in m.responses:
+            responses.append(ids[i : i + n])
+            i += n
+            if m.logps:
+                lps.append(logps[j : j + n])
+                j += n
+        out.append(replace(m, prompt_ids=prompt, responses=responses, logps=lps if m.logps else None))
+    return out
+
+# %% ../nbs/09_sharded.ipynb #ec40a1a4
+def gather_groups(
+    groups: list | Exception | None,  # this rank's share of the round (None: nothing to send, off an engine's first rank)
+) -> tuple[list, dict]:  # every rank's share in rank order (None where it sent nothing); bytes received, device peak
+    "Every rank's groups on every rank, without pickles on the device: the sizes first, then each sender's buffer broadcast at its exact size."
+    buf = None if groups is None else pack_groups(groups if isinstance(groups, list) else [groups])
+    if not torch.distributed.is_initialized() or not dist.is_distributed():  # one process, or `run_ranks`' threads
+        parts = dist.all_gather(buf)
+        sizes = [0 if b is None else len(b) for b in parts]
+    else:
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None
+        mine = torch.tensor([0 if buf is None else len(buf)], dtype=torch.int64, device=dev)
+        sizes = [torch.zeros_like(mine) for _ in range(dist.world_size())]
+        torch.distributed.all_gather(sizes, mine)
+        sizes = [int(s) for s in sizes]
+        parts = []
+        for src, n in enumerate(sizes):
+            if n == 0:
+                parts.append(None)
+                continue
+            b = buf.to(dev) if src == dist.rank() else torch.empty(n, dtype=torch.uint8, device=dev)
+            torch.distributed.broadcast(b, src=src)
+            parts.append(b.cpu())  # to host memory before the next sender's: one engine's share on the device at a time
+    out = [None if b is None else unpack_groups(b) for b in parts]
+    out = [o[0] if o is not None and len(o) == 1 and isinstance(o[0], Exception) else o for o in out]
+    return out, dict(received_bytes=sum(sizes), device_peak_bytes=max(sizes, default=0))
 
 # %% ../nbs/09_sharded.ipynb #fa278c1a
 class StubRollout:
