@@ -151,6 +151,10 @@ class Rollout:
         self.stats["score"] = self.stats.get("score", 0.0) + time.perf_counter() - t1
         return out
 
+    def fetch(self, groups: list[Group]) -> list[Group]:
+        "The kept groups with their tokens: here, as they are (on N ranks `sharded.ShardedRollout` brings them from their engines)."
+        return groups
+
     def reward_counts(self) -> list[int]:
         "This step's reward timeouts and errors (then zeroed)."
         return [self.stats.pop("reward_timeouts", 0), self.stats.pop("reward_errors", 0)]
@@ -201,7 +205,7 @@ def collect(
         reward_timeouts=timeouts,
         reward_errors=errors,
     )
-    return buf.take(), seen, stats
+    return rollout.fetch(buf.take()), seen, stats  # the kept groups, their tokens on this rank
 
 # %% ../nbs/09_algorithm.ipynb #9f6139ea
 def make_batch(

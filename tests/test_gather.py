@@ -1,11 +1,13 @@
-"""`sharded.gather_groups` in a real 4-rank gloo job (2 engines of 2 ranks, uneven shares, an engine with nothing to
-do, an engine whose reward plug-in fails): every rank receives the whole round, and what it stages is the round once,
-not `world x` the largest rank's pickle (`torch.distributed.all_gather_object`)."""
+"""`ShardedRollout`'s gathers in a real 4-rank gloo job (2 engines of 2 ranks, uneven shares, an engine with nothing to
+do, an engine whose reward plug-in fails): every rank receives each round's statistics and then the kept groups
+whole; what it receives is that, once, not `world x` the largest rank's pickle of every round
+(`torch.distributed.all_gather_object`, the call it replaces)."""
 
-import json, socket, subprocess, sys
+import json, os, socket, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 def _port() -> str:
@@ -14,35 +16,38 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-def test_four_ranks_two_engines_gather_tensors_not_padded_pickles(tmp_path):
+def test_four_ranks_two_engines_gather_statistics_then_the_kept_groups(tmp_path):
+    from gather_worker import ROUNDS, group
+    from dapo_ref.sharded import pack_groups
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", _port()]
     p = subprocess.run(
         [*cmd, str(ROOT / "tests" / "gather_worker.py"), str(tmp_path)],
         cwd=ROOT,
-        env={"OMP_NUM_THREADS": "1", **dict(__import__("os").environ)},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    sys.path.insert(0, str(ROOT / "tests"))
-    from gather_worker import group
-    from dapo_ref.sharded import pack_groups
-
-    for name, indices, shares in [("uneven", [0, 1, 2, 3, 4], ([0, 2, 4], [1, 3])), ("engine 1 idle", [7], ([7], []))]:
-        b = [len(pack_groups([group(i) for i in s])) for s in shares]  # the two engines' buffers, packed here
-        for rk in ranks:
-            got = rk["rounds"][name]
-            assert got["same"], name  # the whole round, in order, on every rank (both ranks of each engine)
-            # received: each engine's buffer once (an idle engine's 24-byte header included); on the device one at a time
-            assert got["received_bytes"] == sum(b) and got["device_peak_bytes"] == max(b), (name, got, b)
-            # the old call pickled ~13 bytes per token (ids of 3-5 bytes, floats of 9) against 8, and staged W = 4
-            # ranks' pickles where D = 2 engines send: old / new >= W / D x 13 / 8 = 3.3
-            assert got["old_staged"] > 3 * got["received_bytes"], (name, got)
-        print(
-            f"{name}: per rank {got['received_bytes']} bytes received, {got['old_staged']} staged by all_gather_object"
-        )
+    # the bytes, packed here from the same groups: each round's statistics from each engine (shares [0, 2, 4], [1, 3];
+    # then [7], []), and the kept groups from the engine that made each (prompts 7 and 0 from engine 0, 3 from engine 1)
+    shares = [[[0, 2, 4], [1, 3]], [[7], []]]
+    stats = sum(len(pack_groups([group(i) for i in s], tokens=False)) for rnd in shares for s in rnd)
+    batch = [len(pack_groups([group(7), group(0)])), len(pack_groups([group(3)]))]  # in the batch's order
+    for rk in ranks:
+        assert rk["seen"] == ROUNDS and rk["lengths_right"] and rk["stats_only"]  # every rank: every round's statistics
+        assert rk["batch_whole"]  # and the kept groups whole, in the batch's order, on both ranks of each engine
+        assert rk["round_bytes"] == stats and rk["batch_bytes"] == sum(batch), (rk, stats, batch)
+        assert rk["device_peak_bytes"] == max(batch)  # one engine's kept groups on the device at a time
+        # the old call: every round's groups, pickled at ~13 bytes per token (ids of 3-5 bytes, floats of 9) against 8,
+        # staged by W = 4 ranks where D = 2 engines send; the new: only the kept groups' tokens (3 of 6 groups here)
+        assert rk["old_staged"] > 4 * (rk["round_bytes"] + rk["batch_bytes"]), rk
+    r0 = ranks[0]
+    print(
+        f"\nper rank: {r0['round_bytes']} + {r0['batch_bytes']} bytes received; all_gather_object: {r0['old_staged']}"
+    )
     assert [rk["failed"] for rk in ranks] == [
         "plug-in my_reward failed on 4 of 4 calls"
     ] * 4  # every rank stops with it
