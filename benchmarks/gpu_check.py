@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if not with_ds:
         skipped.append(
-            "the ZeRO-3 learner (DeepSpeed is not installed: pip install deepspeed); the plain PyTorch learner ran"
+            "the ZeRO-3 learner (DeepSpeed is not installed: pip install 'deepspeed>=0.19.8,<0.20'); "
+            "the plain PyTorch learner ran"
         )
     if not cpu and not flash:
         skipped.append("the learner on flash_attention_2 (flash-attn is not installed: pip install flash-attn)")

@@ -14,6 +14,7 @@ from torch import Tensor
 from . import dist
 from .core import DAPOConfig, InputError
 from fastcore.basics import patch
+from packaging.specifiers import SpecifierSet
 
 from .learner import MicroBatchLearner, prepare_model
 from .policy import model_path
@@ -23,7 +24,8 @@ from .packing import SeqParallel
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
 
 # %% auto #0
-__all__ = ['BUCKET_ELEMENTS', 'deepspeed_config', 'gathered_named_weights', 'ulysses_group', 'empty_tensors', 'DeepSpeedLearner']
+__all__ = ['BUCKET_ELEMENTS', 'DEEPSPEED_VERSIONS', 'deepspeed_config', 'check_deepspeed', 'accumulation_dtype',
+           'gathered_named_weights', 'ulysses_group', 'empty_tensors', 'DeepSpeedLearner']
 
 # %% ../nbs/08d_deepspeed.ipynb #b3d0089c
 BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size and allgather_bucket_size defaults
@@ -32,7 +34,7 @@ BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size and allgather_bu
 def deepspeed_config(
     cfg: DAPOConfig,  # zero_stage, dtype, offload_*, grad_clip, lr, betas, weight_decay
     world_size: int = 1,  # N ranks
-    cpu: bool | None = None,  # True: torch AdamW, no pinned memory; None = no CUDA here
+    cpu: bool | None = None,  # True: no pinned memory, torch AdamW for offloaded states too; None = no CUDA here
     n_trained: int | None = None,  # parameters ZeRO holds (trainable): caps its buckets; None: DeepSpeed's defaults
 ) -> dict:
     "The `deepspeed.initialize` config of the DAPO learner."
@@ -65,8 +67,13 @@ def deepspeed_config(
     if cfg.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": not cpu}
     adamw = {"lr": cfg.lr, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": 1e-8, "weight_decay": cfg.weight_decay}
-    if cpu:
+    if cpu or not cfg.offload_optimizer:
+        # torch.optim.AdamW (foreach kernels on a GPU, part of torch's build). Without torch_adam DeepSpeed builds its
+        # FusedAdam with nvcc in deepspeed.initialize, and a machine without the CUDA toolkit fails there
         adamw["torch_adam"] = True
+    # else offloaded states on a GPU machine: DeepSpeedCPUAdam, JIT-built with g++ (ninja, OpenMP, the CPU's SIMD flags;
+    # no nvcc). DeepSpeed would take torch_adam here too (it refuses a non-CPU-Adam optimizer under offload only when
+    # the caller passes one), but torch's AdamW on a CPU steps the partition several times slower
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -85,6 +92,40 @@ def deepspeed_config(
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+# %% ../nbs/08d_deepspeed.ipynb #998ff14b
+# >= 0.19.8: the first whose ZeRO-2 sums micro-batches in the requested fp32; < 0.20: the learner reads ZeRO internals
+# (accumulation_dtype, guard_weights, close) that a minor release may rename: a new one is allowed once the GPU check
+# (benchmarks/gpu_check.py) and tests/test_gpu_path.py pass on it. settings.ini's requirements say the same
+DEEPSPEED_VERSIONS = ">=0.19.8,<0.20"
+
+
+def check_deepspeed(
+    version: str,  # the installed DeepSpeed's version (deepspeed.__version__)
+) -> str:
+    "`version`, or an `InputError` naming it and the fix when it is outside `DEEPSPEED_VERSIONS`."
+    if not SpecifierSet(DEEPSPEED_VERSIONS).contains(version, prereleases=True):
+        raise InputError(
+            f"DeepSpeed {version} is installed; the DeepSpeed learner (zero_stage: 2 or 3) needs "
+            f"deepspeed{DEEPSPEED_VERSIONS} (older ones sum ZeRO-2 micro-batch gradients in bf16; newer ones are "
+            f"untested): pip install 'deepspeed{DEEPSPEED_VERSIONS}'"
+        )
+    return version
+
+
+def accumulation_dtype(
+    opt,  # the ZeRO optimizer deepspeed.initialize returned (stage 2 or 3)
+) -> torch.dtype:
+    "The dtype in which `opt` sums this rank's gradients over the micro-batches of a step."
+    flat = getattr(opt, "grad_partitions_flat_buffer", None)  # ZeRO-3: the rank's gradient partition, made at start
+    if flat is not None:
+        return flat.dtype
+    # ZeRO-2: an fp32 partition buffer where DeepSpeed chooses one for every group (made at the first backward);
+    # otherwise the sums land in the parameters' dtype (grads_in_partition), as in every DeepSpeed before 0.19.8
+    compact = getattr(opt, "_use_compact_grad_partition_buffer", None)
+    if compact is not None and all(compact(i) for i in range(len(opt.bit16_groups))):
+        return opt.gradient_accumulation_dtype
+    return opt.dtype
 
 # %% ../nbs/08d_deepspeed.ipynb #10728165
 def gathered_named_weights(
@@ -189,6 +230,7 @@ class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
     ):
         import deepspeed
 
+        check_deepspeed(deepspeed.__version__)
         # DeepSpeed 0.19 calls collectives that torch 2.13 marks deprecated, once per layer and pass: keep logs readable
         warnings.filterwarnings(
             "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
@@ -206,6 +248,15 @@ class DeepSpeedLearner(ShardedLearner, MicroBatchLearner):
         self.engine, self.opt = engine, opt
         torch_opt = getattr(opt, "optimizer", opt)  # the torch optimizer inside ZeRO's wrapper: the warm-up sets its lr
         super().__init__(engine.module, cfg, pad_token_id, engine.device, torch_opt, net=engine)
+        acc = accumulation_dtype(opt)
+        if acc != torch.float32:  # an older DeepSpeed, or a ds_config without data_types.grad_accum_dtype: fp32
+            self.close()  # DeepSpeed's module stack would keep the model
+            raise InputError(
+                f"DeepSpeed {deepspeed.__version__} sums ZeRO-{self.ds_config['zero_optimization']['stage']} "
+                f"micro-batch gradients in {str(acc).removeprefix('torch.')}, not fp32 (a micro-batch's gradient "
+                "below 2^-9 of the running sum rounds away in bf16); keep deepspeed_config's "
+                f"data_types.grad_accum_dtype: fp32 and pip install 'deepspeed{DEEPSPEED_VERSIONS}'"
+            )
         if cfg.sequence_parallel_size > 1:
             self.sp = ulysses_group(engine.module, cfg.sequence_parallel_size)
 
@@ -291,6 +342,7 @@ def build_model(cls: DeepSpeedLearner, cfg: DAPOConfig):
     "The policy `cfg.model`: with ZeRO-3 built straight into this rank's partitions (never whole); with ZeRO-2 whole on the CPU."
     import deepspeed
 
+    check_deepspeed(deepspeed.__version__)  # before a 32B model loads, not after
     dist.init_distributed(
         single=True
     )  # zero.Init partitions over the process group, whose size it reads from deepspeed.comm

@@ -63,6 +63,28 @@ def test_bf16_micro_batches_accumulate_in_fp32(stage, tmp_path):
     assert any(bool(g1.abs().max() > 0) for g1 in g.values())  # the check saw gradients
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_learner_refuses_gradients_summed_in_bf16(stage, tmp_path):
+    """The learner reads the dtype its ZeRO optimizer sums micro-batches in (`scale.accumulation_dtype`) and stops on
+    anything but fp32. A bf16 engine whose DeepSpeed config lacks `data_types.grad_accum_dtype` sums in the parameters'
+    bf16 (as ZeRO-2 of DeepSpeed < 0.19.8 does whatever the config says): refused in one line naming the fix. The same
+    engine under `deepspeed_config`'s own config reads fp32 (the test above shows those sums are fp32 sums)."""
+    from dapo_ref.core import InputError
+    from dapo_ref.scale import DeepSpeedLearner, accumulation_dtype, deepspeed_config
+
+    cfg = load_config(RECIPE, dict(zero_stage=stage, dtype="bfloat16", warmup_steps=0, output_dir=str(tmp_path)))
+    model, tok = load_policy("tiny")
+    ds = deepspeed_config(cfg, n_trained=sum(p.numel() for p in model.parameters()))  # buckets of the model's size
+    del ds["data_types"]
+    fix = r"pip install 'deepspeed>=0\.19\.8,<0\.20'"
+    with pytest.raises(InputError, match=rf"sums ZeRO-{stage} micro-batch gradients in bfloat16, not fp32 .*{fix}"):
+        DeepSpeedLearner(model.to(torch.bfloat16), cfg, tok.pad_token_id, ds_config=ds)
+    model, tok = load_policy("tiny")
+    learner = DeepSpeedLearner(model.to(torch.bfloat16), cfg, tok.pad_token_id)
+    assert accumulation_dtype(learner.opt) == torch.float32
+    learner.close()
+
+
 def live_tensor_bytes() -> int:
     "Bytes of every storage a live tensor of this process holds (each storage once)."
     gc.collect()
