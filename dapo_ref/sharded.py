@@ -16,7 +16,7 @@ from .rollout import rollout_groups
 from .reward_pool import RewardPluginError
 
 # %% auto #0
-__all__ = ['ShardedRollout', 'Elsewhere', 'pack_groups', 'unpack_groups', 'gather_buffers', 'StubRollout']
+__all__ = ['GATHER_CHUNK_BYTES', 'ShardedRollout', 'Elsewhere', 'pack_groups', 'unpack_groups', 'gather_buffers', 'StubRollout']
 
 # %% ../nbs/09_sharded.ipynb #fcf8d570
 class ShardedRollout:
@@ -66,9 +66,10 @@ class ShardedRollout:
 
     def _gather(self, buf, kind: str) -> list[list]:
         "Every engine's packed groups, unpacked, in engine order (each from its first rank); the bytes counted."
-        parts, sizes = gather_buffers(buf)
+        parts, sizes = gather_buffers(buf, GATHER_CHUNK_BYTES)
         self.gathered[kind] += sum(sizes)
-        self.gathered["device_peak_bytes"] = max(self.gathered["device_peak_bytes"], *sizes)
+        peak = min(max(sizes), GATHER_CHUNK_BYTES)  # a broadcast's buffer on the device
+        self.gathered["device_peak_bytes"] = max(self.gathered["device_peak_bytes"], peak)
         per_engine = [[] for _ in range(self.D)]
         for r, b in enumerate(parts):
             if b is not None:
@@ -174,8 +175,12 @@ def unpack_groups(
     return out
 
 # %% ../nbs/09_sharded.ipynb #ec40a1a4
+GATHER_CHUNK_BYTES = 1 << 28  # bytes of one broadcast: what the device holds of a gather at once
+
+
 def gather_buffers(
     buf: torch.Tensor | None,  # (bytes,) uint8: this rank's buffer; None: nothing to send
+    chunk: int = GATHER_CHUNK_BYTES,  # the largest broadcast (a 32B step's batch from one engine can reach GiBs)
 ) -> tuple[list, list[int]]:  # every rank's buffer in rank order (None where it sent nothing); their sizes
     "Every rank's byte buffer on every rank, without padding: the sizes first, then each sender's buffer broadcast at its exact size."
     if not torch.distributed.is_initialized() or not dist.is_distributed():  # one process, or `run_ranks`' threads
@@ -190,9 +195,17 @@ def gather_buffers(
         if n == 0:
             parts.append(None)
             continue
-        b = buf.to(dev) if src == dist.rank() else torch.empty(n, dtype=torch.uint8, device=dev)
-        torch.distributed.broadcast(b, src=src)
-        parts.append(b.cpu())  # to host memory before the next sender's: one engine's share on the device at a time
+        out = buf if src == dist.rank() else torch.empty(n, dtype=torch.uint8)  # host memory
+        for o in range(0, n, chunk):  # on the device one chunk at a time, back to host before the next
+            b = (
+                out[o : o + chunk].to(dev)
+                if src == dist.rank()
+                else torch.empty(min(chunk, n - o), dtype=torch.uint8, device=dev)
+            )
+            torch.distributed.broadcast(b, src=src)
+            if src != dist.rank():
+                out[o : o + len(b)] = b.cpu()
+        parts.append(out)
     return parts, sizes
 
 # %% ../nbs/09_sharded.ipynb #fa278c1a

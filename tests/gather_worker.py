@@ -10,12 +10,14 @@ import torch.distributed as tdist
 from dapo_ref import dist
 from dapo_ref.algorithm import Group
 from dapo_ref.reward_pool import RewardPluginError
+from dapo_ref import sharded
 from dapo_ref.sharded import ShardedRollout, StubRollout
 
 ROUNDS = [
     [0, 1, 2, 3, 4],
     [7],
 ]  # round 0: engine 0 gets prompts 0, 2, 4 and engine 1 prompts 1, 3; round 1: engine 1 idle
+CHUNK = 10_000  # bytes per broadcast here: the statistics in one, each engine's kept groups in several
 KEPT = [(0, 3), (1, 0), (0, 0)]  # (round, position) of the kept groups, in the batch's order (prompts 3, 7, 0)
 
 
@@ -45,6 +47,7 @@ class Failing(StubRollout):
 if __name__ == "__main__":
     out = sys.argv[1]
     r, w = dist.init_distributed(backend="gloo")
+    sharded.GATHER_CHUNK_BYTES = CHUNK
     sr = ShardedRollout(StubRollout(group), r, w, tp=2)
     seen, old = [], 0
     for rnd, indices in enumerate(ROUNDS):
