@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 # %% auto #0
-__all__ = ['is_distributed', 'rank', 'world_size', 'local_rank', 'is_main', 'init_distributed', 'all_reduce',
+__all__ = ['is_distributed', 'rank', 'world_size', 'local_rank', 'device_index', 'is_main', 'init_distributed', 'all_reduce',
            'all_reduce_tensors', 'all_gather', 'broadcast_object', 'barrier', 'shard', 'interleave', 'run_ranks']
 
 # %% ../nbs/00a_dist.ipynb #8a03d47f
@@ -35,8 +35,14 @@ def world_size() -> int:
 
 
 def local_rank() -> int:
-    "This process's index on its node (its GPU), from the launcher's `LOCAL_RANK`."
+    "This process's index among its node's ranks, from the launcher's `LOCAL_RANK` (its GPU's ordinal: `device_index`)."
     return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def device_index() -> int:
+    "This rank's CUDA ordinal among the GPUs its process sees: `LOCAL_RANK` modulo their number (0 where it sees one)."
+    n = torch.cuda.device_count()
+    return local_rank() % n if n else 0
 
 
 def is_main() -> bool:
@@ -54,7 +60,7 @@ def init_distributed(
     if dist.is_available() and not dist.is_initialized() and (int(os.environ.get("WORLD_SIZE", 1)) > 1 or single):
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(local_rank())
+            torch.cuda.set_device(device_index())
         kw = {} if timeout is None else dict(timeout=datetime.timedelta(seconds=timeout))
         if int(os.environ.get("WORLD_SIZE", 1)) == 1:  # a lone process (or a launch of one): its rendezvous in this
             # process's memory; no MASTER_ADDR needed, even where a parent left WORLD_SIZE=1 in our environment

@@ -5,13 +5,12 @@
 # %% ../nbs/09_sharded.ipynb #87232cfd
 from __future__ import annotations
 import pickle
-from dataclasses import replace
+from dataclasses import is_dataclass, replace
 from typing import Callable
 
 import torch
 
 from . import dist
-from .algorithm import Group
 from .rollout import rollout_groups
 from .reward_pool import RewardPluginError
 
@@ -112,14 +111,21 @@ class Elsewhere:
         return f"Elsewhere({self.n})"
 
 
+def _is_group(g) -> bool:
+    "An `algorithm.Group` (known by its fields: the implementations never import the algorithm)."
+    return (
+        is_dataclass(g) and not isinstance(g, type) and all(hasattr(g, k) for k in ("prompt_ids", "responses", "logps"))
+    )
+
+
 def pack_groups(
-    groups: list,  # one engine's groups (`algorithm.Group`; any other object travels whole in the pickle)
+    groups: list,  # one engine's groups (`algorithm.Group`s; any other object travels whole in the pickle)
     tokens: bool = True,  # False: the statistics alone (the responses' lengths, not their tokens)
 ) -> torch.Tensor:  # (bytes,) uint8
     "One engine's groups as one byte buffer: a header, the token ids (int32), the engine's log-probs (float32), a pickle of the rest."
     ids, logps, meta = [], [], []
     for g in groups:
-        if not isinstance(g, Group):
+        if not _is_group(g):
             meta.append(g)
             continue
         if tokens:
@@ -154,7 +160,7 @@ def unpack_groups(
     tokens, meta = pickle.loads(buf[o : o + n_blob].numpy().tobytes())
     out, i, j = [], 0, 0
     for m in meta:
-        if not isinstance(m, Group):
+        if not _is_group(m):
             out.append(m)
             continue
         if not tokens:

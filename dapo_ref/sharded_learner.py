@@ -77,7 +77,7 @@ class ShardedLearner:
 
     @classmethod
     def gpu(cls) -> torch.device:
-        return torch.device("cuda", dist.local_rank())  # this rank's GPU on its node
+        return torch.device("cuda", dist.device_index())  # this rank's GPU among those it sees
 
     def minibatches(self, batch: RolloutBatch, size: int) -> list[RolloutBatch]:
         "Line 10 on one rank of N: this rank's token-balanced part of each mini-batch of `size` consecutive responses."

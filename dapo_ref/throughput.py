@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from .arch import ModelArch, arch_from_config, layer_params
+from .lora import lora_params
 
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'PERF_KEYS', 'MEM_PHASES', 'device_peak_flops', 'forward_flops', 'learner_flops', 'mfu',
@@ -21,6 +22,7 @@ PEAK_BF16_FLOPS = (
     (r"\bH100\b.*\bNVL\b", 835.5e12),  # NVIDIA H100 NVL datasheet: BF16 1,671 TFLOPS with sparsity
     (r"\bH100\b.*\bPCIe\b", 756.5e12),  # H100 PCIe: 1,513 TFLOPS with sparsity
     (r"\bH100\b", 989.5e12),  # H100 SXM ("NVIDIA H100 80GB HBM3"): 1,979 TFLOPS with sparsity
+    (r"\bGH200\b", 989.5e12),  # GH200 Grace Hopper ("NVIDIA GH200 480GB"): its H100 GPU, 1,979 TFLOPS with sparsity
     (r"\bH200\b.*\bNVL\b", 835.5e12),  # NVIDIA H200 NVL datasheet: 1,671 TFLOPS with sparsity
     (r"\bH200\b", 989.5e12),  # H200 SXM: 1,979 TFLOPS with sparsity
     (r"\bA100\b", 312e12),  # NVIDIA A100 datasheet (40 and 80 GB, SXM and PCIe): 312 dense, 624 with sparsity
@@ -32,18 +34,30 @@ def device_peak_flops(name: str) -> float | None:
     return next((peak for pat, peak in PEAK_BF16_FLOPS if re.search(pat, name, re.I)), None)
 
 # %% ../nbs/08f_throughput.ipynb #e5b26351
+def _matmul_weights(arch: ModelArch) -> int:
+    "Weights that multiply every token: the decoder layers' and the LM head's (the input embedding is a lookup)."
+    return arch.num_hidden_layers * layer_params(arch) + arch.vocab_size * arch.hidden_size
+
+
 def forward_flops(arch: ModelArch, seq_len: int) -> float:
     "Model FLOPs of one forward pass over `seq_len` tokens: 2 per matmul weight per token, plus causal attention's pairs."
     L, S = arch.num_hidden_layers, seq_len
-    weights = (
-        L * layer_params(arch) + arch.vocab_size * arch.hidden_size
-    )  # decoder layers + LM head (embedding: a lookup)
-    return 2 * weights * S + 2 * L * arch.q_dim * S * (S + 1)  # 4 q_dim FLOPs per layer for each of S(S+1)/2 pairs
+    return 2 * _matmul_weights(arch) * S + 2 * L * arch.q_dim * S * (S + 1)  # 4 q_dim FLOPs per layer per pair
 
 
-def learner_flops(arch: ModelArch, seq_lens: list[int]) -> float:
-    "A step's learner FLOPs: the old log-probs' forward (1) and the update's forward and backward (1 + 2) per sequence."
-    return 4 * sum(forward_flops(arch, s) for s in seq_lens)
+def learner_flops(
+    arch: ModelArch,
+    seq_lens: list[int],  # every trained sequence's tokens (prompt + response)
+    adapters: int = 0,  # LoRA's trained parameters (`lora.lora_params`) over a frozen base; 0 = full fine-tuning
+) -> float:
+    "A step's learner FLOPs: per sequence the old log-probs' forward, the update's forward, and its backward (input gradients through every layer, weight gradients of what is trained)."
+    trained = adapters or _matmul_weights(arch)
+    total = 0.0
+    for S in seq_lens:
+        fwd = forward_flops(arch, S) + 2 * adapters * S  # with LoRA, B A x too: 2 per adapter parameter per token
+        attn = 2 * arch.num_hidden_layers * arch.q_dim * S * (S + 1)  # attention's part of fwd: no weights
+        total += 2 * fwd + (fwd + attn) + 2 * trained * S  # 2 forwards; input gradients; weight gradients
+    return total
 
 
 def mfu(flops: float, seconds: float, peak: float, n_devices: int = 1) -> float:
@@ -125,6 +139,8 @@ class PerfMeter:
         bf16 = getattr(cfg, "dtype", "") == "bfloat16"  # the table holds BF16 peaks: a float32 learner has no MFU
         self.peak = device_peak_flops(name) if bf16 and config is not None else None
         self.arch = arch_from_config(config) if self.peak else None
+        lora_r = getattr(cfg, "lora_r", 0)  # LoRA: weight gradients for the adapters only (`learner_flops`)
+        self.adapters = lora_params(self.arch, lora_r, cfg.lora_target_modules) if self.arch and lora_r else 0
         self.mem, self.t_first, self.steps = {}, None, 0
 
     def begin(self) -> float:
@@ -157,7 +173,9 @@ class PerfMeter:
         if t_learn > 0:
             out["perf/learner_tokens_per_s"] = sum(seqs) / t_learn
             if self.peak:
-                out["perf/learner_mfu"] = mfu(learner_flops(self.arch, seqs), t_learn, self.peak, self.world)
+                out["perf/learner_mfu"] = mfu(
+                    learner_flops(self.arch, seqs, self.adapters), t_learn, self.peak, self.world
+                )
         if self.peaks:  # every rank takes part in the all-reduce: the rank that came closest to running out
             peaks = [self.mem.get(n, -1) / 2**30 for n in MEM_PHASES]
             peaks = self.learner.all_max(peaks) if self.world > 1 else peaks

@@ -62,7 +62,7 @@ def check_run(
     if cfg.zero_stage and not have("deepspeed"):
         raise ValueError(
             f"zero_stage = {cfg.zero_stage} needs DeepSpeed, which is not installed; "
-            "install deepspeed or set zero_stage: 0 (the plain PyTorch learner)"
+            "pip install 'deepspeed>=0.19.8,<0.20' or set zero_stage: 0 (the plain PyTorch learner)"
         )
     if cfg.zero_stage:
         check_build_locks()  # a killed build of a DeepSpeed op would make the learner wait on its lock forever

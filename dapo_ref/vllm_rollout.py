@@ -4,7 +4,7 @@
 
 # %% ../nbs/07a_vllm.ipynb #5837c749
 from __future__ import annotations
-import dataclasses, gc, hashlib, inspect, logging, os, re, warnings
+import dataclasses, gc, hashlib, inspect, logging, os, re, warnings, weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -18,7 +18,7 @@ from .interfaces import Completion, RolloutEngine, SamplingParams
 # %% auto #0
 __all__ = ['REQUIRED_VLLM', 'FULL_ORDER', 'vllm_sampling_kwargs', 'prompt_seeds', 'completions_from_outputs', 'weight_buckets',
            'checkpoint_shapes', 'check_weights', 'vllm_engine_kwargs', 'memory_shortfall', 'check_reload_api',
-           'update_order', 'VLLMRolloutEngine']
+           'update_order', 'VLLMRolloutEngine', 'unreturned_memory', 'release_vllm_state']
 
 # %% ../nbs/07a_vllm.ipynb #b394f837
 def vllm_sampling_kwargs(
@@ -210,9 +210,12 @@ def vllm_engine_kwargs(
         load_format="dummy" if dummy_weights else "auto",
         logprobs_mode="processed_logprobs",  # the sampled tokens' log-probs after temperature / top-p: what was sampled
         max_model_len=cfg.max_prompt_length + cfg.l_max,
-        # vLLM's custom all-reduce (tensor parallel > 1) registers its buffers' addresses for CUDA graphs, and sleep
-        # mode's allocator moves those buffers on every sleep/wake (reported to fail at graph capture): NCCL's
-        # all-reduce instead, as verl passes at every size; no effect at tensor parallel 1, which has no all-reduce
+        # NCCL's all-reduce at tensor parallel > 1, not vLLM's custom kernel: a conservative choice, measured nowhere.
+        # vLLM's code gives no failure to avoid: its sleep-mode allocator unmaps and re-maps each block at the same
+        # address (device_allocator/cumem.py) and the kernel's IPC buffers are allocated outside the sleep pools
+        # (device_communicators/custom_all_reduce.py), and vLLM itself falls back to NCCL for world sizes other than
+        # 2, 4, 6, 8, more than two PCIe-only GPUs or no P2P. The cost, small all-reduces at decode, is gpu_check's to
+        # measure; verl's rollout passes the flag too. No effect at tensor parallel 1 or on the CPU (vLLM turns it off)
         disable_custom_all_reduce=True,
     )
     if world > 1:  # inside torchrun the job's ranks are the engines' workers, at tensor parallel 1 too: vLLM's own
@@ -303,6 +306,9 @@ def update_order(
     return order, notes
 
 # %% ../nbs/07a_vllm.ipynb #04f819c5
+_OPEN = weakref.WeakSet()  # this process's engines not closed yet
+
+
 class VLLMRolloutEngine(RolloutEngine):
     "Rollout engine on `vllm.LLM`: token ids in, `Completion`s out, learner weights in through `reload_weights`, sleep/wake on GPUs."
 
@@ -318,7 +324,7 @@ class VLLMRolloutEngine(RolloutEngine):
         enable_sleep_mode: bool | None = None,  # None: on where vLLM supports it (GPU), off on CPU
         max_model_len: int | None = None,  # prompt + response tokens at most; None = the model's
         weight_bucket_bytes: int = 1 << 30,  # load_weights sends about this many bytes per reload call
-        seeded_requests: bool = True,  # forward params.seed as per-prompt seeds (reproducible)
+        seeded_requests: bool = True,  # forward params.seed as per-prompt seeds: reproducible (see Seeds for the cost)
         **engine_kwargs,  # anything else `vllm.LLM` takes (enforce_eager, ...)
     ):
         "Start `vllm.LLM` on `model`."
@@ -351,10 +357,13 @@ class VLLMRolloutEngine(RolloutEngine):
         # load_format="dummy": random weights until the first load_weights (which must then cover every parameter)
         self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
         self._shapes = checkpoint_shapes(model)
+        self._free_at_start = None  # (device, bytes free) before the start: close() says what did not come back
         if not on_cpu and torch.cuda.is_available():  # vLLM's own start check, said in one line before the start
             free, total = torch.cuda.mem_get_info()
-            if short := memory_shortfall(gpu_memory_utilization, free, total, f"cuda:{torch.cuda.current_device()}"):
+            dev = torch.cuda.current_device()
+            if short := memory_shortfall(gpu_memory_utilization, free, total, f"cuda:{dev}"):
                 raise InputError(short, "gpu_memory_utilization")
+            self._free_at_start = (dev, free)
         self.llm = LLM(
             model=str(model),
             tensor_parallel_size=tensor_parallel_size,
@@ -366,6 +375,7 @@ class VLLMRolloutEngine(RolloutEngine):
             max_model_len=max_model_len,
             **engine_kwargs,
         )
+        _OPEN.add(self)
         self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         # the memory order around an update this vLLM can do (`update_order`); say once what it lacks
         self.update_order, self.missing_steps = update_order(
@@ -506,21 +516,81 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
         self._asleep = self._weights_awake = False
 
-    def close(self) -> None:
-        "Shut the engine down and give its memory back, so that the next engine can start in this process (vLLM allows one sleep-mode allocator per process at a time). Idempotent."
+    def close(self) -> str | None:
+        "Shut the engine down and give its memory back, so that the next engine can start in this process; returns (and logs) one line on the device memory that did not come back (None on the CPU). Idempotent."
         llm = self.__dict__.pop("llm", None)
         if llm is None:
-            return
-        client = llm.llm_engine.engine_core
+            return None
+        _OPEN.discard(self)
+        engine = llm.llm_engine
+        if (fin := getattr(engine, "_finalizer", None)) is not None:
+            fin()  # vLLM's own, now rather than at collection: drops the bytecode hooks that pin the compiled model
+        client = engine.engine_core
         core = getattr(client, "engine_core", None)  # the EngineCore itself when it runs in this process
         if core is None:
             client.shutdown()  # its own process: its own process groups go with it
-        else:  # not EngineCore.shutdown(): it ends with cleanup_dist_env_and_memory, which destroys torch's default
-            # process group, the one the learner's collectives (DeepSpeed's gathers) run on in this process
+        else:  # EngineCore.shutdown() less its last call, cleanup_dist_env_and_memory, which destroys torch's default
+            # process group, the one the learner's collectives (DeepSpeed's gathers) run on (release_vllm_state instead)
             if (fin := getattr(client, "_finalizer", None)) is not None:
                 fin.detach()  # the same shutdown at collection
+            core.structured_output_manager.clear_backend()
             core.model_executor.shutdown()
             core.scheduler.shutdown()
             gc.unfreeze()  # vLLM froze its start-up objects (weights, KV cache) out of the collector's sight
-        del llm, client, core
+        del llm, engine, client, core
+        if not _OPEN:  # the process's last engine: what vLLM keeps per process goes too (another engine still uses it)
+            release_vllm_state()
         self._release()
+        if self._free_at_start is None:
+            return None
+        dev, free0 = self._free_at_start
+        free, total = torch.cuda.mem_get_info(dev)
+        line = unreturned_memory(free0, free, total, f"cuda:{dev}")
+        logging.getLogger(__name__).log(logging.WARNING if free0 - free >= 2**30 else logging.INFO, line)
+        return line
+
+# %% ../nbs/07a_vllm.ipynb #db73145a
+def unreturned_memory(
+    free_before: int,  # bytes free on the device before the engine started (torch.cuda.mem_get_info()[0])
+    free_after: int,  # bytes free after close()
+    total: int,  # the device's bytes
+    device: str = "cuda:0",
+) -> str:
+    "`close()`'s line: how much less of `device` is free than before the engine started, or that all of it came back."
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    head = f"VLLMRolloutEngine.close: {device} has {gib(free_after)} of {gib(total)} free"
+    if free_after >= free_before:
+        return f"{head}, {gib(free_before)} before the engine started: all of its memory came back"
+    return (
+        f"{head}, {gib(free_before - free_after)} less than before the engine started: not given back by vLLM, or "
+        f"taken since by this process (a learner) or another"
+    )
+
+# %% ../nbs/07a_vllm.ipynb #c6306d04
+def release_vllm_state() -> None:
+    "What vLLM keeps per process after its engines shut down, released for the next one: CUDA graphs and their pool, torch.compile's caches, vLLM's process groups (not torch's default group), cached memory."
+    import vllm.envs as envs
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.distributed import parallel_state as ps
+    from vllm.platforms import current_platform
+
+    envs.disable_envs_cache()  # the next engine reads the VLLM_* variables again
+    CUDAGraphWrapper.clear_all_graphs()  # every wrapper's graphs (the V1 runner's shutdown clears them on ROCm only)
+    BreakableCUDAGraphWrapper.clear_all_graphs()
+    if hasattr(type(current_platform), "_global_graph_pool"):  # the pool every wrapper captured into
+        type(current_platform)._global_graph_pool = None
+    torch.compiler.reset()  # dynamo's caches keep the compiled model's code (vLLM's tests reset them between engines)
+    ps.destroy_model_parallel()  # vLLM's tensor / pipeline / data / expert parallel groups
+    if ps._WORLD is not None:  # destroy_distributed_environment() less its last line, which would destroy torch's
+        ps._WORLD.destroy()  # default process group: the launcher's, and the learner's collectives run on it
+        ps._WORLD = ps._NODE_COUNT = None
+    gc.collect()
+    if torch.cuda.is_available() and not current_platform.is_cpu():
+        from vllm.triton_utils import HAS_TRITON
+
+        if HAS_TRITON:
+            from vllm.v1.sample.ops.topk_topp_triton import reset_buffer_cache
+
+            reset_buffer_cache()  # the Triton top-k / top-p sampler's process-wide buffers
+        torch.accelerator.empty_host_cache()  # pinned host blocks (sleep level 1's copies of the weights)

@@ -22,3 +22,23 @@ def test_lone_process_needs_no_master_addr(left):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split("\n")[-2] == "(0, 1) [2.0]"
+
+
+@pytest.mark.parametrize("visible, local, expected", [(1, 3, 0), (8, 3, 3), (4, 6, 2)])
+def test_nccl_device_is_a_visible_ordinal(monkeypatch, visible, local, expected):
+    """`init_distributed` puts a rank on a GPU its process can see. Under `srun --gpus-per-task=1` task 3 of a node sees
+    one GPU, cuda:0, and LOCAL_RANK=3: set_device(3) (the code before this test) fails there. torchrun shows all 8:
+    LOCAL_RANK itself. 4 visible for local rank 6 (two tasks of 4 GPUs each, one rank per GPU): 6 mod 4 = 2. NCCL and
+    CUDA are stand-ins here (recorders): what is checked is the ordinal handed to torch.cuda.set_device."""
+    import torch
+    from dapo_ref import dist
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
+    for k, v in dict(WORLD_SIZE="8", RANK=str(local), LOCAL_RANK=str(local)).items():
+        monkeypatch.setenv(k, v)
+    assert dist.init_distributed(backend="nccl") == (local, 8)  # the environment's: the stand-in group is not up
+    assert calls == [("set_device", expected), ("init", "nccl")]

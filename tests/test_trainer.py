@@ -854,3 +854,35 @@ def test_short_cpu_run_logs_throughput_and_eta(tmp_path):
         assert not any(k.startswith("perf/peak_mem_gb") or k == "perf/learner_mfu" for k in r)  # CPU: not measured
         assert not any(k.startswith("perf/") for k in strip_timing(r))  # machine-dependent, like time_*
     assert rows[1]["perf/eta_s"] > 0 and rows[2]["perf/eta_s"] == 0  # one step left after step 1; none after the last
+
+
+@pytest.mark.parametrize("lora_r, flops", [(0, 4 * 928), (1, 2960)])
+def test_learner_mfu_lora_on_a_gh200_by_hand(monkeypatch, lora_r, flops):
+    """perf/learner_mfu on a "NVIDIA GH200 480GB" (the table had no GH200: `\\bH200\\b` does not match inside "GH200", so
+    such a run logged no MFU) for a one-layer toy: hidden 4, one head, MLP width 8, vocabulary 10, tied embeddings, one
+    sequence of 1 + 1 tokens. A layer holds (16 + 4) + 2 (16 + 4) + 16 + 3 * 32 + 8 = 180 weights, the LM head 40: W =
+    220; the forward F = 2 * 220 * 2 + attention A = 2 * 4 * 2 * 3 = 48, 928. Full fine-tuning: 4F = 3712. LoRA rank 1
+    on q_proj (1 * (4 + 4) = 8 trained, F_a = 2 * 8 * 2 = 32): two forwards 2 (F + F_a), input gradients F + A + F_a,
+    weight gradients F_a only = 1920 + 1008 + 32 = 2960 (the count before this test charged 4F for LoRA too).
+    2 s of learner time on one GPU of 989.5e12 FLOP/s (the H100's dense BF16 peak, GH200's GPU)."""
+    from types import SimpleNamespace
+    from dapo_ref.throughput import PeakMemory, PerfMeter
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GH200 480GB")
+    config = SimpleNamespace(
+        hidden_size=4,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        intermediate_size=8,
+        vocab_size=10,
+        tie_word_embeddings=True,
+    )
+    learner = SimpleNamespace(device=torch.device("cuda", 0), model=SimpleNamespace(config=config))
+    cfg = SimpleNamespace(dtype="bfloat16", lora_r=lora_r, lora_target_modules="q_proj")
+    meter = PerfMeter(learner, cfg, peaks=PeakMemory(lambda: 0, lambda: None))  # no CUDA counter behind it
+    meter.begin()
+    kept = [SimpleNamespace(prompt_ids=[0], responses=[[1]])]
+    row = meter.row(1, 1.0, kept, dict(logprobs=0.5, update=1.5), steps_left=0)
+    assert row["perf/learner_mfu"] == pytest.approx(flops / 2.0 / 989.5e12, rel=1e-12)

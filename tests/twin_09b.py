@@ -9,7 +9,8 @@ of the notebook that moves one fails here rather than drifting):
   one-step run in vLLM's CPU limits (eager, no chunked prefill).
 
 Everything else is the notebook's own code: the 1-GPU recipe and its plan, `train(run)` with ZeRO-2 and the vLLM
-engine, the engine closed, then two evaluation engines one after the other, each closed before the next starts.
+engine (which evaluates the held-out set at step 0 and after the last step), then those evaluations read back from the
+run's metrics rows: no second engine in the process.
 
     python tests/twin_09b.py WORK   # in .venv-vllm, from anywhere; prints one JSON line `twin: {...}`
 """
@@ -86,7 +87,8 @@ def main(work: Path) -> dict:
         zero_stage=ns["run"].zero_stage,
         steps=s["steps"],
         grad_updates=s["grad_updates"],
-        eval_n=[before["n_prompts"], after["n_prompts"]],
+        evals=[before.get("eval_acc"), after.get("eval_acc")],
+        eval_keys=sorted(set(before) & set(after)),
         final=(Path(s["output_dir"]) / "final").is_dir(),
     )
 
