@@ -4,7 +4,7 @@
 
 # %% ../nbs/08f_throughput.ipynb #0968ee5c
 from __future__ import annotations
-import re, time
+import re, sys, time
 from typing import Callable
 
 import torch
@@ -13,8 +13,8 @@ from .arch import ModelArch, arch_from_config, layer_params
 from .lora import lora_params
 
 # %% auto #0
-__all__ = ['PEAK_BF16_FLOPS', 'PERF_KEYS', 'MEM_PHASES', 'device_peak_flops', 'forward_flops', 'learner_flops', 'mfu',
-           'PeakMemory', 'cuda_peaks', 'PerfMeter']
+__all__ = ['PEAK_BF16_FLOPS', 'PERF_KEYS', 'MEM_PHASES', 'ENDS_BEFORE', 'device_peak_flops', 'forward_flops', 'learner_flops',
+           'mfu', 'PeakMemory', 'sleeping_bytes', 'cuda_peaks', 'PerfMeter']
 
 # %% ../nbs/08f_throughput.ipynb #2559a4f4
 # Dense BF16 tensor-core peak of one GPU, FLOP/s: half the datasheet's "with sparsity" figure. First match wins.
@@ -72,12 +72,13 @@ class PeakMemory:
         self,
         read: Callable[[], int],  # the counter: the most bytes held since its last reset
         reset: Callable[[], None],  # restart the counter (at the bytes held now)
+        excluded: Callable[[], int] = lambda: 0,  # bytes the counter counts that hold no memory now (`sleeping_bytes`)
     ):
-        self.read, self.reset, self.open = read, reset, {}
+        self.read, self.reset, self.excluded, self.open = read, reset, excluded, {}
 
     def fold(self):
-        "Every open window takes the counter's peak; then the counter restarts."
-        peak = self.read()
+        "Every open window takes the counter's peak, less what is excluded now; then the counter restarts."
+        peak = max(0, self.read() - self.excluded())  # `excluded` changes only at a fold (`PerfMeter.transition`)
         for k in self.open:
             self.open[k] = max(self.open[k], peak)
         self.reset()
@@ -94,6 +95,16 @@ class PeakMemory:
         return peak
 
 
+def sleeping_bytes() -> int:
+    "Bytes vLLM's sleep mode has unmapped from the device that PyTorch still counts as allocated (0 without a vLLM engine)."
+    if "vllm" not in sys.modules:  # no engine in this process
+        return 0
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    pool = CuMemAllocator.instance  # sleep mode's allocator: each block's size, and whether it sleeps
+    return 0 if pool is None else sum(d.handle[1] for d in pool.pointer_to_data.values() if d.is_asleep)
+
+
 _PEAKS: dict = {}
 
 
@@ -105,7 +116,7 @@ def cuda_peaks(device: torch.device | None = None) -> PeakMemory | None:
     d = torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
     if d not in _PEAKS:
         _PEAKS[d] = PeakMemory(
-            lambda: torch.cuda.max_memory_allocated(d), lambda: torch.cuda.reset_peak_memory_stats(d)
+            lambda: torch.cuda.max_memory_allocated(d), lambda: torch.cuda.reset_peak_memory_stats(d), sleeping_bytes
         )
     return _PEAKS[d]
 
@@ -116,9 +127,13 @@ PERF_KEYS = (
     "perf/learner_mfu",
     "perf/peak_mem_gb/generate",
     "perf/peak_mem_gb/update",
+    "perf/peak_mem_gb/sync",
     "perf/eta_s",
 )  # every key `PerfMeter.row` may write: all depend on the machine (trainer.TIMING_KEYS)
-MEM_PHASES = ("generate", "update")
+MEM_PHASES = ("generate", "update", "sync")
+ENDS_BEFORE = {"sleep": "generate", "wake(weights)": "update", "wake": "update", "wake(kv_cache)": "sync"}
+# the phase that ends where the engine's memory changes (`VLLMRolloutEngine.on_transition`): the update runs from the
+# sleep to the weights' wake, the sync from there to the KV cache's
 
 
 class PerfMeter:
@@ -162,6 +177,12 @@ class PerfMeter:
             return fn(*args)
 
         return ended
+
+    def transition(self, step: str):
+        "The engine is about to sleep or wake (`step`, as in its `update_order`): the phase that ends here takes its peak."
+        name = ENDS_BEFORE.get(step.split("(")[0] if step.startswith("sleep") else step)
+        if self.peaks and name:
+            self.mem[name] = max(self.mem.get(name, 0), self.peaks.take("perf"))
 
     def row(self, gen_tokens: float, gen_seconds: float, kept: list, timer: dict, steps_left: int) -> dict:
         "The step's `perf/` keys from its generated tokens and seconds, its kept groups, the learner's timer, the steps left."

@@ -237,6 +237,8 @@ class Trainer:
         self.perf = PerfMeter(self.learner, cfg, self.world)  # the perf/ keys of every row
         self.own_engine = engine is None  # `close` closes what it started
         self.engine = engine or make_engine(cfg, self.learner, tokenizer, self.pad_id)
+        if hasattr(self.engine, "on_transition"):  # vLLM: the phases' peaks end where its memory sleeps and wakes
+            self.engine.on_transition = self.perf.transition
         self.sampler = PromptSampler(len(train_examples), cfg.seed)  # line 2's data order
         main = self.rank == 0
         self._bars = main and (

@@ -358,6 +358,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
         self._shapes = checkpoint_shapes(model)
         self._free_at_start = None  # (device, bytes free) before the start: close() says what did not come back
+        self.on_transition: Callable[[str], None] | None = None  # called before each sleep and wake of around_update
         if not on_cpu and torch.cuda.is_available():  # vLLM's own start check, said in one line before the start
             free, total = torch.cuda.mem_get_info()
             dev = torch.cuda.current_device()
@@ -480,6 +481,8 @@ class VLLMRolloutEngine(RolloutEngine):
         "Run `update()` and load `weights()` in `self.update_order` (`FULL_ORDER` where vLLM has every step): sleep(2), update, release, wake weights, load, release, wake KV cache, reset prefix cache."
         out, self._asleep = None, self.sleep_mode
         for step in self.update_order:
+            if self.on_transition is not None and step.startswith(("sleep", "wake")):
+                self.on_transition(step)  # before the device's memory changes (the trainer's per-phase peaks)
             if step == "update":
                 out = update()
             elif step.startswith("sleep"):

@@ -886,3 +886,25 @@ def test_learner_mfu_lora_on_a_gh200_by_hand(monkeypatch, lora_r, flops):
     kept = [SimpleNamespace(prompt_ids=[0], responses=[[1]])]
     row = meter.row(1, 1.0, kept, dict(logprobs=0.5, update=1.5), steps_left=0)
     assert row["perf/learner_mfu"] == pytest.approx(flops / 2.0 / 989.5e12, rel=1e-12)
+
+
+def test_the_engine_marks_each_sleep_and_wake_before_it_happens():
+    """`VLLMRolloutEngine.around_update` calls `on_transition` just before each sleep and wake (the trainer's per-phase
+    peaks end there: `throughput.PerfMeter.transition`), in the GPU order, on a recorder in place of `vllm.LLM`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from tp_worker import _LLMRecorder
+    from dapo_ref.vllm_rollout import VLLMRolloutEngine, update_order
+
+    eng = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
+    eng.llm, eng.sleep_mode, eng.weight_bucket_bytes, eng._shapes, eng._tied = _LLMRecorder(), True, 0, None, False
+    eng._asleep = eng._weights_awake = False
+    eng.loaded, eng._release = True, lambda: None
+    seen = []
+    eng.on_transition = lambda step: seen.append((step, len(eng.llm.calls)))  # the step, and the calls made before it
+    for level2, wake_tags in [(True, True), (False, False)]:
+        seen.clear(), eng.llm.calls.clear()
+        eng.update_order, _ = update_order(sleep_mode=True, level2=level2, wake_tags=wake_tags)
+        eng.around_update(lambda: "updated", lambda: iter([("w", torch.zeros(1))]))
+        transitions = [s for s in eng.update_order if s.startswith(("sleep", "wake"))]
+        assert [s for s, _ in seen] == transitions  # every sleep and wake, in order
+        assert all(eng.llm.calls[n] == s for s, n in seen)  # each marked just before the engine's call
