@@ -312,6 +312,10 @@ _OPEN = weakref.WeakSet()  # this process's engines not closed yet
 class VLLMRolloutEngine(RolloutEngine):
     "Rollout engine on `vllm.LLM`: token ids in, `Completion`s out, learner weights in through `reload_weights`, sleep/wake on GPUs."
 
+    on_transition: Callable[[str], None] | None = (
+        None  # called before each sleep and wake of around_update (the trainer's)
+    )
+
     def __init__(
         self,
         model: str | Path,  # checkpoint folder (config, safetensors, tokenizer) or hub name
@@ -358,7 +362,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
         self._shapes = checkpoint_shapes(model)
         self._free_at_start = None  # (device, bytes free) before the start: close() says what did not come back
-        self.on_transition: Callable[[str], None] | None = None  # called before each sleep and wake of around_update
         if not on_cpu and torch.cuda.is_available():  # vLLM's own start check, said in one line before the start
             free, total = torch.cuda.mem_get_info()
             dev = torch.cuda.current_device()
