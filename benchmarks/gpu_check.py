@@ -28,9 +28,14 @@ the step's update peak is the trainer's own (`perf/peak_mem_gb/update`), printed
               engine serves are the learner's after the step);
 4. `fused`:   the lm head's fused log-prob backward in bf16 on the device (fused_bf16.py, tests/test_fused_bf16.py's
               derived bound);
-5. `free`:    the engine closed (its memory back), then `restart`: a new engine, the learner's weights loaded, the
-              same log-prob comparison;
-6. `lora`:    where PEFT is installed, a plain learner with LoRA adapters (rank 8, nbs/07c_lora.ipynb) beside the
+5. `accum`:   (GPU, DeepSpeed) 16 bf16 micro-batches summed by ZeRO-2 and ZeRO-3, overlap_comm on and off, the
+              optimizer on the GPU and offloaded, against the float64 sum and its fp32 bound (benchmarks/accum_bf16.py);
+6. `sleep`:   (GPU, vLLM) free memory awake and asleep (level 1) against `throughput.sleeping_bytes`, what the
+              per-phase peaks subtract; `seeds`: decode tokens per second with and without per-request seeds (vLLM's
+              V1 sampler loops over seeded rows in Python; its default V2 runner seeds every row);
+7. `free`:    the engine closed (its memory back; `close`'s own line on what was not), then `restart`: a new engine,
+              the learner's weights loaded, the same log-prob comparison;
+8. `lora`:    where PEFT is installed, a plain learner with LoRA adapters (rank 8, nbs/07c_lora.ipynb) beside the
               others: three updates on responses the engine sampled, the merged weights loaded into the engine, its
               log-probs against the adapted learner's (within the sync bound), and the update's own move on the same
               tokens above twice that gap (an engine still serving the base would be off by the whole move).
@@ -482,12 +487,57 @@ def main(argv: list[str] | None = None) -> int:
         checks[f"engine log-probs = learner's after the step (mean |d| < {tol:g})"] = gap["mean"] < tol
         stage = "fused"
         fused()
+        if with_ds and not cpu:  # the CPU's DeepSpeed has neither overlap_comm nor an offload to speak of
+            stage = "accum"
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from accum_bf16 import accumulation_ratio
+
+            ratios = {
+                f"z{st}_{'overlap' if ov else 'serial'}_{'offload' if off else 'gpu'}": accumulation_ratio(
+                    st, str(work / f"accum-{st}{ov}{off}"), overlap=ov, offload=off
+                )
+                for st in (2, 3)
+                for ov in (True, False)
+                for off in (False, True)
+            }
+            phase("accum", **{f"max_err_over_bound_{k}": v for k, v in ratios.items()})
+            checks["16 bf16 micro-batches summed within the fp32 bound: ZeRO-2/3, overlap_comm on/off, offload"] = all(
+                r <= 1 for r in ratios.values()
+            )
+        if with_vllm and not cpu:
+            stage = "sleep"
+            from dapo_ref.throughput import sleeping_bytes
+
+            awake = free_gib(cpu)
+            tr.engine.sleep(level=1)
+            asleep, counted = free_gib(cpu), sleeping_bytes() / 2**30
+            tr.engine.wake()
+            phase("sleep", free_awake_gib=awake, free_asleep_gib=asleep, sleeping_gib=round(counted, 2))
+            # sleep gives the engine's share back to the device, and the per-phase peaks subtract what it unmapped
+            checks["sleep frees the engine's memory and sleeping_bytes counts it (within 1 GiB)"] = (
+                abs((asleep - awake) - counted) < 1.0 and counted > 0
+            )
+        if with_vllm:
+            stage = "seeds"
+            from dapo_ref.interfaces import SamplingParams
+
+            prompts = [tr.prompt_ids[i % len(tr.prompt_ids)] for i in range(64)]
+            sp = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=run["l_max"], seed=1)
+            rates = {}
+            for seeded in (True, False, True):  # the first call warms up; the last two are compared
+                tr.engine.seeded_requests = seeded
+                t1 = time.perf_counter()
+                comps = tr.engine.generate(prompts, sp)
+                rates[seeded] = sum(len(c.token_ids) for c in comps) / (time.perf_counter() - t1)
+            tr.engine.seeded_requests = True
+            runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "default")
+            phase("seeds", seeded_tok_s=round(rates[True]), unseeded_tok_s=round(rates[False]), v2_runner=runner)
         if with_vllm:
             from dapo_ref.vllm_rollout import VLLMRolloutEngine
 
             stage = "free"
-            tr.engine.close()
-            phase("free")
+            line = tr.engine.close()
+            phase("free", close=line)
             stage = "restart"
             engine = VLLMRolloutEngine.from_config(
                 cfg, model_path=work / "model", world=1, eos_token_id=tr.engine.eos_ids

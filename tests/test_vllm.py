@@ -759,7 +759,12 @@ def test_gpu_check_cpu(tmp_path):
     )  # hang guard
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     s = json.loads((out / "gpu_check.json").read_text())
-    assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused", "free", "restart", "lora"]
+    phases = [x["phase"] for x in s["phases"]]
+    assert phases == ["build", "step", "sync", "fused", "seeds", "free", "restart", "lora"], phases
+    seeds = s["phases"][
+        4
+    ]  # decode with and without per-request seeds: both ran (their speed is the GPU run's question)
+    assert seeds["seeded_tok_s"] > 0 and seeds["unseeded_tok_s"] > 0, seeds
     assert len(s["checks"]) == 7 and all(s["checks"].values()), s["checks"]
     # LoRA (nbs/07c_lora): the bfloat16 engine, after loading the merged adapters, is within the bf16 sync bound of the
     # adapted float32 learner on tokens it sampled, while the adapters moved those log-probs by more than twice that gap
