@@ -1,6 +1,6 @@
 """The GPU path's numerics and memory, where the CPU can show them: DeepSpeed's bf16 gradient accumulation across
 micro-batches (DeepSpeed's CPU accelerator runs bf16), and the learner's memory given back when `train` returns (a
-vLLM engine started next in the same process needs it: nbs/09b_one_gpu.ipynb)."""
+vLLM engine started next in the same process needs it: gpu_check.py's restart)."""
 
 import gc, os, sys
 from pathlib import Path
