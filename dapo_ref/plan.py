@@ -12,8 +12,10 @@ from .cli import ArgParser, cli_errors, load_config, parse_overrides
 from .lora import lora_activation_bytes, lora_params, lora_state_bytes
 
 # %% auto #0
-__all__ = ['BYTES', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
-           'model_state_bytes', 'load_bytes', 'activation_bytes', 'engine_bytes', 'sync_bytes', 'advise',
+__all__ = ['BYTES', 'ZERO_BUCKET_ELEMENTS', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'GATHER_CHUNK_BYTES', 'PY_TOKEN_BYTES',
+           'PY_LOGP_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel', 'model_state_bytes',
+           'zero_bucket_elements', 'zero_bucket_bytes', 'load_bytes', 'activation_bytes', 'head_grad_bytes',
+           'vllm_batch_limits', 'vllm_activation_bytes', 'engine_bytes', 'sync_bytes', 'gather_bytes', 'advise',
            'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'disk_per_run', 'format_plan', 'main']
 
 # %% ../nbs/12_plan.ipynb #5531a48d
@@ -79,6 +81,32 @@ def model_state_bytes(
         cpu_rank += (BYTES["grad_fp32"] + optim_b) * n / dp
     return dict(params=params, grads=grads, optimizer=optim, gathered=gathered, cpu_per_node=cpu_rank * gpus_per_node)
 
+# %% ../nbs/12_plan.ipynb #f15414c8
+ZERO_BUCKET_ELEMENTS = 500_000_000  # scale.BUCKET_ELEMENTS: DeepSpeed's default reduce_bucket_size
+
+
+def zero_bucket_elements(
+    n_trained: int | None,  # parameters ZeRO holds (trainable); None or 0: not known
+) -> int:
+    "`scale.bucket_elements`, restated without torch: the default, or `n_trained` (rounded up to even) when fewer."
+    if not n_trained:
+        return ZERO_BUCKET_ELEMENTS
+    return min(ZERO_BUCKET_ELEMENTS, n_trained + n_trained % 2)
+
+
+def zero_bucket_bytes(
+    zero_stage: int,  # 0 (the plain learner: no DeepSpeed) | 2 | 3
+    n_trained: int,  # parameters ZeRO holds: N, or the adapters' with LoRA
+    dtype_bytes: int = 2,  # the parameters' dtype: ZeRO-2's buckets are in it
+) -> dict:
+    "GPU bytes of DeepSpeed's gradient buckets: `held` from `deepspeed.initialize` on (ZeRO-3), `backward` during each backward (ZeRO-2)."
+    b = zero_bucket_elements(n_trained)
+    if zero_stage == 3:  # stage3.py: one bucket per communication dtype (the config's fp32), made at start
+        return dict(held=4 * b, backward=0)
+    if zero_stage == 2:  # stage_1_and_2.py setup_buckets: two (overlap_comm) in the parameters' dtype, per backward
+        return dict(held=0, backward=2 * dtype_bytes * b)
+    return dict(held=0, backward=0)
+
 # %% ../nbs/12_plan.ipynb #02c37e5e
 def load_bytes(
     n: int,  # N: total parameters
@@ -121,6 +149,42 @@ def activation_bytes(
     logits = 16 * FUSED_CHUNK + tokens * (10 * h + 12) if fused else tokens * arch.vocab_size * (2 + 4)
     return dict(hidden=hidden, layers=full, logits=logits)
 
+# %% ../nbs/12_plan.ipynb #505e58b0
+def head_grad_bytes(
+    arch: ModelArch,  # the model
+    lora: bool = False,  # LoRA: the head is frozen, no gradient
+) -> int:
+    "GPU bytes of the fused log-probs' fp32 sum of the head's weight gradient in backward: V x h x 4, none under LoRA."
+    return 0 if lora else 4 * arch.vocab_size * arch.hidden_size
+
+# %% ../nbs/12_plan.ipynb #999c927b
+def vllm_batch_limits(
+    gpu_bytes: float,  # M: memory of one GPU, bytes
+    max_model_len: int,  # max_prompt_length + l_max (`vllm_engine_kwargs`)
+    chunked_prefill: bool = True,  # vllm_enable_chunked_prefill
+) -> tuple[int, int]:
+    "vLLM's `max_num_batched_tokens` and `max_num_seqs` for the `LLM` class (`EngineArgs` defaults; the engine sets neither)."
+    tokens, seqs = (16384, 1024) if gpu_bytes >= 70 * 2**30 else (8192, 256)  # get_batch_defaults (A100: the smaller)
+    if not chunked_prefill:  # a prompt is prefilled whole
+        tokens = max(tokens, max_model_len)
+    return min(tokens, seqs * max_model_len), seqs
+
+
+def vllm_activation_bytes(
+    arch: ModelArch,  # the model
+    gpu_bytes: float,  # M: memory of one GPU, bytes
+    tensor_parallel: int,  # vllm_tensor_parallel
+    max_model_len: int,  # max_prompt_length + l_max
+    chunked_prefill: bool = True,  # vllm_enable_chunked_prefill
+) -> dict:
+    "vLLM's profile-run peak on one GPU of an engine, which it takes from the KV cache: the larger of the MLP's and the sampler's."
+    tokens, seqs = vllm_batch_limits(gpu_bytes, max_model_len, chunked_prefill)
+    # the MLP's gate_up output (2I / tp) and SiLU(gate) * up (I / tp), bf16
+    mlp = tokens * 3 * arch.intermediate_size * 2 // tensor_parallel
+    rows = min(tokens, seqs)  # the dummy sampler's requests
+    sampler = rows * arch.vocab_size * (2 + 4 * 4)  # bf16 logits; fp32 copy, log-softmax, softmax, exponential noise
+    return dict(batched_tokens=tokens, seqs=seqs, mlp=mlp, sampler=sampler, peak=max(mlp, sampler))
+
 # %% ../nbs/12_plan.ipynb #d5cfae25
 SLEEP_KEEPS = 0.10  # fraction of the engine's share still held while asleep (vLLM docs: sleep frees "90%+")
 
@@ -131,16 +195,18 @@ def engine_bytes(
     gpu_bytes: float,  # M: memory of one GPU, bytes
     utilization: float,  # u: vllm_gpu_memory_utilization
     tensor_parallel: int = 1,  # vllm_tensor_parallel: GPUs of one engine
+    activation: float = 0,  # the profile run's peak (`vllm_activation_bytes`), which vLLM keeps out of the KV cache
 ) -> dict:
-    "vLLM's share of one GPU: total, weights shard, KV bytes per token and KV tokens that fit per engine."
+    "vLLM's share of one GPU: total, weights shard, profiled activations, KV bytes per token and KV tokens that fit per engine."
     share = utilization * gpu_bytes
     weights = 2 * n / tensor_parallel
     kv_per_token = kv_bytes_per_token(arch, 2) / min(tensor_parallel, arch.num_key_value_heads)  # bf16
     return dict(
         share=share,
         weights=weights,
+        activation=activation,
         kv_per_token=kv_per_token,
-        kv_tokens=max(0, int((share - weights) // kv_per_token)),
+        kv_tokens=max(0, int((share - weights - activation) // kv_per_token)),
         asleep=SLEEP_KEEPS * share,
     )
 
@@ -158,6 +224,23 @@ def sync_bytes(
     gathered = dtype_bytes * largest_layer_params(arch) if zero_stage == 3 else 0  # GatheredParameters, no gradients
     unit = dtype_bytes * max(largest_layer_params(arch), layer_params(arch))  # a bucket never splits a layer
     return dict(gathered=gathered, bucket=bucket_bytes + unit)
+
+# %% ../nbs/12_plan.ipynb #72033f95
+GATHER_CHUNK_BYTES = 1 << 28  # sharded.GATHER_CHUNK_BYTES (that module imports torch): one broadcast of the gather
+PY_TOKEN_BYTES = 8 + 28  # a token id in a Python list: the list's pointer + an int object
+PY_LOGP_BYTES = 8 + 24  # a log-prob in a Python list: the list's pointer + a float object
+
+
+def gather_bytes(
+    cfg: DAPOConfig,  # prompts_per_step, group_size, l_max, max_prompt_length, rollout_backend
+    world: int,  # ranks in the job: one rank gathers nothing
+) -> dict:
+    "The step's batch: GPU bytes of one broadcast of the rollout's gather, CPU bytes of the batch as Python lists on one rank."
+    lp = cfg.rollout_backend == "vllm"  # only vLLM reports the sampled tokens' log-probs
+    P, G, L, Lp = cfg.prompts_per_step, cfg.group_size, cfg.l_max, cfg.max_prompt_length
+    packed = P * (4 * Lp + G * L * (4 + 4 * lp))  # the whole batch from one engine, every response at l_max
+    host = P * (Lp * PY_TOKEN_BYTES + G * L * (PY_TOKEN_BYTES + PY_LOGP_BYTES * lp))
+    return dict(device=min(GATHER_CHUNK_BYTES, packed) if world > 1 else 0, host_per_rank=host)
 
 # %% ../nbs/12_plan.ipynb #ef3eb983
 def _gib(x: float) -> float:
@@ -179,8 +262,11 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
     if t:  # LoRA: each adapted layer's input in fp32, kept for backward (one layer's under checkpointing)
         kept = 1 if cfg.gradient_checkpointing else arch.num_hidden_layers
         a["layers"] += lora_activation_bytes(arch, cfg.lora_target_modules, tokens, kept)
-    gpu = gpu_memory_gb * 2**30
-    e = engine_bytes(arch, n, gpu, cfg.vllm_gpu_memory_utilization, cfg.vllm_tensor_parallel)
+    gpu, seq, tp = gpu_memory_gb * 2**30, cfg.max_prompt_length + cfg.l_max, cfg.vllm_tensor_parallel
+    va = vllm_activation_bytes(arch, gpu, tp, seq, cfg.vllm_enable_chunked_prefill)
+    e = engine_bytes(arch, n, gpu, cfg.vllm_gpu_memory_utilization, tp, va["peak"])
+    zb = zero_bucket_bytes(z, t or n, p)  # DeepSpeed's gradient buckets, sized by what it trains
+    gb = gather_bytes(cfg, world)
     y = sync_bytes(arch, z, dtype_bytes=p)
     off = cfg.offload_params and z == 3
     load = load_bytes(n, ll, world, g, s, zero_init=z == 3, dtype_bytes=p, offload_params=off)
@@ -192,16 +278,21 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
         "params": (s["params"],) * 4,
         "grads": (s["grads"],) * 4,
         "optimizer": (s["optimizer"],) * 4,
+        "zero_buckets": (zb["held"], zb["held"] + zb["backward"], zb["held"], zb["held"]),
         "gathered": (load["gpu"] - resident, s["gathered"], y["gathered"], 0),
         "act_hidden": (0, a["hidden"], 0, 0),
         "act_layers": (0, a["layers"], 0, 0),
         "logits": (0, a["logits"], 0, 0),
+        "head_grad": (0, head_grad_bytes(arch, lora=bool(t)), 0, 0),
         "bucket": (0, 0, y["bucket"], 0),
+        "gather": (0, 0, 0, gb["device"]),
         "vllm_weights": (0, 0 if sleep else W, W, W),
-        "vllm_rest": (0, idle, idle, e["share"] - W),
+        "vllm_act": (0, 0, 0, e["activation"]),
+        "vllm_rest": (0, idle, idle, e["share"] - W - e["activation"]),
     }
     totals = dict(zip(PHASES, (sum(v[i] for v in items.values()) for i in range(4))))
-    cpu = dict(load=load["cpu_per_node"], steady=s["cpu_per_node"])
+    batch = g * gb["host_per_rank"]  # every rank of the node holds the step's batch
+    cpu = dict(load=load["cpu_per_node"], steady=s["cpu_per_node"] + batch)
     return dict(
         n=n,
         world=world,
@@ -209,6 +300,9 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
         states=s,
         act=a,
         engine=e,
+        vllm_act=va,
+        buckets=zb,
+        batch=batch,
         items=items,
         totals=totals,
         peak=max(totals.values()),
@@ -223,7 +317,7 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
 
 
 def _fits(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb, sleep, reserve_gb, cpu_memory_gb, **changes) -> bool:
-    "Does `cfg` with `changes` fit: every phase's GPU peak + reserve, one full sequence in the KV cache, CPU memory when given."
+    "Does `cfg` with `changes` fit: every phase's GPU peak + reserve, one full sequence in the KV cache, CPU memory (states + batch) when given."
     try:
         cfg = dataclasses.replace(cfg, **changes)  # a combination no config may hold raises here
         p = _phases(cfg, arch, gpu_memory_gb, sleep)
@@ -364,7 +458,7 @@ def save_sizes(
     ckpt = (w + (12 if w == 2 else 8)) if zero_stage else 3 * w
     return dict(export_gb=_gib(n * w), checkpoint_gb=_gib(n * ckpt))
 
-
+# %% ../nbs/12_plan.ipynb #82c02a6e
 def plan_memory(
     cfg: DAPOConfig,  # the recipe (load_config(...))
     model_arch: ModelArch | str | dict | None = None,  # default: resolved from cfg.model
@@ -423,8 +517,12 @@ def plan_memory(
         cpu_per_node_gb=_gib(p["cpu_per_node"]),
         cpu_load_gb=_gib(p["cpu"]["load"]),
         cpu_zero_gb=_gib(s["cpu_per_node"]),
+        cpu_batch_gb=_gib(p["batch"]),
+        zero_bucket_elements=zero_bucket_elements(p["trained"] or p["n"]) if cfg.zero_stage else 0,
         kv_cache_tokens=e["kv_tokens"],
         engine_weights_gb=_gib(e["weights"]),
+        vllm_activation_gb=_gib(e["activation"]),
+        vllm_batch_limits=(p["vllm_act"]["batched_tokens"], p["vllm_act"]["seqs"]),
         fits=fits,
         engine_layout=engine_layout(p["world"], tp, cfg.gpus_per_node),
         **(sizes := save_sizes(p["n"], cfg.dtype, cfg.zero_stage, p["trained"])),
@@ -461,12 +559,16 @@ _ROWS = [
     ("params", "parameters"),
     ("grads", "gradients"),
     ("optimizer", "optimizer states"),
+    ("zero_buckets", "DeepSpeed gradient buckets"),
     ("gathered", "gathered module (ZeRO-3)"),
     ("act_hidden", "activations: layer inputs"),
     ("act_layers", "activations: recomputed layer(s)"),
     ("logits", "log-probs (one chunk of logits)"),
+    ("head_grad", "head's weight gradient (fp32)"),
     ("bucket", "weight-sync bucket"),
+    ("gather", "rollout gather (one broadcast)"),
     ("vllm_weights", "vLLM weights (2N / TP)"),
+    ("vllm_act", "vLLM activations (profile run)"),
     ("vllm_rest", "vLLM KV cache / context"),
 ]
 
@@ -498,7 +600,8 @@ def format_plan(plan: dict) -> str:
         f"binding: {plan['binding']}  ->  " + ("fits" if plan["fits"] else "does NOT fit"),
         f"CPU per node: {plan['cpu_per_node_gb']:.2f} GiB"
         + (f" of {plan['cpu_memory_gb']:g}" if plan["cpu_memory_gb"] is not None else "")
-        + f" (load {plan['cpu_load_gb']:.2f}, ZeRO offload {plan['cpu_zero_gb']:.2f})",
+        + f" (load {plan['cpu_load_gb']:.2f}; after it: ZeRO offload {plan['cpu_zero_gb']:.2f} + the step's batch "
+        f"{plan['cpu_batch_gb']:.2f})",
     ]
     lay = plan["engine_layout"]
     show = lambda x: (

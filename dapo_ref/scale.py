@@ -24,18 +24,27 @@ from .packing import SeqParallel
 from .zero import from_pretrained_zero3, gathered, plain_from_pretrained, save_pretrained_streamed
 
 # %% auto #0
-__all__ = ['BUCKET_ELEMENTS', 'DEEPSPEED_VERSIONS', 'deepspeed_config', 'check_deepspeed', 'accumulation_dtype',
-           'gathered_named_weights', 'ulysses_group', 'empty_tensors', 'DeepSpeedLearner']
+__all__ = ['BUCKET_ELEMENTS', 'DEEPSPEED_VERSIONS', 'bucket_elements', 'deepspeed_config', 'check_deepspeed',
+           'accumulation_dtype', 'gathered_named_weights', 'ulysses_group', 'empty_tensors', 'DeepSpeedLearner']
 
 # %% ../nbs/08d_deepspeed.ipynb #b3d0089c
 BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size and allgather_bucket_size defaults
+
+
+def bucket_elements(
+    n_trained: int | None,  # parameters ZeRO holds (trainable); None or 0: not known
+) -> int:
+    "Elements of each DeepSpeed gradient bucket: `BUCKET_ELEMENTS`, or `n_trained` (rounded up to even) when fewer."
+    if not n_trained:
+        return BUCKET_ELEMENTS
+    return min(BUCKET_ELEMENTS, n_trained + n_trained % 2)  # ZeRO-2 asserts an even allgather bucket
 
 
 def deepspeed_config(
     cfg: DAPOConfig,  # zero_stage, dtype, offload_*, grad_clip, lr, betas, weight_decay
     world_size: int = 1,  # N ranks
     cpu: bool | None = None,  # True: no pinned memory, torch AdamW for offloaded states too; None = no CUDA here
-    n_trained: int | None = None,  # parameters ZeRO holds (trainable): caps its buckets; None: DeepSpeed's defaults
+    n_trained: int | None = None,  # parameters ZeRO holds (trainable): sizes its buckets (`bucket_elements`)
 ) -> dict:
     "The `deepspeed.initialize` config of the DAPO learner."
     if cpu is None:
@@ -53,15 +62,13 @@ def deepspeed_config(
         # it back: the vLLM engine built later in the same process would compile its graphs over that replacement
         "memory_efficient_linear": False,
     }
-    if n_trained:
-        # DeepSpeed's gradient buckets hold 5e8 elements whatever the model (2 GB in fp32), allocated whole: a model
-        # smaller than that pays page faults for memory it never fills (a 2-rank ZeRO-2 launch of the tiny model:
-        # 4.2M page faults and 8.6 s, against 0.3M and 5.5 s with buckets of the model's size). At 0.5B and up the
-        # defaults stand.
-        bucket = min(BUCKET_ELEMENTS, n_trained + n_trained % 2)  # ZeRO-2 asserts an even allgather bucket
-        zero["reduce_bucket_size"] = bucket
-        if cfg.zero_stage == 2:  # ZeRO-3 has no allgather bucket (it prefetches by stage3_prefetch_bucket_size)
-            zero["allgather_bucket_size"] = bucket
+    # DeepSpeed's gradient buckets hold 5e8 elements whatever the model (2 GB in fp32), allocated whole: a model
+    # smaller than that pays page faults for memory it never fills (a 2-rank ZeRO-2 launch of the tiny model:
+    # 4.2M page faults and 8.6 s, against 0.3M and 5.5 s with buckets of the model's size). At 0.5B and up the
+    # default stands. Set always, so the size dapo-plan counts is the size asked for
+    zero["reduce_bucket_size"] = bucket_elements(n_trained)
+    if cfg.zero_stage == 2:  # ZeRO-3 has no allgather bucket (it prefetches by stage3_prefetch_bucket_size)
+        zero["allgather_bucket_size"] = bucket_elements(n_trained)
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not cpu}
     if cfg.offload_params:
