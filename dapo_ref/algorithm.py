@@ -297,7 +297,7 @@ def dapo_step(
     kept, seen, gstats = collect(rollout, prompts, cfg, step, on_round)  # lines 2, 4-8
     batch = make_batch(kept, cfg.group_size, cfg.scale_rewards)  # line 9
     updates, bstats = rollout.around_update(  # lines 10-11, then line 3
-        lambda: train_on(learner, batch, cfg.mini_batch_size, after_update, timer), learner.named_weights
+        lambda: train_on(learner, batch, cfg.mini_batch_size, after_update, timer), learner.sync_weights
     )
     learner.end_step()  # the learning rate's warm-up counts rollout steps
     kept_reward = float(batch.rewards.sum()) / max(len(batch), 1)

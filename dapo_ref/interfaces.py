@@ -106,7 +106,7 @@ class RolloutEngine(abc.ABC):
     def around_update(
         self,
         update: Callable[[], _T],  # the learner's update (lines 10-11); its result is returned
-        weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it (a stream)
+        weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's `sync_weights` after it (a stream)
     ) -> _T:
         "Run `update()` with the engine's memory freed, then load `weights()`: `sleep`, update, `wake`, `load_weights`."
         self.sleep()
@@ -177,7 +177,11 @@ class Learner(abc.ABC):
 
     @abc.abstractmethod
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
-        "The weights by name, as a stream: what `RolloutEngine.load_weights` takes."
+        "The model's weights by name, as a stream (a LoRA learner's: merged, as an export holds them)."
+
+    def sync_weights(self) -> Iterable[tuple[str, Tensor]]:
+        "What the rollout engine loads after each update (line 3), by name, as a stream: `named_weights`, unless a learner sends less (LoRA: the adapters)."
+        return self.named_weights()
 
     @abc.abstractmethod
     def end_step(self) -> None:

@@ -22,6 +22,8 @@ from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, us
 from .guards import UpdateGuard
 from dapo_ref.lora import (
     ADAPTER_DIR,
+    adapter_named_weights,
+    base_named_weights,
     base_of,
     is_lora,
     load_adapters,
@@ -297,8 +299,12 @@ class MicroBatchLearner(Learner):
         return self.reduce([local])[0]
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
-        "The tensors the rollout engine needs, by name (what `RolloutEngine.load_weights` takes); with LoRA, merged (07c_lora)."
+        "The model's tensors by name, what an export writes; with LoRA the base's names and the merged weights (07c_lora)."
         return merged_named_weights(self.model) if is_lora(self.model) else self.model.state_dict().items()
+
+    def sync_weights(self) -> Iterable[tuple[str, Tensor]]:
+        "What the rollout engine loads after each update (line 3): `named_weights`, or with LoRA the adapters alone, which the engine applies as the learner does (07c_lora)."
+        return adapter_named_weights(self.model) if is_lora(self.model) else self.named_weights()
 
 # %% ../nbs/08b_learner.ipynb #fbafeeff
 @patch
@@ -322,13 +328,25 @@ def save_model(self: MicroBatchLearner, path: str | Path):
 
 @patch
 def policy_copy(self: MicroBatchLearner):
-    "A transformers model holding the learner's current weights, on its device: the transformers rollout engine's own copy."
+    "A model holding the learner's current policy, on its device: the transformers rollout engine's own copy (LoRA: a PEFT model, the learner's base and adapters)."
     from transformers import AutoModelForCausalLM
 
-    base = base_of(self.model)  # with LoRA: the base's architecture, loaded with the merged weights
-    m = AutoModelForCausalLM.from_config(base.config, dtype=getattr(torch, self.cfg.dtype))
-    m.load_state_dict(dict(self.named_weights()))
+    base = base_of(self.model)
+    if not is_lora(self.model):
+        m = AutoModelForCausalLM.from_config(base.config, dtype=getattr(torch, self.cfg.dtype))
+        m.load_state_dict(dict(self.named_weights()))
+        m.generation_config = copy.deepcopy(base.generation_config)
+        return m.to(self.device).eval()
+    m = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)  # W0 in the learner's dtype, never merged
+    m.load_state_dict(dict(base_named_weights(self.model)))
+    own_buffers = dict(m.named_buffers())
+    for k, v in base.named_buffers():  # rotary tables too: the learner's, in whatever dtype its loading gave them
+        own_buffers[k].data = v.detach().clone()
     m.generation_config = copy.deepcopy(base.generation_config)
+    m = with_lora(m, self.cfg).requires_grad_(False)  # PEFT's layers, as the learner's
+    own = dict(m.named_parameters())
+    for k, v in self.sync_weights():
+        own[k].data = v.detach().clone()  # the learner's adapters, in its dtype (fp32; a bf16 DeepSpeed module's bf16)
     return m.to(self.device).eval()
 
 # %% ../nbs/08b_learner.ipynb #7cb53dbb

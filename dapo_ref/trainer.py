@@ -43,6 +43,7 @@ from .algorithm import Group, PromptSampler, Rollout, dapo_step, seed_of
 from .sharded import ShardedRollout
 from .track import SampleLog, Trackers, check_trackers
 from .throughput import PERF_KEYS, PerfMeter
+from .lora import adapter_config
 
 # %% auto #0
 __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'TIMING_KEYS', 'check_run', 'load_splits', 'learner_class', 'strip_timing',
@@ -167,10 +168,11 @@ def make_engine(
     if cfg.rollout_backend == "vllm":
         from dapo_ref.vllm_rollout import VLLMRolloutEngine  # needs vllm (`pip install -e ".[scale]"`)
 
+        lora = adapter_config(cfg) if cfg.lora_r else None  # LoRA: the engine serves the adapters, unmerged
         engine = VLLMRolloutEngine.from_config(
-            cfg, model_path=model_path(cfg.model), world=dist.world_size(), eos_token_id=eos
+            cfg, model_path=model_path(cfg.model), world=dist.world_size(), eos_token_id=eos, lora_config=lora
         )
-        engine.load_weights(learner.named_weights())  # the learner's weights, whatever the folder holds
+        engine.load_weights(learner.sync_weights())  # the learner's weights (LoRA: adapters), whatever the folder holds
         return engine
     return HFRolloutEngine(
         learner.policy_copy(), eos_token_id=eos, pad_token_id=pad_token_id, max_batch_size=max(64, cfg.group_size)
@@ -258,7 +260,7 @@ class Trainer:
 @patch
 def sync_weights(self: Trainer):
     "Algorithm 1 line 3: the rollout engine takes the learner's current weights (a collective for partitioned learners)."
-    self.engine.load_weights(self.learner.named_weights())
+    self.engine.load_weights(self.learner.sync_weights())
 
 # %% ../nbs/09_trainer.ipynb #922286cd
 def sample_rows(groups: list[Group], tokenizer, examples: list[MathExample], step: int, mode: str) -> list[dict]:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07a_vllm.ipynb #5837c749
 from __future__ import annotations
-import dataclasses, gc, hashlib, inspect, logging, os, re, warnings, weakref
+import dataclasses, gc, hashlib, inspect, json, logging, os, re, shutil, tempfile, warnings, weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -14,11 +14,13 @@ from torch import Tensor
 
 from .core import InputError
 from .interfaces import Completion, RolloutEngine, SamplingParams
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['REQUIRED_VLLM', 'FULL_ORDER', 'vllm_sampling_kwargs', 'prompt_seeds', 'completions_from_outputs', 'weight_buckets',
-           'checkpoint_shapes', 'check_weights', 'vllm_engine_kwargs', 'memory_shortfall', 'check_reload_api',
-           'update_order', 'VLLMRolloutEngine', 'unreturned_memory', 'release_vllm_state']
+__all__ = ['REQUIRED_VLLM', 'FULL_ORDER', 'VLLM_LORA_RANKS', 'vllm_sampling_kwargs', 'prompt_seeds', 'completions_from_outputs',
+           'weight_buckets', 'checkpoint_shapes', 'check_weights', 'vllm_engine_kwargs', 'memory_shortfall',
+           'check_reload_api', 'update_order', 'vllm_lora_kwargs', 'save_adapter_tensors', 'VLLMRolloutEngine',
+           'unreturned_memory', 'release_vllm_state']
 
 # %% ../nbs/07a_vllm.ipynb #b394f837
 def vllm_sampling_kwargs(
@@ -197,9 +199,9 @@ def _reload_log():
 def vllm_engine_kwargs(
     cfg,  # a `DAPOConfig`
     world: int = 1,  # ranks in the job (torchrun's): > 1 makes every engine an external-launcher engine
-    dummy_weights: bool = True,  # start with random weights (load_format="dummy"): the first sync fills them
+    dummy_weights: bool = True,  # start with random weights (load_format="dummy"): the first sync fills them (not LoRA)
 ) -> dict:
-    "`VLLMRolloutEngine` keyword arguments from a `DAPOConfig`: its vllm_* fields, dtype, seed, max_model_len, the weights' start, and the launcher of a multi-rank job."
+    "`VLLMRolloutEngine` keyword arguments from a `DAPOConfig`: its vllm_* fields, dtype, seed, max_model_len, the weights' start, the adapters (LoRA) and the launcher of a multi-rank job."
     kw = dict(
         tensor_parallel_size=cfg.vllm_tensor_parallel,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
@@ -218,6 +220,8 @@ def vllm_engine_kwargs(
         # measure; verl's rollout passes the flag too. No effect at tensor parallel 1 or on the CPU (vLLM turns it off)
         disable_custom_all_reduce=True,
     )
+    if cfg.lora_r:  # LoRA: the base read from the checkpoint once; the adapters come at each sync (`from_config`)
+        kw["load_format"] = "auto"
     if world > 1:  # inside torchrun the job's ranks are the engines' workers, at tensor parallel 1 too: vLLM's own
         # single-process executor would take device 0 and rank 0 on every rank (verl and TRL's colocate mode do the same)
         kw["distributed_executor_backend"] = (
@@ -285,6 +289,7 @@ def update_order(
     sleep_mode: bool = True,  # the engine has vLLM's sleep mode
     level2: bool = True,  # sleep(level=2) discards weights (else level 1 offloads them)
     wake_tags: bool = True,  # wake_up(tags=...) can wake weights and KV cache separately
+    lora: bool = False,  # the engine serves adapters: its base stays (offloaded at level 1), the load is the adapters
 ) -> tuple[list[str], list[str]]:
     "The steps around an update this engine can do (a subsequence of `FULL_ORDER`, or its nearest safe variant), and one note per missing step."
     if not sleep_mode:
@@ -296,7 +301,9 @@ def update_order(
             ],
         )
     order, notes = list(FULL_ORDER), []
-    if not level2:
+    if lora:  # the base is never re-sent: keep it (level 1), whatever level 2 would give
+        order[0] = "sleep(1)"
+    elif not level2:
         order[0] = "sleep(1)"
         notes.append("no sleep level 2: the weights are offloaded to CPU memory (level 1) although they are re-sent")
     if not wake_tags:
@@ -305,16 +312,62 @@ def update_order(
         notes.append("no wake tags: the KV cache wakes with the weights, before the load")
     return order, notes
 
+# %% ../nbs/07a_vllm.ipynb #5b3e9a02
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM allows (vllm/config/lora.py)
+
+
+def vllm_lora_kwargs(
+    r: int,  # lora_r: the adapters' rank
+) -> dict:
+    "`vllm.LLM`'s arguments for serving one rank-`r` adapter: LoRA on, the smallest rank slot that holds `r`, one adapter at a time."
+    slot = next((s for s in VLLM_LORA_RANKS if s >= r), None)
+    if slot is None:
+        raise InputError(
+            f"lora_r = {r}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; lower lora_r, or use "
+            "rollout_backend: hf",
+            "lora_r",
+        )
+    # max_cpu_loras 2: the new adapter is registered before the previous one is removed
+    return dict(enable_lora=True, max_lora_rank=slot, max_loras=1, max_cpu_loras=2)
+
+
+_ADAPTER_KEY = re.compile(r"^(.*)\.(lora_[AB])\.[^.]+\.weight$")  # <module>.lora_A.<adapter name>.weight
+
+
+def save_adapter_tensors(
+    named: Iterable,  # (name, tensor) pairs: the PEFT model's names (`lora.adapter_named_weights`, `Learner.sync_weights`)
+    path: str | Path,  # created
+    config: dict,  # PEFT's adapter_config.json (`lora.adapter_config(cfg)`)
+) -> Path:
+    "A PEFT adapter folder of the adapters' tensors, as vLLM reads one: adapter_model.safetensors under PEFT's saved names, adapter_config.json."
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for k, t in named:
+        m = _ADAPTER_KEY.match(k)
+        if m is None:
+            raise ValueError(
+                f"'{k}' is not an adapter tensor (<module>.lora_A.<adapter>.weight, or lora_B): an engine serving "
+                "LoRA adapters takes the adapters alone (Learner.sync_weights()), not the base's or merged weights"
+            )
+        tensors[f"{m[1]}.{m[2]}.weight"] = t.detach().cpu().contiguous()  # PEFT's file: no adapter name
+    path = Path(path)
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
 # %% ../nbs/07a_vllm.ipynb #04f819c5
 _OPEN = weakref.WeakSet()  # this process's engines not closed yet
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    "Rollout engine on `vllm.LLM`: token ids in, `Completion`s out, learner weights in through `reload_weights`, sleep/wake on GPUs."
+    "Rollout engine on `vllm.LLM`: token ids in, `Completion`s out, learner weights in through `reload_weights` (LoRA: the adapters, served unmerged), sleep/wake on GPUs."
 
     on_transition: Callable[[str], None] | None = (
         None  # called before each sleep and wake of around_update (the trainer's)
     )
+    lora_config: dict | None = None  # LoRA: the adapters' config (an engine built without __init__ has none)
 
     def __init__(
         self,
@@ -329,12 +382,14 @@ class VLLMRolloutEngine(RolloutEngine):
         max_model_len: int | None = None,  # prompt + response tokens at most; None = the model's
         weight_bucket_bytes: int = 1 << 30,  # load_weights sends about this many bytes per reload call
         seeded_requests: bool = True,  # forward params.seed as per-prompt seeds: reproducible (see Seeds for the cost)
+        lora_config: dict | None = None,  # LoRA: PEFT's adapter_config (`lora.adapter_config`); None: full weights
         **engine_kwargs,  # anything else `vllm.LLM` takes (enforce_eager, ...)
     ):
         "Start `vllm.LLM` on `model`."
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
         self.vllm_version = check_reload_api()  # before the expensive start: stop on a vLLM that cannot reload weights
         from vllm import LLM
+        from vllm.lora.request import LoRARequest
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
@@ -360,6 +415,17 @@ class VLLMRolloutEngine(RolloutEngine):
         self._asleep = self._weights_awake = False
         # load_format="dummy": random weights until the first load_weights (which must then cover every parameter)
         self.loaded = engine_kwargs.get("load_format", "auto") != "dummy"
+        self.lora_config, self._lora_request, self._lora_syncs = lora_config, None, 0
+        self._lora_request_cls = LoRARequest  # (the recorder below replaces it, as it replaces vllm.LLM)
+        if lora_config is not None:
+            if not self.loaded:
+                raise ValueError(
+                    "lora_config with load_format='dummy': a LoRA engine is sent the adapters alone, so its base would "
+                    "stay random; start it on the base checkpoint (load_format='auto')"
+                )
+            engine_kwargs = {**vllm_lora_kwargs(lora_config["r"]), **engine_kwargs}
+            # a folder per sync (vLLM reads adapters from disk), this engine's own: each rank of a job writes its copy
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="dapo-vllm-lora-", ignore_cleanup_errors=True)
         self._shapes = checkpoint_shapes(model)
         self._free_at_start = None  # (device, bytes free) before the start: close() says what did not come back
         if not on_cpu and torch.cuda.is_available():  # vLLM's own start check, said in one line before the start
@@ -383,7 +449,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         # the memory order around an update this vLLM can do (`update_order`); say once what it lacks
         self.update_order, self.missing_steps = update_order(
-            enable_sleep_mode, True, "tags" in inspect.signature(LLM.wake_up).parameters
+            enable_sleep_mode, True, "tags" in inspect.signature(LLM.wake_up).parameters, lora=lora_config is not None
         )
         for note in self.missing_steps:
             logging.getLogger(__name__).warning("vLLM %s: %s", self.vllm_version, note)
@@ -394,10 +460,14 @@ class VLLMRolloutEngine(RolloutEngine):
         cfg,  # a `DAPOConfig`
         model_path: str | Path | None = None,  # the policy's checkpoint; None = cfg.model
         world: int = 1,  # ranks in the job (external_launcher when > 1)
+        lora_config: dict | None = None,  # with cfg.lora_r: `lora.adapter_config(cfg)`, the adapters it will serve
         **kwargs,  # overrides (eos_token_id, enforce_eager, ...)
     ) -> "VLLMRolloutEngine":
-        "An engine configured by `cfg` (`vllm_engine_kwargs`): tensor parallel, memory fraction, chunked prefill, dtype, seed, max_model_len, launcher."
-        return cls(model_path if model_path is not None else cfg.model, **{**vllm_engine_kwargs(cfg, world), **kwargs})
+        "An engine configured by `cfg` (`vllm_engine_kwargs`): tensor parallel, memory fraction, chunked prefill, dtype, seed, max_model_len, launcher; with LoRA, the adapters' config."
+        if bool(cfg.lora_r) != (lora_config is not None):
+            raise ValueError(f"lora_r = {cfg.lora_r} needs lora_config = lora.adapter_config(cfg) exactly when > 0")
+        kw = vllm_engine_kwargs(cfg, world) | ({"lora_config": lora_config} if lora_config is not None else {})
+        return cls(model_path if model_path is not None else cfg.model, **{**kw, **kwargs})
 
     def generate(
         self,
@@ -428,18 +498,26 @@ class VLLMRolloutEngine(RolloutEngine):
             ]
         else:
             sp = VLLMSamplingParams(**vllm_sampling_kwargs(params, self.eos_ids, None))
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=use_tqdm)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts],
+            sp,
+            use_tqdm=use_tqdm,
+            lora_request=self._lora_request,  # LoRA: the latest adapters, on every prompt; else None (the weights)
+        )
         comps = completions_from_outputs(outs, params.n)
         if params.n != n:
             comps = [dataclasses.replace(c, token_ids=list(c.token_ids)) for c in comps for _ in range(n)]
         return comps
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        "Stream `(name, tensor)` pairs (checkpoint names, full tensors, one layer's together) into every worker through `reload_weights`; then drop the prefix cache."
+        "Stream `(name, tensor)` pairs (checkpoint names, full tensors, one layer's together) into every worker through `reload_weights`, or with `lora_config` serve them as the new adapters (`_serve_adapters`); then drop the prefix cache."
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])  # the KV cache stays asleep until wake()
             self._weights_awake = True
-        self._stream(named_tensors, discarded=not self.loaded)  # dummy weights: a tensor left out would stay random
+        if self.lora_config is not None:
+            self._serve_adapters(named_tensors)
+        else:
+            self._stream(named_tensors, discarded=not self.loaded)  # dummy weights: a tensor left out would stay random
         self.loaded = True
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
 
@@ -481,7 +559,7 @@ class VLLMRolloutEngine(RolloutEngine):
         update: Callable,  # the learner's update; its result is returned
         weights: Callable[[], Iterable[tuple[str, Tensor]]],  # the learner's tensors after it, streamed
     ):
-        "Run `update()` and load `weights()` in `self.update_order` (`FULL_ORDER` where vLLM has every step): sleep(2), update, release, wake weights, load, release, wake KV cache, reset prefix cache."
+        "Run `update()` and load `weights()` in `self.update_order` (`FULL_ORDER` where vLLM has every step): sleep(2) (LoRA: 1), update, release, wake weights, load, release, wake KV cache, reset prefix cache."
         out, self._asleep = None, self.sleep_mode
         for step in self.update_order:
             if self.on_transition is not None and step.startswith(("sleep", "wake")):
@@ -498,6 +576,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.llm.wake_up(tags=["kv_cache"])
             elif step == "wake":
                 self.llm.wake_up()
+            elif step == "load" and self.lora_config is not None:
+                self._serve_adapters(weights())  # the base stayed (sleep level 1): the adapters alone
             elif step == "load":
                 self._stream(weights(), discarded="sleep(2)" in self.update_order or not self.loaded)
             elif step == "reset_prefix_cache":
@@ -522,38 +602,56 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
         self._asleep = self._weights_awake = False
 
-    def close(self) -> str | None:
-        "Shut the engine down and give its memory back, so that the next engine can start in this process; returns (and logs) one line on the device memory that did not come back (None on the CPU). Idempotent."
-        llm = self.__dict__.pop("llm", None)
-        if llm is None:
-            return None
-        _OPEN.discard(self)
-        engine = llm.llm_engine
-        if (fin := getattr(engine, "_finalizer", None)) is not None:
-            fin()  # vLLM's own, now rather than at collection: drops the bytecode hooks that pin the compiled model
-        client = engine.engine_core
-        core = getattr(client, "engine_core", None)  # the EngineCore itself when it runs in this process
-        if core is None:
-            client.shutdown()  # its own process: its own process groups go with it
-        else:  # EngineCore.shutdown() less its last call, cleanup_dist_env_and_memory, which destroys torch's default
-            # process group, the one the learner's collectives (DeepSpeed's gathers) run on (release_vllm_state instead)
-            if (fin := getattr(client, "_finalizer", None)) is not None:
-                fin.detach()  # the same shutdown at collection
-            core.structured_output_manager.clear_backend()
-            core.model_executor.shutdown()
-            core.scheduler.shutdown()
-            gc.unfreeze()  # vLLM froze its start-up objects (weights, KV cache) out of the collector's sight
-        del llm, engine, client, core
-        if not _OPEN:  # the process's last engine: what vLLM keeps per process goes too (another engine still uses it)
-            release_vllm_state()
-        self._release()
-        if self._free_at_start is None:
-            return None
-        dev, free0 = self._free_at_start
-        free, total = torch.cuda.mem_get_info(dev)
-        line = unreturned_memory(free0, free, total, f"cuda:{dev}")
-        logging.getLogger(__name__).log(logging.WARNING if free0 - free >= 2**30 else logging.INFO, line)
-        return line
+# %% ../nbs/07a_vllm.ipynb #83b627ac
+@patch
+def _serve_adapters(self: VLLMRolloutEngine, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+    "The learner's adapters (PEFT model names) as a PEFT folder of this sync, registered under a new id and name; the previous adapter removed, its folder deleted."
+    n = self._lora_syncs + 1  # a new id: vLLM caches an adapter by id, and would serve a reused id's old tensors
+    path = save_adapter_tensors(named_tensors, Path(self._lora_dir.name) / f"policy-{n}", self.lora_config)
+    new = self._lora_request_cls(f"policy-{n}", n, str(path.resolve()))  # absolute: else vLLM reads a hub name
+    if not self.llm.llm_engine.add_lora(new):  # read now, on every worker (LLM itself has no add_lora)
+        raise RuntimeError(f"load_weights: vLLM did not take the adapters written to {path}")
+    old, self._lora_request, self._lora_syncs = self._lora_request, new, n
+    if old is not None:  # after the new one is in: a generate never finds no adapter
+        self.llm.llm_engine.remove_lora(old.lora_int_id)
+        shutil.rmtree(old.lora_path, ignore_errors=True)
+
+# %% ../nbs/07a_vllm.ipynb #da420cbe
+@patch
+def close(self: VLLMRolloutEngine) -> str | None:
+    "Shut the engine down and give its memory back (and delete its adapter folders), so that the next engine can start in this process; returns (and logs) one line on the device memory that did not come back (None on the CPU). Idempotent."
+    if (d := self.__dict__.pop("_lora_dir", None)) is not None:
+        d.cleanup()  # every sync's adapter folder
+    llm = self.__dict__.pop("llm", None)
+    if llm is None:
+        return None
+    _OPEN.discard(self)
+    engine = llm.llm_engine
+    if (fin := getattr(engine, "_finalizer", None)) is not None:
+        fin()  # vLLM's own, now rather than at collection: drops the bytecode hooks that pin the compiled model
+    client = engine.engine_core
+    core = getattr(client, "engine_core", None)  # the EngineCore itself when it runs in this process
+    if core is None:
+        client.shutdown()  # its own process: its own process groups go with it
+    else:  # EngineCore.shutdown() less its last call, cleanup_dist_env_and_memory, which destroys torch's default
+        # process group, the one the learner's collectives (DeepSpeed's gathers) run on (release_vllm_state instead)
+        if (fin := getattr(client, "_finalizer", None)) is not None:
+            fin.detach()  # the same shutdown at collection
+        core.structured_output_manager.clear_backend()
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+        gc.unfreeze()  # vLLM froze its start-up objects (weights, KV cache) out of the collector's sight
+    del llm, engine, client, core
+    if not _OPEN:  # the process's last engine: what vLLM keeps per process goes too (another engine still uses it)
+        release_vllm_state()
+    self._release()
+    if self._free_at_start is None:
+        return None
+    dev, free0 = self._free_at_start
+    free, total = torch.cuda.mem_get_info(dev)
+    line = unreturned_memory(free0, free, total, f"cuda:{dev}")
+    logging.getLogger(__name__).log(logging.WARNING if free0 - free >= 2**30 else logging.INFO, line)
+    return line
 
 # %% ../nbs/07a_vllm.ipynb #db73145a
 def unreturned_memory(

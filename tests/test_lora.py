@@ -1,6 +1,7 @@
 """LoRA (nbs/07c_lora.ipynb): with `lora_r: 0` the learner is the full fine-tuning one, unchanged; with adapters only
-they train and sit in the optimizer; the engine loads the merged weights, which compute the adapted policy; a run
-resumes exactly from its adapters; `final/` holds the merged transformers model and PEFT's adapter folder."""
+they train and sit in the optimizer; the engine is sent the adapters alone and applies them as the learner does (the
+merged bf16 weights would lose most of an early update); a run resumes exactly from its adapters; `final/` holds the
+merged transformers model and PEFT's adapter folder."""
 
 import copy, json
 from pathlib import Path
@@ -15,8 +16,9 @@ from dapo_ref.cli import load_config
 from dapo_ref.core import DAPOConfig
 from dapo_ref.interfaces import RolloutBatch
 from dapo_ref.learner import TorchLearner
-from dapo_ref.policy import load_policy
-from dapo_ref.lora import ADAPTER_DIR, base_of, is_lora
+from dapo_ref.policy import load_model, load_policy
+from dapo_ref.lora import ADAPTER_DIR, base_named_weights, base_of, is_lora
+from dapo_ref.rollout import HFRolloutEngine
 from dapo_ref.runs import read_metrics
 from dapo_ref.trainer import Trainer, strip_timing
 
@@ -88,8 +90,68 @@ def test_an_update_moves_only_the_adapters_and_the_engine_gets_the_adapted_polic
     scale = float(a.abs().max())
     assert float((a - m).abs().max()) <= 1e-10 * scale
     assert float((a - off).abs().max()) > 1e-6 * scale  # and the adapters did change the policy
-    copy_sd = learner.policy_copy().state_dict()  # the transformers engine's own copy: the merged weights, cast
-    assert all(torch.equal(copy_sd[k], merged[k].to(copy_sd[k].dtype)) for k in merged)
+    engine_model = learner.policy_copy()  # the transformers engine's own copy: a PEFT model, the learner's tensors
+    own = learner.model.state_dict()
+    assert is_lora(engine_model) and engine_model.state_dict().keys() == own.keys()
+    assert all(torch.equal(v, own[k]) for k, v in engine_model.state_dict().items())
+
+
+def test_sync_weights_are_the_adapters_under_lora_and_the_weights_otherwise(policy):
+    pad = policy[1].pad_token_id
+    full = TorchLearner(copy.deepcopy(policy[0]), DAPOConfig(), pad_token_id=pad)
+    sent = [(k, v.data_ptr()) for k, v in full.sync_weights()]
+    assert sent == [(k, v.data_ptr()) for k, v in full.named_weights()] and len(sent) == len(full.model.state_dict())
+    lora = TorchLearner(copy.deepcopy(policy[0]), DAPOConfig(lora_r=4), pad_token_id=pad)
+    sent = dict(lora.sync_weights())
+    trained = {n: p for n, p in lora.model.named_parameters() if p.requires_grad}
+    # the adapters themselves (no copies), each lora_A and lora_B, under the PEFT model's state_dict names; nothing else
+    assert set(sent) == set(trained) and set(sent) <= set(lora.model.state_dict())
+    assert all(sent[n].data_ptr() == trained[n].data_ptr() for n in trained)
+    assert all(".lora_A." in n or ".lora_B." in n for n in sent) and len(sent) % 2 == 0
+
+
+def test_the_transformers_engine_applies_the_adapters_where_the_merge_loses_the_update(policy):
+    """The 7B recipe's adapters (r 64, alpha 128) after 10 AdamW updates at its lr 1e-5, on the tiny policy loaded in
+    bf16 as a run loads it. The transformers engine (`policy_copy`, then `load_weights(sync_weights())` after the
+    updates) is a PEFT model holding the learner's tensors: its log-probs are the learner's bit for bit (the same
+    modules, dtypes, tensors and inputs: the same arithmetic in the same order; a tolerance of 0). The merged weights
+    (`named_weights`: W0 + (alpha / r) B A rounded to bf16, what the engine loaded before) lose most of the update:
+    most of its entries round away (below half of bf16's step at W0), and, evaluated in float64 so that no compute
+    rounding hides it, their policy misses more than a quarter of how far the updates moved the log-probs (in norm),
+    where the engine's copy misses nothing."""
+    from transformers import AutoModelForCausalLM
+
+    tok, pad = policy[1], policy[1].pad_token_id
+    cfg = DAPOConfig(lora_r=64, lora_alpha=128, lr=1e-5, warmup_steps=0, dtype="bfloat16")
+    learner = TorchLearner(load_model("tiny", "bfloat16"), cfg, pad_token_id=pad)
+    engine = HFRolloutEngine(learner.policy_copy(), eos_token_id=tok.eos_token_id, pad_token_id=pad)  # B = 0 here
+    b = batch(tok)
+    for _ in range(10):
+        train_on(learner, b, len(b))
+    engine.load_weights(learner.sync_weights())
+    seqs = [torch.tensor([p + r]) for p, r in zip(b.prompt_ids, b.response_ids)]
+
+    @torch.no_grad()
+    def logps(model):
+        "Log-probs of every next token of the four sequences, float32 log-softmax of the model's logits."
+        lp = [torch.log_softmax(model(input_ids=s).logits[0, :-1].float(), -1) for s in seqs]
+        return torch.cat([x.gather(-1, s[0, 1:, None])[:, 0] for x, s in zip(lp, seqs)])
+
+    assert torch.equal(logps(engine.model), logps(learner.model))  # bf16, as both run: the same numbers
+    # the merged path: a plain model with `named_weights`, as the engine's copy was built before
+    plain = AutoModelForCausalLM.from_config(base_of(learner.model).config, dtype=torch.bfloat16)
+    plain.load_state_dict(dict(learner.named_weights()))
+    w0, merged = dict(base_named_weights(learner.model)), dict(learner.named_weights())
+    adapted = [k for k in merged if k.endswith("proj.weight")]
+    vanished = sum(int((merged[k] == w0[k]).sum()) for k in adapted) / sum(merged[k].numel() for k in adapted)
+    assert vanished > 0.5, vanished
+    exact = copy.deepcopy(learner.model).double()  # the learner's policy in float64: its W0, its adapters
+    target = logps(exact)
+    with exact.disable_adapter():
+        moved = float((target - logps(exact)).norm())  # how far the 10 updates moved these log-probs
+    assert moved > 0  # the adapters did move the policy
+    assert torch.equal(logps(copy.deepcopy(engine.model).double()), target)  # the engine's copy: the same policy
+    assert float((logps(plain.double()) - target).norm()) > 0.25 * moved  # the merge's: a quarter of the move lost
 
 
 @pytest.mark.slow
@@ -161,6 +223,9 @@ def test_zero2_lora_trains_the_adapters_alone_and_resumes_from_its_checkpoint(tm
     assert set(merged) == set(base0)
     moved = [k for k in base0 if not torch.equal(merged[k], base0[k])]
     assert moved and all(k.endswith("proj.weight") for k in moved)
+    sent = dict(learner.sync_weights())  # what the engine gets: the ZeRO-2 module's own adapters, trained, alone
+    assert set(sent) == {n for n, p in learner.model.named_parameters() if p.requires_grad}
+    assert any(float(v.abs().max()) > 0 for n, v in sent.items() if ".lora_B." in n)  # B moved from its 0
     learner.save(tmp_path / "ck")
     assert (tmp_path / "ck" / ADAPTER_DIR / "adapter_model.safetensors").is_file()
     saved = sum(f.stat().st_size for f in (tmp_path / "ck" / "deepspeed").rglob("*model_states.pt"))

@@ -220,7 +220,7 @@ def test_gpu_check_without_vllm_cpu(tmp_path):
     s = json.loads((out / "gpu_check.json").read_text())
     assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused", "lora"]  # lora: PEFT is installed
     assert len(s["checks"]) == 5 and all(s["checks"].values()), s["checks"]
-    lora = s["phases"][4]  # the HF engine's copy loaded with the merged adapters: float32 rounding against the move
+    lora = s["phases"][4]  # the HF engine's PEFT copy serving the learner's adapters: float32 rounding against the move
     assert lora["trained"] > 0 and lora["gap_mean"] < 1e-4 and lora["moved_mean"] > 1e-2, lora
     assert s["backend"] == "hf" and s["phases"][0]["engine"] == "HFRolloutEngine"
     assert s["phases"][0]["learner"] == "TorchLearner" and not {"vllm", "deepspeed"} & set(s["versions"])
