@@ -12,11 +12,12 @@ from .cli import ArgParser, cli_errors, load_config, parse_overrides
 from .lora import lora_activation_bytes, lora_params, lora_state_bytes
 
 # %% auto #0
-__all__ = ['BYTES', 'ZERO_BUCKET_ELEMENTS', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'BUCKET_BYTES', 'GATHER_CHUNK_BYTES', 'PY_TOKEN_BYTES',
-           'PY_LOGP_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel', 'model_state_bytes',
-           'zero_bucket_elements', 'zero_bucket_bytes', 'load_bytes', 'activation_bytes', 'head_grad_bytes',
-           'vllm_batch_limits', 'vllm_activation_bytes', 'engine_bytes', 'sync_bytes', 'gather_bytes', 'advise',
-           'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory', 'disk_per_run', 'format_plan', 'main']
+__all__ = ['BYTES', 'ZERO_BUCKET_ELEMENTS', 'FUSED_CHUNK', 'SLEEP_KEEPS', 'VLLM_LORA_SLOTS', 'BUCKET_BYTES', 'GATHER_CHUNK_BYTES',
+           'PY_TOKEN_BYTES', 'PY_LOGP_BYTES', 'PHASES', 'valid_tensor_parallel', 'check_tensor_parallel',
+           'model_state_bytes', 'zero_bucket_elements', 'zero_bucket_bytes', 'load_bytes', 'activation_bytes',
+           'head_grad_bytes', 'vllm_batch_limits', 'vllm_activation_bytes', 'engine_bytes', 'lora_slot_bytes',
+           'sync_bytes', 'gather_bytes', 'advise', 'check_hardware', 'engine_layout', 'save_sizes', 'plan_memory',
+           'disk_per_run', 'format_plan', 'main']
 
 # %% ../nbs/12_plan.ipynb #5531a48d
 def valid_tensor_parallel(
@@ -196,6 +197,7 @@ def engine_bytes(
     utilization: float,  # u: vllm_gpu_memory_utilization
     tensor_parallel: int = 1,  # vllm_tensor_parallel: GPUs of one engine
     activation: float = 0,  # the profile run's peak (`vllm_activation_bytes`), which vLLM keeps out of the KV cache
+    lora_slots: float = 0,  # LoRA: the adapter slot (`lora_slot_bytes`), allocated with the weights
 ) -> dict:
     "vLLM's share of one GPU: total, weights shard, profiled activations, KV bytes per token and KV tokens that fit per engine."
     share = utilization * gpu_bytes
@@ -206,9 +208,25 @@ def engine_bytes(
         weights=weights,
         activation=activation,
         kv_per_token=kv_per_token,
-        kv_tokens=max(0, int((share - weights - activation) // kv_per_token)),
+        kv_tokens=max(0, int((share - weights - lora_slots - activation) // kv_per_token)),
         asleep=SLEEP_KEEPS * share,
     )
+
+# %% ../nbs/12_plan.ipynb #9ef6d664
+VLLM_LORA_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values (vllm_rollout.VLLM_LORA_RANKS)
+
+
+def lora_slot_bytes(
+    arch: ModelArch,
+    r: int,  # lora_r (0: no LoRA, no slot)
+    targets: str = "all-linear",  # lora_target_modules
+    tensor_parallel: int = 1,  # the engine's GPUs: the slot is sharded as the layers are
+) -> float:
+    "Bytes per GPU of vLLM's adapter slot for rank-`r` adapters: the smallest allowed rank that holds `r`, in bf16."
+    if not r:
+        return 0
+    slot = next((s for s in VLLM_LORA_SLOTS if s >= r), r)  # above 512 the engine refuses to start (`vllm_lora_kwargs`)
+    return 2 * lora_params(arch, slot, targets) / tensor_parallel
 
 # %% ../nbs/12_plan.ipynb #a3c2fc05
 BUCKET_BYTES = 1 << 30  # the vLLM backend's weight_bucket_bytes: bytes per reload call
@@ -264,7 +282,8 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
         a["layers"] += lora_activation_bytes(arch, cfg.lora_target_modules, tokens, kept)
     gpu, seq, tp = gpu_memory_gb * 2**30, cfg.max_prompt_length + cfg.l_max, cfg.vllm_tensor_parallel
     va = vllm_activation_bytes(arch, gpu, tp, seq, cfg.vllm_enable_chunked_prefill)
-    e = engine_bytes(arch, n, gpu, cfg.vllm_gpu_memory_utilization, tp, va["peak"])
+    slots = lora_slot_bytes(arch, cfg.lora_r, cfg.lora_target_modules, tp)  # LoRA: vLLM's adapter slot, bf16
+    e = engine_bytes(arch, n, gpu, cfg.vllm_gpu_memory_utilization, tp, va["peak"], slots)
     zb = zero_bucket_bytes(z, t or n, p)  # DeepSpeed's gradient buckets, sized by what it trains
     gb = gather_bytes(cfg, world)
     y = sync_bytes(arch, z, dtype_bytes=p)
@@ -284,15 +303,18 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
         "act_layers": (0, a["layers"], 0, 0),
         "logits": (0, a["logits"], 0, 0),
         "head_grad": (0, head_grad_bytes(arch, lora=bool(t)), 0, 0),
-        "bucket": (0, 0, y["bucket"], 0),
+        "bucket": (0, 0, 0 if t else y["bucket"], 0),  # LoRA: the adapters go to a file, from their own tensors
         "gather": (0, 0, 0, gb["device"]),
         "vllm_weights": (0, 0 if sleep else W, W, W),
+        "vllm_lora": (0, 0 if sleep else slots, slots, slots),  # in the weights' pool: offloaded with them
         "vllm_act": (0, 0, 0, e["activation"]),
-        "vllm_rest": (0, idle, idle, e["share"] - W - e["activation"]),
+        "vllm_rest": (0, idle, idle, e["share"] - W - slots - e["activation"]),
     }
     totals = dict(zip(PHASES, (sum(v[i] for v in items.values()) for i in range(4))))
     batch = g * gb["host_per_rank"]  # every rank of the node holds the step's batch
-    cpu = dict(load=load["cpu_per_node"], steady=s["cpu_per_node"] + batch)
+    # LoRA keeps the engine's base through the update (sleep level 1: offloaded to pinned CPU memory, woken after)
+    parked = g * (W + slots) if t and sleep else 0
+    cpu = dict(load=load["cpu_per_node"], steady=s["cpu_per_node"] + batch + parked)
     return dict(
         n=n,
         world=world,
@@ -303,6 +325,7 @@ def _phases(cfg: DAPOConfig, arch: ModelArch, gpu_memory_gb: float, sleep: bool)
         vllm_act=va,
         buckets=zb,
         batch=batch,
+        parked=parked,
         items=items,
         totals=totals,
         peak=max(totals.values()),
@@ -518,6 +541,7 @@ def plan_memory(
         cpu_load_gb=_gib(p["cpu"]["load"]),
         cpu_zero_gb=_gib(s["cpu_per_node"]),
         cpu_batch_gb=_gib(p["batch"]),
+        cpu_parked_gb=_gib(p["parked"]),  # LoRA: the engine's base in pinned CPU memory through the update
         zero_bucket_elements=zero_bucket_elements(p["trained"] or p["n"]) if cfg.zero_stage else 0,
         kv_cache_tokens=e["kv_tokens"],
         engine_weights_gb=_gib(e["weights"]),
@@ -568,6 +592,7 @@ _ROWS = [
     ("bucket", "weight-sync bucket"),
     ("gather", "rollout gather (one broadcast)"),
     ("vllm_weights", "vLLM weights (2N / TP)"),
+    ("vllm_lora", "vLLM LoRA adapter slot"),
     ("vllm_act", "vLLM activations (profile run)"),
     ("vllm_rest", "vLLM KV cache / context"),
 ]
@@ -601,7 +626,13 @@ def format_plan(plan: dict) -> str:
         f"CPU per node: {plan['cpu_per_node_gb']:.2f} GiB"
         + (f" of {plan['cpu_memory_gb']:g}" if plan["cpu_memory_gb"] is not None else "")
         + f" (load {plan['cpu_load_gb']:.2f}; after it: ZeRO offload {plan['cpu_zero_gb']:.2f} + the step's batch "
-        f"{plan['cpu_batch_gb']:.2f})",
+        f"{plan['cpu_batch_gb']:.2f}"
+        + (
+            f" + the engine's base parked through the update {plan['cpu_parked_gb']:.2f}"
+            if plan.get("cpu_parked_gb")
+            else ""
+        )
+        + ")",
     ]
     lay = plan["engine_layout"]
     show = lambda x: (

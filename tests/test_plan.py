@@ -11,7 +11,16 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dapo_ref.cli import load_config, parse_overrides
-from dapo_ref.arch import QWEN25, ModelArch, n_params, layer_params, largest_layer_params, resolve_arch
+from dapo_ref.core import DAPOConfig
+from dapo_ref.arch import (
+    QWEN25,
+    ModelArch,
+    kv_bytes_per_token,
+    n_params,
+    layer_params,
+    largest_layer_params,
+    resolve_arch,
+)
 from dapo_ref.plan import (
     model_state_bytes,
     load_bytes,
@@ -789,3 +798,27 @@ def test_planner_learner_peak_within_25_percent_of_measured_rss(tmp_path):
             f"{r['peak'] / 2**20:.0f} MiB ({planned / r['peak']:.2f}x)"
         )
         assert abs(planned - r["peak"]) <= 0.25 * r["peak"], (gc, planned, r["peak"])
+
+
+def test_lora_engine_slot_no_sync_bucket_and_the_base_parked():
+    """A LoRA run's engine (#58): vLLM's adapter slot at the smallest allowed rank >= lora_r, bf16, sharded over the
+    engine's GPUs, inside its share (out of the KV cache), offloaded with the weights through the update; no weight-sync
+    bucket (the adapters are written to a file); the base parked in pinned CPU memory through the update (sleep level
+    1: nothing re-sends it). The 7B LoRA recipe, by hand: (in + out) per layer 90,112 (q, o 3584 + 3584; k, v 3584 + 512;
+    gate, up, down 3584 + 18944), x 64 x 28 layers x 2 bytes."""
+    from dapo_ref.plan import VLLM_LORA_SLOTS
+    from dapo_ref.vllm_rollout import VLLM_LORA_RANKS
+
+    assert VLLM_LORA_SLOTS == VLLM_LORA_RANKS  # the plan's copy of vLLM's rank slots (plan imports no torch)
+    cfg = load_config(ROOT / "recipes" / "dapo-qwen2.5-7b-lora-1gpu.yaml", {})
+    slot = 2 * 28 * 64 * 90_112
+    plan = plan_memory(cfg, gpu_memory_gb=80)
+    lora_row, bucket = plan["items"]["vllm_lora"], plan["items"]["bucket"]
+    assert lora_row == {"load": 0, "update": 0, "sync": round(slot / GiB, 2), "rollout": round(slot / GiB, 2)}
+    assert bucket["sync"] == 0
+    W = 2 * plan["n_params"]  # tensor parallel 1
+    assert plan["cpu_parked_gb"] == round((W + slot) / GiB, 2)
+    no_lora = dict(lora_r=0, lora_alpha=DAPOConfig().lora_alpha, zero_stage=2)  # the same engine, no slot
+    full = plan_memory(dataclasses.replace(cfg, **no_lora), gpu_memory_gb=80)
+    kv = kv_bytes_per_token(resolve_arch(cfg.model), 2)
+    assert full["kv_cache_tokens"] - plan["kv_cache_tokens"] in (slot // kv, slot // kv + 1)
