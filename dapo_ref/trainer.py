@@ -85,6 +85,13 @@ def check_run(
             "rollout_backend = vllm: vllm is not installed here; install it (pip install -e '.[scale]') "
             "or set rollout_backend: hf"
         )
+    if cfg.rollout_backend == "vllm" and torch.cuda.is_available() and dist.local_rank() >= torch.cuda.device_count():
+        raise InputError(  # vLLM's external launcher takes LOCAL_RANK as its CUDA device (uniproc_executor, gpu_worker)
+            f"rollout_backend = vllm: LOCAL_RANK = {dist.local_rank()}, but this process sees "
+            f"{torch.cuda.device_count()} GPU(s) (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES): vLLM takes "
+            "LOCAL_RANK as its GPU; let every task see its node's GPUs (srun --gpus-per-node, or torchrun per node)",
+            "rollout_backend",
+        )
     if cfg.rollout_backend == "vllm" and cfg.vllm_enable_chunked_prefill and not torch.cuda.is_available():
         raise ValueError(
             "vllm_enable_chunked_prefill = true on vLLM's CPU backend: a seeded request whose prefill is "
@@ -92,9 +99,10 @@ def check_run(
         )
     G, tokens = cfg.group_size, cfg.max_prompt_length + cfg.l_max
     round_prompts = cfg.gen_batch_size if cfg.dynamic_sampling else cfg.prompts_per_step
-    fix = "lower prompts_per_step (and gen_batch_size)"  # every rank holds a whole round and the kept groups:
+    fix = "lower prompts_per_step (and gen_batch_size)"  # an engine's share of a round, then the step's kept groups
+    share = -(-round_prompts // max(1, world // (cfg.vllm_tensor_parallel if cfg.rollout_backend == "vllm" else 1)))
     check_host_memory(
-        (round_prompts + cfg.prompts_per_step) * G, tokens, "prompts_per_step, gen_batch_size x group_size", fix, log
+        (share + cfg.prompts_per_step) * G, tokens, "prompts_per_step, gen_batch_size x group_size", fix, log
     )
     check_host_memory(64 * cfg.eval_k, tokens, "eval_k x 64 held-out problems a batch", "lower eval_k", log)
     if cfg.nnodes * cfg.gpus_per_node != world:

@@ -42,3 +42,25 @@ def test_nccl_device_is_a_visible_ordinal(monkeypatch, visible, local, expected)
         monkeypatch.setenv(k, v)
     assert dist.init_distributed(backend="nccl") == (local, 8)  # the environment's: the stand-in group is not up
     assert calls == [("set_device", expected), ("init", "nccl")]
+
+
+def test_vllm_run_refuses_a_local_rank_past_the_visible_gpus(monkeypatch):
+    """`srun --gpus-per-task=1` shows each task one GPU while LOCAL_RANK counts the node's tasks: the learner's device
+    is `dist.device_index()` (LOCAL_RANK modulo the visible GPUs), but vLLM's external launcher takes LOCAL_RANK itself
+    as its CUDA device; `check_run` refuses the launch in one line before any model loads, naming both numbers."""
+    import importlib.util
+
+    import torch
+    from dapo_ref import trainer
+    from dapo_ref.core import DAPOConfig, InputError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: object() if m == "vllm" else real(m, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    cfg = DAPOConfig(rollout_backend="vllm", gpus_per_node=4)
+    with pytest.raises(InputError, match=r"LOCAL_RANK = 3, but this process sees 1 GPU\(s\)"):
+        trainer.check_run(cfg, world=4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # every task sees its node's GPUs: accepted
+    assert trainer.check_run(cfg, world=4) is cfg
