@@ -419,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     if with_vllm:
         fields.update(VLLM_FIELDS["cpu" if cpu else "gpu"])
     if not with_ds:
-        fields["zero_stage"] = 0  # the plain PyTorch learner: every phase but ZeRO-3's partitioning still runs
+        # the plain PyTorch learner: every phase but ZeRO-3's partitioning still runs; float32, as its config must be
+        # (bf16 weights without DeepSpeed's fp32 master copy round lr 1e-6 updates away: refused, nbs/00_core)
+        fields.update(zero_stage=0, dtype="float32")
     cfg = config(work / "model", work / "prompts.parquet", work / "run", fields, backend="vllm" if with_vllm else "hf")
     predicted = plan(recipe(work / "recipe.yaml", cfg), work / "model", gpu_gb)
     skipped = []

@@ -11,11 +11,11 @@ from typing import Any
 
 import yaml
 
-from .core import DAPOConfig, InputError, short
+from .core import FOREIGN, DAPOConfig, Foreign, InputError, fits, foreign, short
 
 # %% auto #0
 __all__ = ['USER_ERRORS', 'find_recipe', 'read_yaml', 'config_from_dict', 'load_config', 'save_config', 'parse_overrides',
-           'strict_bool', 'one_line', 'cli_errors', 'interrupts', 'ArgParser']
+           'strict_bool', 'one_line', 'cli_errors', 'interrupts', 'ArgParser', 'fields_help', 'FieldsAction']
 
 # %% ../nbs/00b_cli.ipynb #c99ac896
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -88,22 +88,99 @@ def read_yaml(
         loader.dispose()
 
 # %% ../nbs/00b_cli.ipynb #45068e0a
-def _key_hint(k: str, names: list[str]) -> str:
-    "'; did you mean ...' for an unknown key: a dotted key (verl's `actor.optim.lr`) by its last part, else the closest name."
+_NAMES = {f.name for f in fields(DAPOConfig)}
+
+
+def _hints() -> dict[str, tuple[str, str]]:
+    "What a typo may be of: {name: (field, the name's source or '')}, the fields and the TRL, verl and PEFT aliases' last parts."
+    out = {f.name: (f.name, "") for f in fields(DAPOConfig)}
+    for e in FOREIGN:
+        leaf = e.name.rsplit(".", 1)[-1]
+        if e.kind == "alias" and leaf not in out:
+            try:
+                if foreign(leaf) is e:  # a leaf two settings share hints at neither
+                    out[leaf] = (e.field, f"{e.name} in {e.source}")
+            except InputError:
+                pass
+    return out
+
+
+def _same_words(
+    key: str,  # an unknown key
+    name: str,  # a name it may be a typo of
+) -> bool:
+    "Every word of `key` is a word of `name` or a typo of one (a prefix of 3+ letters, or difflib ratio >= 0.75)."
+    words = [w for w in name.split("_") if w]
+
+    def near(a: str, b: str) -> bool:
+        prefix = min(len(a), len(b)) >= 3 and (a.startswith(b) or b.startswith(a))
+        return prefix or difflib.SequenceMatcher(None, a, b).ratio() >= 0.75
+
+    return all(any(near(a, b) for b in words) for a in key.split("_") if a)
+
+
+def _key_hint(
+    k: str,  # an unknown key
+    v: Any,  # the value it was given
+) -> str:
+    """'; did you mean ...' for an unknown key: a dotted key (verl's) by its last part, else a name within a typo of
+    it (difflib ratio >= 0.8) whose every word the key has (`micro_batch_size` is not `mini_batch_size`) and whose
+    field's type takes the value; else where the fields are listed. Letters alone never make a hint: `beta`, a KL
+    coefficient, is not `adam_beta2`."""
     last = k.rsplit(".", 1)[-1].replace("-", "_")
-    if "." in k and last in names:
+    if "." in k and last in _NAMES and fits(last, v):
         return f"; did you mean '{last}'? (DAPOConfig is flat: no sections)"
-    close = difflib.get_close_matches(last, names, n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+    hints = _hints()
+    ratio = lambda name: difflib.SequenceMatcher(None, last, name).ratio()
+    close = [n for n in hints if ratio(n) >= 0.8 and _same_words(last, n) and fits(hints[n][0], v)]
+    best = [n for n in close if ratio(n) == max(map(ratio, close))]
+    if len(best) > 1:  # adam_beta: as close to adam_beta1 as to adam_beta2
+        return "; did you mean " + " or ".join(f"'{hints[n][0]}'" for n in sorted(best)) + "?"
+    if best:
+        field, where = hints[best[0]]
+        return f"; did you mean '{field}'?" + (f" ({where})" if where else "")
+    return "; dapo-train --fields lists the fields"
 
 
-def config_from_dict(d: dict[str, Any]) -> DAPOConfig:
-    "Build a validated `DAPOConfig` from a dict; an unknown key names itself and the closest valid key."
-    names = [f.name for f in fields(DAPOConfig)]
-    for k in d:
-        if k not in names:
-            raise InputError(f"unknown config key '{short(str(k), 60)[1:-1]}'{_key_hint(str(k), names)}", str(k))
-    return DAPOConfig(**d)  # its __post_init__ validates
+def _field_of(k: str, v: Any) -> tuple[str, Foreign | None]:
+    "The field recipe key `k` sets and the `FOREIGN` entry it came through (None: the field's own name); else `InputError`."
+    if k in _NAMES:
+        return k, None
+    e = foreign(k)
+    if e is None:
+        raise InputError(f"unknown config key '{short(k, 60)[1:-1]}'{_key_hint(k, v)}", k)
+    if e.kind != "alias":
+        raise InputError(e.error(k), k)
+    return e.field, e
+
+
+def config_from_dict(
+    d: dict[str, Any],  # a recipe's keys and values
+    overrides: dict[str, Any] | None = None,  # command-line items; they win over `d` whatever name either uses
+) -> DAPOConfig:
+    """Build a validated `DAPOConfig`. TRL, verl and PEFT names (`FOREIGN`) are read as their fields, converted once
+    every key is read; any other unknown key, or one field set twice in one layer, names itself and the fix."""
+    given = {}  # field -> (the key as written, its value, the FOREIGN entry or None)
+    for layer in (d, overrides or {}):
+        seen = {}
+        for k, v in layer.items():
+            f, e = _field_of(str(k), v)
+            if f in seen:
+                raise InputError(f"{seen[f]} and {k} both set {f}; keep one", str(k))
+            seen[f] = str(k)
+            given[f] = (str(k), v, e)
+    plain = {f: v for f, (_, v, e) in given.items() if e is None or e.convert is None}
+    values = dict(plain)
+    for f, (k, v, e) in given.items():
+        if e is not None and e.convert is not None:  # after every layer: a conversion reads the final group_size
+            values.update(e.convert(k, v, plain))
+    try:
+        return DAPOConfig(**values)  # its __post_init__ validates
+    except InputError as err:  # a value given under another name: say which
+        k = given.get(err.field, (err.field,))[0]
+        if k == err.field:
+            raise
+        raise InputError(f"{err} (set as {k})", k) from None
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DAPOConfig:
@@ -120,7 +197,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DA
         raise InputError(f"{path}: expected a mapping of config keys (key: value lines), got {type(d).__name__}")
     ov = overrides or {}
     try:
-        return config_from_dict({**d, **ov})
+        return config_from_dict(d, ov)
     except InputError as e:  # name the file when the bad key came from it
         if e.field in d and e.field not in ov:
             raise InputError(f"{path}: {e}", e.field) from None
@@ -210,6 +287,15 @@ def interrupts(
         raise SystemExit(130) from None
 
 # %% ../nbs/00b_cli.ipynb #c2d44d4b
+def _alias(key: str) -> bool:
+    "Whether `key` is a TRL, verl or PEFT name read as a field."
+    try:
+        e = foreign(key)
+    except InputError:
+        return False
+    return e is not None and e.kind == "alias"
+
+
 class ArgParser(argparse.ArgumentParser):
     """argparse as every dapo_ref command uses it: a usage error on one line with the fix, an option given twice refused
     (argparse keeps the last silently), `key=value` overrides before and after flags, `--lr 1e-5` pointed to `lr=1e-5`."""
@@ -261,9 +347,41 @@ class ArgParser(argparse.ArgumentParser):
         if not eq and tok in argv and argv.index(tok) + 1 < len(argv) and not argv[argv.index(tok) + 1].startswith("-"):
             val = argv[argv.index(tok) + 1]
         key = name.replace("-", "_")
-        if overrides and key in {f.name for f in fields(DAPOConfig)}:
+        if overrides and (key in _NAMES or _alias(key)):  # --lr 1e-5, or TRL's --learning_rate 1e-5
             return f"{msg}; config fields are set as key=value, e.g. {key}={short(val, 40)[1:-1] if val else '...'}"
         close = difflib.get_close_matches(
             tok.split("=")[0], [o for o in self._option_string_actions if o.startswith("--")], n=1, cutoff=0.6
         )
         return f"{msg}; did you mean {close[0]}?" if close else msg
+
+# %% ../nbs/00b_cli.ipynb #f1e1d502
+def _yaml(v: Any) -> str:
+    "A default as a recipe writes it."
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def fields_help() -> str:
+    "Every `DAPOConfig` field on one line: name, default, help (its unit) and allowed values, from its `knob`."
+    fs = fields(DAPOConfig)
+    heads = [f"{f.name} = {_yaml(f.default)}" for f in fs]
+    width = max(map(len, heads))
+    lines = [
+        "config fields, set in a recipe (key: value) or on the command line (key=value); "
+        "TRL, verl and PEFT names are read as the fields of the same meaning (docs: core)"
+    ]
+    for head, f in zip(heads, fs):
+        allowed = f.metadata.get("allowed")
+        words = f"; allowed: {allowed.words.format(f.name)}" if allowed else ""
+        lines.append(f"  {head:<{width}}  {f.metadata['help']}{words}")
+    return "\n".join(lines) + "\n"
+
+
+class FieldsAction(argparse.Action):
+    "`--fields`: print `fields_help()` and exit 0, as `--help` does (no other argument needed)."
+
+    def __init__(self, option_strings, dest, help="list the config fields: default, meaning and unit, allowed values"):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(fields_help())  # stdout, as --help writes (argparse's exit message goes to stderr)
+        parser.exit(0)

@@ -11,8 +11,9 @@ from typing import Any, Callable, Iterator
 # %% auto #0
 __all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'SCALE_REWARDS', 'IS_LEVELS', 'LOSS_MODES',
            'ROLLOUT_CORRECTIONS', 'ANSWER_FORMATS', 'LORA_TARGETS', 'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS',
-           'PATH_FIELDS', 'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'answer_formats',
-           'DAPOHyperparams', 'DAPOConfig', 'InputError', 'short', 'validate']
+           'PATH_FIELDS', 'TRL', 'TRL_TRAINER', 'PEFT', 'VERL', 'VERL_DAPO', 'FOREIGN_KINDS', 'TRL_LOSS_TYPES',
+           'FOREIGN', 'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'answer_formats', 'DAPOHyperparams',
+           'DAPOConfig', 'InputError', 'short', 'validate', 'Foreign', 'foreign', 'fits']
 
 # %% ../nbs/00_core.ipynb #e040a55c
 @dataclass(frozen=True)
@@ -254,8 +255,10 @@ class DAPOHyperparams:
         None, "a system message put before each prompt's messages; null = none", None, "not stated", "none"
     )
     # --- overlong reward shaping (Section 3.4, Eq. 13) ---
-    l_max: int = knob(20480, "L_max: maximum response length, expected + cache", ge(1), "16384 + 4096", "20480")
-    l_cache: int = knob(4096, "L_cache: soft punishment interval before L_max", ge(0), "4096", "4096")
+    l_max: int = knob(
+        20480, "L_max: maximum response length in tokens, expected + cache", ge(1), "16384 + 4096", "20480"
+    )
+    l_cache: int = knob(4096, "L_cache: tokens before L_max over which Eq. 13 punishes", ge(0), "4096", "4096")
     overlong_penalty_factor: float = knob(1.0, "scale of the Eq. 13 penalty", ge(0), "1 (Eq. 13)", "1.0")
     soft_overlong_punishment: bool = knob(True, "add Eq. 13 to the reward", None, "on (Table 1 row 4 on)", "on")
     overlong_filter: bool = knob(
@@ -345,7 +348,7 @@ class DAPOConfig(DAPOHyperparams):
     )
     samples_max_mb: float = knob(
         256.0,
-        "samples.jsonl + samples.1.jsonl stay under this (the older half is dropped)",
+        "MB that samples.jsonl + samples.1.jsonl stay under (the older half is dropped)",
         ge(0, "0 = no samples.jsonl"),
     )
     # --- scale-out (the paper's run: 16 nodes x 8 GPUs) ---
@@ -479,6 +482,7 @@ def _rules(c) -> Iterator[tuple[str, bool, str]]:
 def _launch_rules(c) -> Iterator[tuple[str, bool, str]]:
     "The rules of the learner, the engines and the launch (`_rules` goes on with them)."
     world, tp, sp, per = c.nnodes * c.gpus_per_node, c.vllm_tensor_parallel, c.sequence_parallel_size, c.gpus_per_node
+    master = "" if c.zero_stage or c.lora_r else " with zero_stage: 2"  # bf16 full fine-tuning needs DeepSpeed's master
     yield (
         "offload_params",
         not c.offload_params or c.zero_stage == 3,
@@ -500,7 +504,17 @@ def _launch_rules(c) -> Iterator[tuple[str, bool, str]]:
         not c.attn_implementation.startswith("flash") or c.dtype == "bfloat16",
         (
             f"attn_implementation = {c.attn_implementation} runs in fp16/bf16 only, but dtype = {c.dtype}: "
-            "set dtype: bfloat16 or attn_implementation: sdpa"
+            f"set dtype: bfloat16{master} or attn_implementation: sdpa"
+        ),
+    )
+    yield (
+        "dtype",
+        c.dtype != "bfloat16" or c.zero_stage > 0 or c.lora_r > 0,
+        (
+            "dtype = bfloat16 with zero_stage = 0 and lora_r = 0: the plain PyTorch learner steps the bf16 weights "
+            "themselves, with no fp32 master copy, so an update under half a bf16 step of a weight rounds away (lr 1e-6 "
+            "does for every |w| > 2^-11); set zero_stage: 2 (DeepSpeed keeps an fp32 master copy) or dtype: float32 "
+            "(LoRA, lora_r > 0, is fine in bf16: its adapters are fp32)"
         ),
     )
     yield (
@@ -688,3 +702,380 @@ def validate(cfg: DAPOConfig) -> DAPOConfig:
         if not holds:
             raise InputError(error, name)
     return cfg
+
+# %% ../nbs/00_core.ipynb #f0e1a002
+TRL, TRL_TRAINER, PEFT = "TRL GRPOConfig", "TRL GRPOTrainer", "PEFT LoraConfig"
+VERL, VERL_DAPO = "verl ppo_trainer.yaml", "verl recipe/dapo"  # verl's trainer config, and what the DAPO recipe adds
+FOREIGN_KINDS = ("same", "alias", "refuse", "none")
+
+
+@dataclass(frozen=True)
+class Foreign:
+    "A setting's name in TRL, verl or PEFT, and what a recipe that uses it gets here."
+
+    name: str  # the other project's key: a field (TRL, PEFT) or a dotted path (verl: its last parts are read too)
+    source: str  # where it is declared
+    kind: str  # same: a field of that name | alias: read as `field` | refuse: set `field` (another unit) | none
+    field: str = ""  # this project's field (refuse: the fields to set instead; none: "")
+    note: str = ""  # alias: the conversion; same: a difference to know; refuse, none: why, the words of the error
+    convert: Callable[[str, Any, dict], dict] | None = None  # alias: (key, value, fields given) -> {field: value}
+
+    def error(self, key: str) -> str:
+        "The one-line refusal of `key`, this name as a recipe wrote it."
+        if self.kind == "none":
+            return f"{key} ({self.source}) has no equivalent here: {self.note}"
+        return f"{key} ({self.source}) is not read here: {self.note}"
+
+
+def _given(given: dict, name: str) -> Any:
+    "Field `name` as the recipe and the overrides gave it, else its default."
+    return given.get(name, getattr(DAPOConfig, name))
+
+
+def _whole(key: str, v: Any, what: str) -> int:
+    "`v` if it is a whole number, else `InputError` naming `key` and what it counts."
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    raise InputError(f"{key}: got {short(v)}, expected a whole number ({what})", key)
+
+
+def _both_clips(key, v, given) -> dict:
+    "TRL's epsilon, verl's clip_ratio: the lower clip range, and the upper one too unless it is set (as they read it)."
+    return {"eps_low": v} if "eps_high" in given else {"eps_low": v, "eps_high": v}
+
+
+def _prompts_x_group(key, v, given) -> dict:
+    "verl's ppo_mini_batch_size counts prompts; mini_batch_size counts their responses: x group_size."
+    n, G = _whole(key, v, "prompts per mini-batch"), _given(given, "group_size")
+    return {"mini_batch_size": n * G if type(G) is int else n}  # a bad group_size: its own error, validated first
+
+
+def _ratio_of_steps(rounding: Callable[[float], int]) -> Callable[[str, Any, dict], dict]:
+    "A warm-up ratio as warm-up steps: rounding(ratio x total_steps) rollout steps (TRL rounds up, verl down)."
+
+    def convert(key, v, given) -> dict:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise InputError(
+                f"{key} = {short(v)} is out of range: allowed 0 <= {key} <= 1 (a share of total_steps)", key
+            )
+        T = _given(given, "total_steps")
+        return {"warmup_steps": rounding(v * T) if type(T) is int else 0}  # a bad total_steps: its own error
+
+    return convert
+
+
+def _switch(name: str, on: str, off: str) -> Callable[[str, Any, dict], dict]:
+    "A true/false key read as one of two values of field `name`."
+
+    def convert(key, v, given) -> dict:
+        if not isinstance(v, bool):
+            raise InputError(f"{key}: got {short(v)}, expected true or false", key)
+        return {name: on if v else off}
+
+    return convert
+
+
+TRL_LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
+
+
+def _loss_type(key, v, given) -> dict:
+    "TRL's loss_type, as the loss_agg that normalises the same way."
+    if isinstance(v, str) and v in TRL_LOSS_TYPES:
+        return {"loss_agg": TRL_LOSS_TYPES[v]}
+    ways = ", ".join(f"{k} (loss_agg: {a})" for k, a in TRL_LOSS_TYPES.items())
+    raise InputError(f"{key} = {short(v)} has no loss_agg here; TRL's names read: {ways}; or set loss_agg", key)
+
+
+_KL = "DAPO has no KL term (Section 2.3): no reference policy is loaded; remove it"
+_EPOCHS = (
+    "each rollout batch is used once, in prompts_per_step x group_size / mini_batch_size updates (the paper's 16 "
+    "are mini-batches, not epochs); for more updates per step lower mini_batch_size"
+)
+_PER_STEP = "a rollout step makes prompts_per_step x group_size / mini_batch_size optimizer steps"
+_ACT, _ROLL = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+FOREIGN = (
+    # TRL GRPOConfig (its TrainingArguments included) and GRPOTrainer
+    Foreign("learning_rate", TRL, "alias", "lr"),
+    Foreign("beta", TRL, "none", note=_KL),
+    Foreign(
+        "epsilon", TRL, "alias", "eps_low", "eps_high too unless set (TRL's epsilon bounds both sides)", _both_clips
+    ),
+    Foreign("epsilon_high", TRL, "alias", "eps_high"),
+    Foreign("num_generations", TRL, "alias", "group_size", "responses per prompt in both"),
+    Foreign("max_completion_length", TRL, "alias", "l_max", "response tokens"),
+    Foreign("max_prompt_length", TRL, "same", "max_prompt_length"),
+    Foreign(
+        "per_device_train_batch_size",
+        TRL,
+        "refuse",
+        "micro_token_budget, mini_batch_size",
+        "it counts completions per device per forward; here a micro-batch is packed to micro_token_budget tokens a "
+        "device, and an update is mini_batch_size responses over all devices; set those",
+    ),
+    Foreign(
+        "gradient_accumulation_steps",
+        TRL,
+        "refuse",
+        "mini_batch_size",
+        "an update here is mini_batch_size responses, accumulated over as many micro-batches of micro_token_budget "
+        "tokens as they fill; set mini_batch_size",
+    ),
+    Foreign(
+        "generation_batch_size",
+        TRL,
+        "refuse",
+        "gen_batch_size, prompts_per_step",
+        "it counts completions a generation round; gen_batch_size counts prompts a round (generation_batch_size / "
+        "group_size) and prompts_per_step the prompts kept for a step; set those",
+    ),
+    Foreign(
+        "steps_per_generation",
+        TRL,
+        "refuse",
+        "mini_batch_size",
+        "the updates a rollout step makes are prompts_per_step x group_size / mini_batch_size; set mini_batch_size "
+        "(responses an update)",
+    ),
+    Foreign("num_iterations", TRL, "none", note=_EPOCHS),
+    Foreign("temperature", TRL, "same", "temperature"),
+    Foreign("top_p", TRL, "same", "top_p"),
+    Foreign("top_k", TRL, "same", "top_k", "off is -1 here (TRL's: 0 or null)"),
+    Foreign(
+        "loss_type",
+        TRL,
+        "alias",
+        "loss_agg",
+        "dapo: token-mean, grpo: seq-mean-token-mean, dr_grpo: seq-mean-token-sum-norm",
+        _loss_type,
+    ),
+    Foreign("mask_truncated_completions", TRL, "alias", "overlong_filter", "masks the loss of truncated responses"),
+    Foreign("scale_rewards", TRL, "same", "scale_rewards", "TRL's values: group, batch, none"),
+    Foreign(
+        "warmup_steps",
+        TRL,
+        "same",
+        "warmup_steps",
+        "TRL counts optimizer steps, here rollout steps: divide TRL's by the updates a step "
+        "(prompts_per_step x group_size / mini_batch_size)",
+    ),
+    Foreign(
+        "warmup_ratio",
+        TRL,
+        "alias",
+        "warmup_steps",
+        "ceil(warmup_ratio x total_steps) rollout steps",
+        _ratio_of_steps(math.ceil),
+    ),
+    Foreign(
+        "max_steps",
+        TRL,
+        "refuse",
+        "total_steps",
+        f"it counts optimizer steps, total_steps rollout steps ({_PER_STEP}); set total_steps",
+    ),
+    Foreign("seed", TRL, "same", "seed"),
+    Foreign("bf16", TRL, "alias", "dtype", "true: bfloat16, false: float32", _switch("dtype", "bfloat16", "float32")),
+    Foreign(
+        "use_vllm", TRL, "alias", "rollout_backend", "true: vllm, false: hf", _switch("rollout_backend", "vllm", "hf")
+    ),
+    Foreign("vllm_gpu_memory_utilization", TRL, "same", "vllm_gpu_memory_utilization"),
+    Foreign("vllm_tensor_parallel_size", TRL, "alias", "vllm_tensor_parallel"),
+    Foreign(
+        "save_steps",
+        TRL,
+        "refuse",
+        "save_every",
+        f"it counts optimizer steps, save_every rollout steps ({_PER_STEP}); set save_every",
+    ),
+    Foreign(
+        "logging_steps",
+        TRL,
+        "none",
+        note="every rollout step's metrics are written (metrics.jsonl, and report_to's trackers); remove it",
+    ),
+    Foreign("report_to", TRL, "same", "report_to", "TRL's default is every tracker installed, here none"),
+    Foreign("output_dir", TRL, "same", "output_dir"),
+    Foreign(
+        "model_init_kwargs",
+        TRL,
+        "refuse",
+        "dtype, attn_implementation",
+        "the model is loaded in dtype with attn_implementation; set those",
+    ),
+    Foreign(
+        "reward_funcs", TRL_TRAINER, "alias", "reward", "built-in verdicts or plug-ins package.module:function, a list"
+    ),
+    Foreign("reward_weights", TRL, "same", "reward_weights"),
+    Foreign("gradient_checkpointing", TRL, "same", "gradient_checkpointing"),
+    Foreign("max_grad_norm", TRL, "alias", "grad_clip"),
+    Foreign("weight_decay", TRL, "same", "weight_decay", "TRL's default 0, here 0.1 (the reference script's)"),
+    Foreign("adam_beta1", TRL, "same", "adam_beta1"),
+    Foreign("adam_beta2", TRL, "same", "adam_beta2"),
+    Foreign(
+        "push_to_hub",
+        TRL,
+        "none",
+        note="dapo-train writes a Hugging Face model folder to output_dir/final; upload it with huggingface-cli upload",
+    ),
+    Foreign(
+        "hub_model_id", TRL, "none", note="nothing is uploaded: upload output_dir/final with huggingface-cli upload"
+    ),
+    # verl: ppo_trainer.yaml, and what recipe/dapo adds (a command line of dotted keys)
+    Foreign("data.train_batch_size", VERL, "alias", "prompts_per_step", "prompts a step in both"),
+    Foreign("data.gen_batch_size", VERL_DAPO, "alias", "gen_batch_size", "prompts a generation round in both"),
+    Foreign("data.max_prompt_length", VERL, "alias", "max_prompt_length"),
+    Foreign("data.max_response_length", VERL, "alias", "l_max", "L_max, the overlong buffer included"),
+    Foreign(f"{_ROLL}.n", VERL, "alias", "group_size"),
+    Foreign(
+        f"{_ACT}.ppo_mini_batch_size",
+        VERL,
+        "alias",
+        "mini_batch_size",
+        "verl counts prompts, here responses: x group_size",
+        _prompts_x_group,
+    ),
+    Foreign(
+        f"{_ACT}.ppo_micro_batch_size_per_gpu",
+        VERL,
+        "refuse",
+        "micro_token_budget",
+        "it counts responses a device a forward; micro-batches here are packed to micro_token_budget tokens "
+        "(verl's ppo_max_token_len_per_gpu); set micro_token_budget",
+    ),
+    Foreign(
+        f"{_ACT}.ppo_micro_batch_size",
+        VERL,
+        "refuse",
+        "micro_token_budget",
+        "it counts responses a forward over all devices; micro-batches here are packed to micro_token_budget tokens a "
+        "device; set micro_token_budget",
+    ),
+    Foreign(
+        f"{_ACT}.use_dynamic_bsz",
+        VERL,
+        "none",
+        note="micro-batches are always packed to micro_token_budget tokens here (verl's use_dynamic_bsz: true); remove it",
+    ),
+    Foreign(f"{_ACT}.ulysses_sequence_parallel_size", VERL, "alias", "sequence_parallel_size"),
+    Foreign(f"{_ACT}.ppo_max_token_len_per_gpu", VERL, "alias", "micro_token_budget", "tokens a micro-batch a device"),
+    Foreign(f"{_ACT}.clip_ratio", VERL, "alias", "eps_low", "eps_high too unless set", _both_clips),
+    Foreign(f"{_ACT}.clip_ratio_low", VERL, "alias", "eps_low"),
+    Foreign(f"{_ACT}.clip_ratio_high", VERL, "alias", "eps_high"),
+    Foreign(f"{_ACT}.clip_ratio_c", VERL, "alias", "clip_c"),
+    Foreign(f"{_ACT}.loss_agg_mode", VERL, "alias", "loss_agg", "the same values"),
+    Foreign(f"{_ACT}.optim.lr", VERL, "alias", "lr"),
+    Foreign(
+        f"{_ACT}.optim.lr_warmup_steps",
+        VERL,
+        "alias",
+        "warmup_steps",
+        "rollout steps in both (verl steps its schedule once a step)",
+    ),
+    Foreign(
+        f"{_ACT}.optim.lr_warmup_steps_ratio",
+        VERL,
+        "alias",
+        "warmup_steps",
+        "int(ratio x total_steps) rollout steps, as verl rounds",
+        _ratio_of_steps(math.floor),
+    ),
+    Foreign(f"{_ACT}.optim.weight_decay", VERL, "alias", "weight_decay"),
+    Foreign(f"{_ACT}.grad_clip", VERL, "alias", "grad_clip"),
+    Foreign(f"{_ACT}.use_kl_loss", VERL, "none", note=_KL),
+    Foreign(f"{_ACT}.kl_loss_coef", VERL, "none", note=_KL),
+    Foreign(f"{_ACT}.kl_loss_type", VERL, "none", note=_KL),
+    Foreign("algorithm.use_kl_in_reward", VERL, "none", note=_KL),
+    Foreign("algorithm.kl_penalty", VERL, "none", note=_KL),
+    Foreign("algorithm.kl_ctrl.kl_coef", VERL, "none", note=_KL),
+    Foreign(f"{_ACT}.ppo_epochs", VERL, "none", note=_EPOCHS),
+    Foreign(
+        f"{_ACT}.entropy_coeff",
+        VERL,
+        "none",
+        note="DAPO adds no entropy bonus: Clip-Higher (eps_high) is how it keeps entropy up (Section 3.1); remove it",
+    ),
+    Foreign(
+        "algorithm.adv_estimator",
+        VERL,
+        "none",
+        note="the advantage is always GRPO's group-relative one (Eq. 4); scale_rewards sets its normalisation; remove it",
+    ),
+    Foreign("algorithm.filter_groups.enable", VERL_DAPO, "alias", "dynamic_sampling"),
+    Foreign("algorithm.filter_groups.max_num_gen_batches", VERL_DAPO, "alias", "max_num_gen_batches"),
+    Foreign(
+        "algorithm.filter_groups.metric",
+        VERL_DAPO,
+        "none",
+        note="groups are filtered on correctness here (acc: Eq. 11 keeps a group whose accuracies differ); remove it",
+    ),
+    Foreign("reward_model.overlong_buffer.enable", VERL_DAPO, "alias", "soft_overlong_punishment"),
+    Foreign("reward_model.overlong_buffer.len", VERL_DAPO, "alias", "l_cache", "tokens in both"),
+    Foreign("reward_model.overlong_buffer.penalty_factor", VERL_DAPO, "alias", "overlong_penalty_factor"),
+    Foreign(f"{_ROLL}.temperature", VERL, "alias", "temperature"),
+    Foreign(f"{_ROLL}.top_p", VERL, "alias", "top_p"),
+    Foreign(f"{_ROLL}.top_k", VERL, "alias", "top_k", "off is -1 in both"),
+    Foreign(f"{_ROLL}.val_kwargs.temperature", VERL, "alias", "eval_temperature"),
+    Foreign(f"{_ROLL}.val_kwargs.top_p", VERL, "alias", "eval_top_p"),
+    Foreign(f"{_ROLL}.val_kwargs.n", VERL, "alias", "eval_k"),
+    Foreign(f"{_ROLL}.tensor_model_parallel_size", VERL, "alias", "vllm_tensor_parallel"),
+    Foreign(f"{_ROLL}.gpu_memory_utilization", VERL, "alias", "vllm_gpu_memory_utilization"),
+    Foreign("trainer.total_training_steps", VERL, "alias", "total_steps", "rollout steps in both"),
+    Foreign(
+        "trainer.total_epochs",
+        VERL,
+        "refuse",
+        "total_steps",
+        "a run here is total_steps rollout steps, not epochs (a step reads gen_batch_size prompts a generation "
+        "round); set total_steps",
+    ),
+    Foreign("trainer.save_freq", VERL, "alias", "save_every", "rollout steps in both"),
+    Foreign("trainer.test_freq", VERL, "alias", "eval_every", "rollout steps in both"),
+    Foreign("trainer.nnodes", VERL, "alias", "nnodes"),
+    Foreign("trainer.n_gpus_per_node", VERL, "alias", "gpus_per_node"),
+    Foreign("trainer.val_before_train", VERL, "alias", "val_before_train"),
+    Foreign("actor_rollout_ref.model.path", VERL, "alias", "model"),
+    Foreign("actor_rollout_ref.model.enable_gradient_checkpointing", VERL, "alias", "gradient_checkpointing"),
+    Foreign("actor_rollout_ref.model.lora_rank", VERL, "alias", "lora_r"),
+    Foreign("actor_rollout_ref.model.lora_alpha", VERL, "alias", "lora_alpha"),
+    Foreign("actor_rollout_ref.model.target_modules", VERL, "alias", "lora_target_modules"),
+    # PEFT LoraConfig
+    Foreign("r", PEFT, "alias", "lora_r"),
+    Foreign("lora_alpha", PEFT, "same", "lora_alpha", "PEFT's default 8, here null: lora_r (a scale of 1)"),
+    Foreign("target_modules", PEFT, "alias", "lora_target_modules"),
+    Foreign("lora_dropout", PEFT, "same", "lora_dropout", "0 only here"),
+    Foreign("bias", PEFT, "none", note="the adapters train no bias here (PEFT's bias: none); remove it"),
+    Foreign(
+        "use_rslora",
+        PEFT,
+        "refuse",
+        "lora_alpha",
+        "the adapter scale here is lora_alpha / lora_r; rsLoRA's alpha / sqrt(r) is lora_alpha = alpha x sqrt(lora_r)",
+    ),
+)
+
+
+def foreign(
+    key: str,  # a recipe key that is no field: a TRL or PEFT name, a verl dotted path or its last parts
+) -> Foreign | None:
+    "The `FOREIGN` entry `key` names: its exact name, else the entries whose dotted name ends in `key`'s parts; None if none."
+    hits = [e for e in FOREIGN if e.name == key]
+    if not hits:
+        parts = key.split(".")
+        hits = [e for e in FOREIGN if e.name.split(".")[-len(parts) :] == parts]
+    if len({(e.kind, e.field, e.note) for e in hits}) > 1:
+        names = ", ".join(f"{e.name} ({e.field or 'none'})" for e in hits)
+        raise InputError(f"{key} names several settings: {names}; write the whole name", key)
+    return hits[0] if hits else None
+
+
+def fits(
+    name: str,  # a field
+    value: Any,  # a value a recipe gave some key
+) -> bool:
+    "Whether `value` has a type field `name` takes (its range aside): a hint never points a value at a field that cannot hold it."
+    f = next(f for f in fields(DAPOConfig) if f.name == name)
+    try:
+        _check_type(name, value, f.type, f.metadata.get("allowed"))
+    except InputError:
+        return False
+    return True

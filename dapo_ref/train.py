@@ -13,6 +13,7 @@ from .core import DAPOConfig, InputError
 from dapo_ref.cli import (
     USER_ERRORS,
     ArgParser,
+    FieldsAction,
     cli_errors,
     interrupts,
     load_config,
@@ -37,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="dapo-train",
         description="DAPO training (Algorithm 1) from a YAML recipe; alone, "
         "or on every rank under torchrun / the deepspeed launcher.",
+        epilog="config fields: dapo-train --fields lists each with its default, unit and allowed values; "
+        "TRL's, verl's and PEFT's names are read as the fields of the same meaning",
     )
     ap.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/tiny-cpu.yaml")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of recipe fields, e.g. lr=1e-5 total_steps=10")
@@ -65,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds one step's unbounded dynamic sampling (max_num_gen_batches=0) may run before the run stops",
     )
     ap.add_argument("--quiet", action="store_true", help="no progress bars or log lines, only the summary")
+    ap.add_argument("--fields", action=FieldsAction)
     ap.add_argument(
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
     )  # the deepspeed launcher's

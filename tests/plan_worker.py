@@ -40,9 +40,11 @@ if __name__ == "__main__":
     )
     Qwen2ForCausalLM(c).save_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    # the config float32, the model bf16: a bf16 config without a master copy is refused (#59), but the learner takes
+    # the model it is given, and the planner's bf16 accounting (activations, bf16 AdamW states) is what this measures
     cfg = DAPOConfig(
         model=str(folder),
-        dtype="bfloat16",
+        dtype="float32",
         micro_token_budget=T,
         l_max=T,
         l_cache=T // 4,

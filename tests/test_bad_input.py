@@ -279,6 +279,14 @@ RECIPE_CASES = [  # (id, the recipe file, fragments); run through every command 
     ),
     ("not-a-mapping", recipe("- model: tiny\n"), ("expected a mapping of config keys",)),
     (
+        "verl-kl-key",
+        recipe("model: tiny\nactor_rollout_ref.actor.use_kl_loss: true\n"),
+        (
+            "recipe.yaml: actor_rollout_ref.actor.use_kl_loss (verl ppo_trainer.yaml) has no equivalent here",
+            "remove it",
+        ),
+    ),
+    (
         "recipe-is-folder",
         lambda w: [str(w.dir / "runs" / "old")],
         ("is a folder, not a YAML recipe", "did you mean", "config.yaml"),
@@ -313,7 +321,7 @@ CASES = [
     Case(
         "train-flash-on-cpu",
         "dapo-train",
-        lambda w: train_args(w, "attn_implementation=flash_attention_2", "dtype=bfloat16", out="runs/new"),
+        lambda w: train_args(w, "attn_implementation=flash_attention_2", "dtype=bfloat16", "lora_r=4", out="runs/new"),
         (
             "attn_implementation = flash_attention_2 needs the flash-attn package and a CUDA GPU",
             "set attn_implementation: sdpa",
@@ -770,8 +778,32 @@ CASES = [
     Case(
         "train-dotted-key",
         "dapo-train",
-        lambda w: train_args(w, "actor.optim.lr=1e-5", out="runs/new"),
-        ("unknown config key 'actor.optim.lr'; did you mean 'lr'?",),
+        lambda w: train_args(w, "optimizer.lr=1e-5", out="runs/new"),
+        ("unknown config key 'optimizer.lr'; did you mean 'lr'? (DAPOConfig is flat",),
+    ),
+    Case(
+        "train-trl-name-without-equivalent",
+        "dapo-train",
+        lambda w: train_args(w, "beta=0.04", out="runs/new"),
+        ("beta (TRL GRPOConfig) has no equivalent here: DAPO has no KL term", "remove it"),
+    ),
+    Case(
+        "train-trl-name-in-other-unit",
+        "dapo-train",
+        lambda w: train_args(w, "max_steps=100", out="runs/new"),
+        (
+            "max_steps (TRL GRPOConfig) is not read here: it counts optimizer steps, total_steps rollout steps",
+            "set total_steps",
+        ),
+    ),
+    Case(
+        "train-bf16-without-master-copy",
+        "dapo-train",
+        lambda w: train_args(w, "dtype=bfloat16", out="runs/new"),
+        (
+            "dtype = bfloat16 with zero_stage = 0 and lora_r = 0",
+            "set zero_stage: 2 (DeepSpeed keeps an fp32 master copy) or dtype: float32",
+        ),
     ),
     Case(
         "train-huge-seed",
