@@ -4,21 +4,24 @@
 
 # %% ../nbs/01_data.ipynb #499c86e1
 from __future__ import annotations
-import json, warnings
+import fnmatch, json, re, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
 from .core import InputError, answer_formats
 from .cli import one_line
 
 # %% auto #0
-__all__ = ['PROMPT_TEMPLATE', 'BOXED_TEMPLATE', 'PROMPT_TEMPLATES', 'DEFAULT_STYLE', 'extract_boxed', 'MathExample',
-           'make_example', 'example_from_row', 'example_to_row', 'dedup_examples', 'jsonl_rows', 'load_math_dataset',
-           'save_math_dataset', 'prompt_token_ids', 'prompt_ids_for', 'check_prompt_lengths', 'check_answer_sources']
+__all__ = ['PROMPT_TEMPLATE', 'BOXED_TEMPLATE', 'PROMPT_TEMPLATES', 'DEFAULT_STYLE', 'HUB_DATASETS', 'DATA_DIR', 'SPEC_OPTIONS',
+           'SPLIT_WORDS', 'extract_boxed', 'MathExample', 'make_example', 'example_from_row', 'example_to_row',
+           'dedup_examples', 'jsonl_rows', 'DataSpec', 'data_spec', 'example_from_columns', 'split_of', 'card_configs',
+           'hub_files', 'load_math_dataset', 'save_math_dataset', 'prompt_token_ids', 'prompt_ids_for',
+           'check_prompt_lengths', 'check_answer_sources']
 
 # %% ../nbs/01_data.ipynb #793c5e71
 PROMPT_TEMPLATE = (
@@ -219,7 +222,9 @@ def _check_format(path: Path, verb: str):
         )
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
+def _parquet_rows(
+    path: Path, columns: Iterable[str] = _COLUMNS, required: Sequence[str] = ()
+) -> Iterator[tuple[int, dict]]:
     def unreadable(e):
         return ValueError(
             f"{path}: not a readable parquet file ({one_line(e)}); write it with pyarrow "
@@ -230,7 +235,13 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
         f = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise unreadable(e) from None
-    cols = [c for c in f.schema_arrow.names if c in _COLUMNS]
+    names, columns = f.schema_arrow.names, set(columns)
+    if missing := [c for c in required if c not in names]:  # a column a mapping names
+        raise ValueError(
+            f"{path.name} has no column {missing[0]}; its columns are {', '.join(names)}: map prompt= and answer= "
+            "to two of them"
+        )
+    cols = [c for c in names if c in columns]
     i, batches = 0, f.iter_batches(batch_size=65536, columns=cols)
     while True:
         try:
@@ -266,33 +277,298 @@ def jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
             yield i, r
             i += 1
 
+# %% ../nbs/01_data.ipynb #2f32b037
+HUB_DATASETS = {  # name: (hub dataset repository, file in it, or the names it may have), as the reference recipe's prepare script fetches them
+    "dapo-math-17k": ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet"),
+    "aime-2024": ("BytedTsinghua-SIA/AIME-2024", "data/aime-2024.parquet"),
+    "aime-2025": (  # problem, answer, id, ...; its file's name is not documented: the two it may have, in turn
+        "yentinglin/aime_2025",
+        ("data/train-00000-of-00001.parquet", "aime_2025_problems.parquet"),
+    ),
+    "math-500": ("HuggingFaceH4/MATH-500", "test.jsonl"),  # problem, solution, answer, subject, level, unique_id
+}
+DATA_DIR = Path("data")  # where `dapo-data` writes <name>.parquet, and so where a name is read from
+SPEC_OPTIONS = {  # the :key=value options of a data spec: what each one says
+    "config": "the hub dataset's configuration (one of its README's configs)",
+    "split": "the hub dataset's split, e.g. train or test",
+    "prompt": "the column with the problem text (or a list of chat messages)",
+    "answer": "the column with the reference answer",
+    "data_source": "the column with each row's data_source (default: the file's or dataset's name)",
+    "answer_format": "the instruction a problem text is wrapped in: " + " or ".join(PROMPT_TEMPLATES),
+}
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")  # owner/name (or a bare name)
+
+
+@dataclass
+class DataSpec:
+    "Where a dataset's rows are and how they read: a local file or a hub dataset, and a column mapping; `str()` writes it back."
+
+    path: str  # a .parquet or .jsonl file; owner/name of a hub dataset when `hub`
+    hub: bool = False  # read from the hub (`hub:owner/name`), through huggingface_hub's cache
+    revision: str | None = None  # a hub branch, tag or commit (`@revision`); None = main
+    config: str | None = None  # a hub configuration; None = its default one
+    split: str | None = None  # a hub split; None = the only one it has
+    columns: dict = field(
+        default_factory=dict
+    )  # {"prompt": col, "answer": col[, "data_source": col]}; {} = the DAPO schema
+    answer_format: str = "answer_line"  # the `PROMPT_TEMPLATES` key a problem text is wrapped in
+
+    @property
+    def name(self) -> str:
+        "The data_source of a mapped row without one: the file's stem, or the hub dataset's name."
+        return self.path.rsplit("/", 1)[-1] if self.hub else Path(self.path).stem
+
+    def __str__(self) -> str:
+        head = f"hub:{self.path}" + (f"@{self.revision}" if self.revision else "") if self.hub else self.path
+        opts = {"config": self.config, "split": self.split, **self.columns}
+        if self.answer_format != "answer_line":
+            opts["answer_format"] = self.answer_format
+        return ":".join([head, *(f"{k}={v}" for k, v in opts.items() if v)])
+
+
+def data_spec(
+    spec: str | Path | DataSpec,  # a file, a `HUB_DATASETS` name or hub:owner/name[@revision], then :key=value options
+    setting: str | None = None,  # the field or flag it came from, as errors name it, e.g. "eval_data item 2 of 2"
+    data_dir: str | Path = DATA_DIR,  # where a `HUB_DATASETS` name is read from
+) -> DataSpec:
+    "Parse and check a data spec before any row is read: its options, and that a local file is there (a name: data_dir/<name>.parquet)."
+    if isinstance(spec, DataSpec):
+        return spec
+    text, at = str(spec).strip(), f"{setting}: " if setting else ""
+    if Path(text).is_file():  # a file is a file, whatever its name holds (a ':' too)
+        _check_format(Path(text), "read")
+        return DataSpec(str(Path(text)))
+    hub = text.startswith("hub:")
+    head, *parts = text.removeprefix("hub:").split(":")
+    opts = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if key not in SPEC_OPTIONS or not eq or not value.strip():
+            raise InputError(
+                f"{at}{text}: {part!r} is no option; after the file or hub:owner/name come :key=value options, "
+                f"key one of {', '.join(SPEC_OPTIONS)}"
+            )
+        if key in opts:
+            raise InputError(f"{at}{text}: {key} is given twice; give it once")
+        opts[key] = value.strip()
+    columns = {k: opts.pop(k) for k in ("prompt", "answer", "data_source") if k in opts}
+    fmt = opts.pop("answer_format", "answer_line")
+    if columns and not {"prompt", "answer"} <= columns.keys():
+        raise InputError(
+            f"{at}{text}: prompt= and answer= map the problem and answer columns together; give both "
+            "(or neither, for rows in the DAPO-Math-17k schema)"
+        )
+    if fmt not in PROMPT_TEMPLATES:
+        raise InputError(f"{at}{text}: answer_format={fmt} is unknown; give one of {', '.join(PROMPT_TEMPLATES)}")
+    if fmt != "answer_line" and not columns:
+        raise InputError(
+            f"{at}{text}: answer_format= says how a problem text is wrapped; it needs prompt= and answer= (rows in "
+            "the DAPO-Math-17k schema carry their prompt whole)"
+        )
+    if hub:
+        repo, at_sign, revision = head.partition("@")
+        if not _HUB_NAME.fullmatch(repo) or (at_sign and not revision):
+            raise InputError(f"{at}{text}: {head!r} is no hub dataset; write hub:owner/name or hub:owner/name@revision")
+        return DataSpec(repo, True, revision or None, opts.get("config"), opts.get("split"), columns, fmt)
+    if opts:  # config or split
+        key = next(iter(opts))
+        raise InputError(
+            f"{at}{text}: {key}= chooses among a hub dataset's files; a local file is one table: leave it out"
+        )
+    path = Path(head).expanduser()
+    if head in HUB_DATASETS and not path.exists():
+        path = Path(data_dir) / f"{head}.parquet"
+        if not path.is_file():
+            fix = f"fetch it with `dapo-data --only {head}` (or give a path)"
+            if setting:
+                raise InputError(f"{setting} names {head}, but {path} is absent; {fix}")
+            raise InputError(f"{head} is a name dapo-data fetches, but {path} is absent; {fix}")
+    elif not path.is_file():
+        if path.suffix and not path.is_dir():
+            _check_format(path, "read")  # a .csv: the extension is what to fix
+        raise InputError(
+            f"{at}{head} is {'a folder' if path.is_dir() else 'absent'}; give a .parquet or .jsonl file, one of "
+            f"{', '.join(HUB_DATASETS)} (fetched by dapo-data), or hub:owner/name"
+        )
+    _check_format(path, "read")
+    return DataSpec(str(path), columns=columns, answer_format=fmt)
+
+# %% ../nbs/01_data.ipynb #fd172df8
+def example_from_columns(
+    row: dict,  # one row of a file or hub dataset in another schema
+    spec: DataSpec,  # its `columns` (prompt, answer, optional data_source) and `answer_format`
+    index: int = 0,  # the row's number in its file, kept in extra_info as the DAPO files keep theirs
+    where: str = "row",  # names the row in errors, e.g. "row 17 of mine.parquet"
+) -> MathExample:
+    "A row of another schema as the `MathExample` the DAPO schema gives: a problem text wrapped in the format's template."
+    cols = spec.columns
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object with the columns {', '.join(cols.values())}, got {_tname(row)}")
+    for key in ("prompt", "answer"):
+        if row.get(cols[key]) is None:
+            raise ValueError(
+                f"{where}: column {cols[key]} ({key}={cols[key]}) is {'null' if cols[key] in row else 'missing'}; "
+                f"the row has {', '.join(map(str, row)) or 'no columns'}"
+            )
+    problem, answer = row[cols["prompt"]], row[cols["answer"]]
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str):
+        raise ValueError(
+            f"{where}: column {cols['answer']} (answer=) is {_tname(answer)} ({answer!r:.40}), expected a string or "
+            "an integer"
+        )
+    if isinstance(problem, str):  # a problem text: the user message DAPO-Math-17k's rows hold, built the same way
+        prompt = [{"role": "user", "content": PROMPT_TEMPLATES[spec.answer_format].format(problem=problem)}]
+        extra = {"index": index, "raw_problem": problem}
+    else:  # chat messages, taken as they are (and checked as the DAPO schema's prompt is)
+        prompt, extra = problem, {"index": index}
+    source = row.get(cols["data_source"]) if "data_source" in cols else None
+    row = {"data_source": source or spec.name, "prompt": prompt, "reward_model": {"ground_truth": answer}}
+    return example_from_row({**row, "extra_info": extra}, where)
+
+# %% ../nbs/01_data.ipynb #58d4bf4a
+SPLIT_WORDS = {  # the words that put a file of a hub dataset without configs into a split (the hub's own rule)
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+
+
+def split_of(
+    name: str,  # a file's path in the repository, e.g. data/train-00000-of-00001.parquet
+) -> str | None:
+    "The split whose word (`SPLIT_WORDS`) is a word of the path (letters between other characters), or None."
+    words = set(re.split(r"[^a-z]+", name.lower()))
+    return next((split for split, names in SPLIT_WORDS.items() if words & set(names)), None)
+
+
+def card_configs(
+    readme: Path,  # a hub dataset's README.md (its dataset card)
+) -> tuple[dict[str, dict[str, list[str]]], str | None]:
+    "The card's `configs`, {config name: {split: file patterns}} ({} when it declares none), and the default one's name."
+    text = readme.read_text(encoding="utf-8", errors="replace") if readme.is_file() else ""
+    header = re.match(r"---\s*\n(.*?)\n---", text, re.S)
+    try:
+        meta = yaml.safe_load(header.group(1)) if header else {}
+    except yaml.YAMLError:
+        meta = {}
+    configs, default = {}, None
+    for c in (meta.get("configs") if isinstance(meta, dict) else None) or []:
+        name, files = c.get("config_name", "default"), c.get("data_files", [])
+        if isinstance(files, dict):
+            files = [{"split": k, "path": v} for k, v in files.items()]
+        if isinstance(files, str) or all(isinstance(f, str) for f in files):
+            files = [{"split": "train", "path": files}]  # patterns without a split are train
+        configs[name] = {f["split"]: [f["path"]] if isinstance(f["path"], str) else list(f["path"]) for f in files}
+        if c.get("default"):
+            default = name
+    if default is None and "default" in configs:
+        default = "default"
+    if default is None and len(configs) == 1:
+        default = next(iter(configs))
+    return configs, default
+
+
+def hub_files(
+    spec: DataSpec,  # a hub spec: owner/name, revision, config, split
+    setting: str | None = None,  # the field or flag it came from, as errors name it
+) -> list[tuple[Path, str]]:
+    "The local copies (huggingface_hub's cache) of the files of the spec's config and split, each with its name in the repository."
+    from huggingface_hub import constants, snapshot_download
+
+    at, repo = f"{setting}: " if setting else "", str(DataSpec(spec.path, True, spec.revision))
+
+    def fetch(patterns: list[str]) -> Path:  # the snapshot folder, holding the files of `patterns`
+        try:
+            folder = snapshot_download(spec.path, repo_type="dataset", revision=spec.revision, allow_patterns=patterns)
+        except Exception as e:
+            if constants.is_offline_mode():
+                why, fix = (
+                    "HF_HUB_OFFLINE is set and it is not in the local cache",
+                    "unset HF_HUB_OFFLINE to download it",
+                )
+            else:
+                why, fix = f"{type(e).__name__}: {one_line(e)[:200]}", "check its name, its revision and the network"
+            raise InputError(
+                f"{at}cannot read {repo} ({why}); {fix}, or give a local .parquet or .jsonl file"
+            ) from None
+        return Path(folder)
+
+    def choose(
+        what: str, have: list[str], want: str | None, default: str | None
+    ) -> str:  # the one named, or the default
+        if (want or default) in have:
+            return want or default
+        said = f"has no {what} {want} (its {what}s: " if want else f"has several {what}s ("
+        raise InputError(f"{at}{repo} {said}{', '.join(have) or 'none'}); name one with :{what}=<name>")
+
+    configs, default = card_configs(fetch(["README.md"]) / "README.md")
+    if configs:  # the card names each config's files, split by split
+        splits = configs[choose("config", list(configs), spec.config, default)]
+        patterns = splits[choose("split", list(splits), spec.split, next(iter(splits)) if len(splits) == 1 else None)]
+        root = fetch(patterns)
+        names = [n for n in _data_files(root) if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    else:  # no configs: every .parquet/.jsonl file, in the split its path names (train when no path names one)
+        root = fetch(["*.parquet", "*.jsonl"])
+        names = _data_files(root)
+        if spec.config not in (None, "default"):  # a folder per config, as the hub's parquet conversion lays them out
+            folders = sorted({n.split("/")[0] for n in names if "/" in n})
+            names = [n for n in names if n.startswith(choose("config", folders, spec.config, None) + "/")]
+        split = {n: split_of(n) for n in names}
+        if not any(split.values()):
+            split = dict.fromkeys(names, "train")
+        splits = sorted({s for s in split.values() if s})
+        if splits:
+            chosen = choose("split", splits, spec.split, splits[0] if len(splits) == 1 else None)
+            names = [n for n in names if split[n] == chosen]
+    if not names:
+        raise InputError(
+            f"{at}{repo} has no .parquet or .jsonl file there; a dataset built by a loading script has them at its "
+            f"converted revision, hub:{spec.path}@refs/convert/parquet"
+        )
+    return [(root / n, f"{spec.path}/{n}") for n in names]
+
+
+def _data_files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix.lower() in _FORMATS)
+
 # %% ../nbs/01_data.ipynb #c0d61bbe
 def _sourced(ex: MathExample, where: str) -> MathExample:
     ex.source = where
     return ex
 
 
+def _file_examples(path: Path, name: str, spec: DataSpec) -> Iterator[MathExample]:
+    "The rows of one file as validated examples, each with where it was read; mapped through `spec.columns` if any."
+    cols = spec.columns
+    if path.suffix.lower() == ".parquet":
+        rows = _parquet_rows(path, set(cols.values()) if cols else _COLUMNS, required=list(cols.values()))
+    else:
+        rows = jsonl_rows(path)
+    for i, r in rows:
+        where = f"row {i} of {name}"
+        yield _sourced(example_from_columns(r, spec, i, where) if cols else example_from_row(r, where), where)
+
+
 def load_math_dataset(
-    path: str | Path,  # a .parquet or .jsonl file in the DAPO-Math-17k schema
+    path: str | Path | DataSpec,  # a .parquet/.jsonl file in the DAPO-Math-17k schema, or any data spec
     dedup: bool = True,  # keep only the first row of each distinct prompt
     verbose: bool = True,  # print one line: rows read, unique prompts, rows dropped
+    setting: str | None = None,  # the field or flag the spec came from, as errors name it
 ) -> list[MathExample]:
-    "Read and validate every row of a DAPO-Math-17k / AIME-2024 style file; deduplicate prompts unless `dedup=False`."
-    path = Path(path)
-    _check_format(path, "read")
-    if path.is_dir():
-        raise ValueError(f"{path} is a folder; give one {path.suffix} file (a partitioned dataset folder is not read)")
-    if not path.is_file():
-        raise FileNotFoundError(f"no dataset file at {path}")
-    rows = _parquet_rows(path) if path.suffix.lower() == ".parquet" else jsonl_rows(path)
-    examples = (
-        _sourced(example_from_row(r, w), w) for i, r in rows for w in [f"row {i} of {path.name}"]
-    )  # validated one by one
+    "Read and validate every row of a DAPO-Math-17k / AIME-2024 style file (or of any data spec); deduplicate prompts unless `dedup=False`."
+    spec = data_spec(path, setting)
+    if spec.hub:
+        files, label = hub_files(spec, setting), str(spec)
+    else:
+        files, label = [(Path(spec.path), Path(spec.path).name)], Path(spec.path).name
+    examples = (ex for f, name in files for ex in _file_examples(f, name, spec))  # validated one by one
     if dedup:  # streaming: a duplicate is dropped as soon as it is read, so memory grows with unique prompts only
         examples, dropped = dedup_examples(examples)
         if verbose:
             print(
-                f"{path.name}: {len(examples) + dropped} rows, {len(examples)} unique prompts; "
+                f"{label}: {len(examples) + dropped} rows, {len(examples)} unique prompts; "
                 f"dropped {dropped} duplicate rows (dedup=False keeps them)"
             )
         return examples
@@ -300,7 +576,7 @@ def load_math_dataset(
     n = len(examples)
     if verbose:
         n_unique = len({_prompt_key(e) for e in examples})
-        print(f"{path.name}: {n} rows, {n_unique} unique prompts; kept all {n} rows (dedup=False)")
+        print(f"{label}: {n} rows, {n_unique} unique prompts; kept all {n} rows (dedup=False)")
     return examples
 
 # %% ../nbs/01_data.ipynb #4bdbe021

@@ -12,8 +12,12 @@ import pyarrow.parquet as pq
 from .core import InputError, short
 from .cli import ArgParser, cli_errors, one_line
 from dapo_ref.data import (
+    DATA_DIR,
+    HUB_DATASETS,
     PROMPT_TEMPLATES,
+    DataSpec,
     MathExample,
+    data_spec,
     dedup_examples,
     example_from_row,
     example_to_row,
@@ -24,19 +28,10 @@ from dapo_ref.data import (
 )
 
 # %% auto #0
-__all__ = ['HUB_DATASETS', 'RECIPE_DATASETS', 'UPSTREAM_KEEP', 'convert_upstream', 'sha256', 'fetch_dataset', 'main',
-           'eval_files', 'load_eval_files']
+__all__ = ['RECIPE_DATASETS', 'UPSTREAM_KEEP', 'convert_upstream', 'sha256', 'fetch_dataset', 'main', 'eval_files',
+           'load_eval_files']
 
 # %% ../nbs/01a_datasets.ipynb #53591f59
-HUB_DATASETS = {  # name: (hub dataset repository, file in it, or the names it may have), as the reference recipe's prepare script fetches them
-    "dapo-math-17k": ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet"),
-    "aime-2024": ("BytedTsinghua-SIA/AIME-2024", "data/aime-2024.parquet"),
-    "aime-2025": (  # problem, answer, id, ...; its file's name is not documented: the two it may have, in turn
-        "yentinglin/aime_2025",
-        ("data/train-00000-of-00001.parquet", "aime_2025_problems.parquet"),
-    ),
-    "math-500": ("HuggingFaceH4/MATH-500", "test.jsonl"),  # problem, solution, answer, subject, level, unique_id
-}
 RECIPE_DATASETS = ("dapo-math-17k", "aime-2024")  # what `dapo-data` fetches unless --only names others
 UPSTREAM_KEEP = ("id", "unique_id", "subject", "level", "year", "url")  # upstream columns kept in extra_info
 
@@ -129,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         "--only aime-2025 or math-500 converts those sets into the same schema.",
     )
     ap.add_argument("--out", default="data", help="folder for <name>.parquet (default: data, as the recipes name them)")
-    ap.add_argument("--only", choices=sorted(HUB_DATASETS), action="append", help="fetch only this one (repeatable)")
+    ap.add_argument(
+        "--only", choices=sorted(HUB_DATASETS), nargs="+", help="fetch only these, e.g. --only aime-2025 math-500"
+    )
     ap.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of both repositories")
     ap.add_argument("--overwrite", action="store_true", help="replace <name>.parquet files that exist")
     ap.add_argument(
@@ -159,48 +156,32 @@ def main(argv: list[str] | None = None) -> int:
 
 # %% ../nbs/01a_datasets.ipynb #89ce40e8
 def eval_files(
-    spec: str,  # comma-separated paths or `HUB_DATASETS` names
-    setting: str = "eval_data",  # the field or flag the paths came from, as errors name it
-    data_dir: str | Path = "data",  # where `dapo-data` writes <name>.parquet
-) -> list[Path]:
-    "The files of a comma-separated `spec`, each checked to exist; a name of `HUB_DATASETS` is data_dir/<name>.parquet."
+    spec: str,  # comma-separated data specs: paths, `HUB_DATASETS` names, hub:owner/name[@revision], with options
+    setting: str = "eval_data",  # the field or flag the specs came from, as errors name it
+    data_dir: str | Path = DATA_DIR,  # where `dapo-data` writes <name>.parquet
+) -> list[DataSpec]:
+    "The data specs of a comma-separated `spec`, each checked before any is read (`data_spec`: a name is data_dir/<name>.parquet)."
     items = spec.split(",")
     out = []
     for i, item in enumerate(items):
         where = f"{setting} item {i + 1} of {len(items)}" if len(items) > 1 else setting
         if not item.strip():
             raise InputError(f"{where} is empty in {short(spec)}; separate paths with single commas", setting)
-        path = Path(item.strip())
-        if item.strip() in HUB_DATASETS and not path.exists():
-            path = Path(data_dir) / f"{item.strip()}.parquet"
-            if not path.is_file():
-                raise InputError(
-                    f"{where} names {item.strip()}, but {path} is absent; fetch it with "
-                    f"`dapo-data --only {item.strip()}` (or give a path)",
-                    setting,
-                )
-        elif not path.is_file():
-            what = "a folder" if path.is_dir() else "absent"
-            raise InputError(
-                f"{where}: {item.strip()} is {what}; give a .parquet or .jsonl file, or one of "
-                f"{', '.join(HUB_DATASETS)} (fetched by dapo-data)",
-                setting,
-            )
-        out.append(path)
+        out.append(data_spec(item, where, data_dir))
     return out
 
 
 def load_eval_files(
-    spec: str,  # comma-separated paths or `HUB_DATASETS` names (`eval_files`)
+    spec: str,  # comma-separated data specs (`eval_files`)
     setting: str = "eval_data",  # the field or flag, as errors name it
 ) -> list[MathExample]:
-    "The examples of every file of `spec`, in order; a row without `data_source` takes its file's stem."
+    "The examples of every set of `spec`, in order; a row without `data_source` takes its set's name (a file's stem)."
     examples = []
-    for path in eval_files(spec, setting):
-        got = load_math_dataset(path)
+    for s in eval_files(spec, setting):
+        got = load_math_dataset(s, setting=setting)
         if not got:  # else every held-out accuracy would be n/a
-            raise InputError(f"{setting} = {path} holds no problems; give a file with rows, or {setting}=null", setting)
+            raise InputError(f"{setting} = {s} holds no problems; give a file with rows, or {setting}=null", setting)
         for ex in got:
-            ex.data_source = ex.data_source or path.stem
+            ex.data_source = ex.data_source or s.name
         examples += got
     return examples

@@ -13,7 +13,14 @@ import torch
 from .arch import arch_from_config, kv_bytes_per_token, n_params
 from .core import DAPOConfig, REWARD_MODES, InputError
 from .cli import ArgParser, cli_errors, interrupts, one_line
-from .data import MathExample, check_answer_sources, check_prompt_lengths, load_math_dataset, prompt_token_ids
+from dapo_ref.data import (
+    DataSpec,
+    MathExample,
+    check_answer_sources,
+    check_prompt_lengths,
+    load_math_dataset,
+    prompt_token_ids,
+)
 from .datasets import HUB_DATASETS, eval_files
 from .reward_pool import RewardPluginError, check_plugin
 from .rollout import check_host_memory
@@ -43,9 +50,10 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         nargs="+",
         metavar="FILE",
-        help=".parquet or .jsonl files in the DAPO-Math-17k schema, or names fetched by dapo-data ("
+        help=".parquet or .jsonl files in the DAPO-Math-17k schema, names fetched by dapo-data ("
         + ", ".join(HUB_DATASETS)
-        + "), space- or comma-separated as the trainer's eval_data; metrics per data_source and overall",
+        + ") or hub:owner/name[@revision], with :key=value options (split=, prompt=, answer=, ...), space- or "
+        "comma-separated as the trainer's eval_data; metrics per data_source and overall",
     )
     ap.add_argument("--k", type=int, default=d.eval_k, help="samples per problem (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=d.eval_temperature, help="(default: %(default)s)")
@@ -187,13 +195,15 @@ def check_device(
 
 
 def data_files(
-    data: str | list[str],  # `--data`: paths or `HUB_DATASETS` names, each may be comma-separated (`eval_data`)
-) -> list[Path]:
-    "The files of `--data`, each checked; a name is resolved as the trainer's `eval_data` (data/<name>.parquet)."
+    data: str | list[str],  # `--data`: data specs (paths, dapo-data names, hub:owner/name), each may hold commas
+) -> list[DataSpec]:
+    "The data specs of `--data`, each checked; resolved as the trainer's `eval_data` (a name is data/<name>.parquet)."
     spec = ",".join([data] if isinstance(data, str) else data)
     for item in map(str.strip, spec.split(",")):
         if not item or (item in HUB_DATASETS and not Path(item).exists()):
             continue  # `eval_files` names an empty item, or a name dapo-data has not fetched
+        if item.startswith("hub:") or (":" in item and not Path(item).expanduser().exists()):
+            continue  # a hub dataset or a file with options: `data_spec` checks it
         f = Path(item).expanduser()
         if f.suffix.lower() not in (".parquet", ".jsonl"):
             raise InputError(f"--data {item}: expected a .parquet or .jsonl file, got '{f.suffix}'")
@@ -204,7 +214,7 @@ def data_files(
                 f"--data {item}: no such file; give a .parquet or .jsonl file, or a name dapo-data fetches "
                 f"({', '.join(HUB_DATASETS)})"
             )
-    return eval_files(",".join(str(Path(i.strip()).expanduser()) for i in spec.split(",")), "--data")
+    return eval_files(spec, "--data")
 
 
 def _check_args(args) -> None:
@@ -247,7 +257,8 @@ def _check_args(args) -> None:
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise InputError("--backend vllm: vllm is not installed here; pip install -e '.[scale]', or use --backend hf")
     check_device(args.device)
-    inputs = {f"--data{f' item {i + 1}' if len(args.data_files) > 1 else ''}": f for i, f in enumerate(args.data_files)}
+    n = len(args.data_files)
+    inputs = {f"--data{f' item {i + 1}' if n > 1 else ''}": f.path for i, f in enumerate(args.data_files) if not f.hub}
     check_output_file(args.out, args.overwrite, inputs={**inputs, "--model": args.model})
 
 # %% ../nbs/08_eval_cli.ipynb #29796180
@@ -306,12 +317,12 @@ def _prepare(args):
     "Every check that can fail on the user's input, cheapest first; returns what `main` needs to evaluate."
     _check_args(args)
     examples = []
-    for path in args.data_files:  # as `load_eval_files`, with --dedup: a row without data_source takes the file's stem
-        got = load_math_dataset(path, dedup=args.dedup)
+    for spec in args.data_files:  # as `load_eval_files`, with --dedup: a row without data_source takes the set's name
+        got = load_math_dataset(spec, dedup=args.dedup, setting="--data")
         if not got and len(args.data_files) > 1:
-            raise InputError(f"--data {path}: no problems to evaluate; give a file with rows, or leave it out")
+            raise InputError(f"--data {spec}: no problems to evaluate; give a file with rows, or leave it out")
         for ex in got:
-            ex.data_source = ex.data_source or path.stem
+            ex.data_source = ex.data_source or spec.name
         examples += got
     check_answer_sources(args.answer_format, examples, setting="--answer-format")  # before --limit: every file's rows
     if args.limit:

@@ -1,6 +1,6 @@
 "Tests of dapo_ref.data beyond the notebook: round trips, every kind of bad row, dedup counts, a property test."
 
-import json
+import json, re
 from pathlib import Path
 
 import pyarrow as pa
@@ -251,7 +251,7 @@ def test_unknown_extension(tmp_path, name):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no dataset file"):
+    with pytest.raises(ValueError, match="nope.jsonl is absent; give a .parquet or .jsonl file"):
         load_math_dataset(tmp_path / "nope.jsonl")
 
 
@@ -450,7 +450,7 @@ def test_jsonl_byte_order_mark_accepted(tmp_path):
 
 def test_dataset_folder(tmp_path):
     (tmp_path / "d.parquet").mkdir()
-    with pytest.raises(ValueError, match="d.parquet is a folder; give one .parquet file"):
+    with pytest.raises(ValueError, match="d.parquet is a folder; give a .parquet or .jsonl file"):
         load_math_dataset(tmp_path / "d.parquet")
 
 
@@ -498,3 +498,133 @@ def test_load_eval_files_keeps_each_files_data_source(tmp_path):
         eval_files(f"x.jsonl,{tmp_path / 'mine.jsonl'}")
     with pytest.raises(InputError, match="is a folder; give a .parquet or .jsonl file"):
         eval_files(str(tmp_path))
+
+
+# ---------------------------------------------------------------- data specs: names, other schemas, the hub
+
+# DAPO-Math-17k's user message, written out here rather than read from PROMPT_TEMPLATE: a mapped problem must come out
+# as the published rows hold it
+DAPO_USER = (
+    "Solve the following math problem step by step. The last line of your response should be of the form Answer: "
+    "$Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+
+
+def dapo_row(problem, answer, source, index):
+    "The row of `problem` in the DAPO-Math-17k schema, as the published files hold one."
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": DAPO_USER.format(problem)}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": str(answer), "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": index, "raw_problem": problem},
+    }
+
+
+def test_train_data_takes_the_names_dapo_data_writes(tmp_path, monkeypatch):
+    """`train_data: dapo-math-17k` reads data/dapo-math-17k.parquet, where `dapo-data` writes it, as `eval_data` names
+    do (before: the name was read as a path and not found); an unfetched name says which command fetches it."""
+    from dapo_ref.core import DAPOConfig, validate
+    from dapo_ref.datasets import load_eval_files
+
+    monkeypatch.chdir(tmp_path)
+    save_math_dataset([example_from_row(good_row(i)) for i in (0, 1, 0)], tmp_path / "data" / "dapo-math-17k.parquet")
+    save_math_dataset([example_from_row(good_row(7, "9"))], tmp_path / "data" / "aime-2024.parquet")
+    cfg = validate(DAPOConfig(train_data="dapo-math-17k", eval_data="aime-2024"))
+    train = load_math_dataset(cfg.train_data)  # as the trainer's load_splits reads train_data (tests/test_readme.py)
+    assert train == [example_from_row(good_row(0)), example_from_row(good_row(1))]  # deduplicated, as the file loads
+    assert [e.source for e in train] == ["row 0 of dapo-math-17k.parquet", "row 1 of dapo-math-17k.parquet"]
+    assert load_eval_files(cfg.eval_data) == [example_from_row(good_row(7, "9"))]
+    with pytest.raises(ValueError, match=r"^aime-2025 is a name dapo-data fetches, but data/aime-2025.parquet is "):
+        load_math_dataset(validate(DAPOConfig(train_data="aime-2025")).train_data)
+    with pytest.raises(ValueError, match="fetch it with `dapo-data --only aime-2025` \\(or give a path\\)$"):
+        load_math_dataset("aime-2025")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_problem_answer_file_loads_as_the_dapo_schema_does(tmp_path, fmt):
+    """A file with `problem` / `answer` columns, read through the mapping, gives the examples its problems have in the
+    DAPO-Math-17k schema: the user message is the DAPO template around the problem (written out above), the integer
+    answer its decimal string, extra_info the row's index and raw problem, data_source the file's name; repeated
+    problems are dropped as in a DAPO file. Before, `load_math_dataset` read only the DAPO schema."""
+    rows = [
+        {"problem": "What is $2 + 3$?", "answer": 5, "level": 1},
+        {"problem": "Find $x$ if $2x = 8$.", "answer": 4, "level": 2},
+        {"problem": "What is $2 + 3$?", "answer": 5, "level": 1},
+    ]
+    mine = write_rows(rows, tmp_path / f"mine.{fmt}")
+    got = load_math_dataset(f"{mine}:prompt=problem:answer=answer", verbose=False)
+    want = [dapo_row("What is $2 + 3$?", 5, "mine", 0), dapo_row("Find $x$ if $2x = 8$.", 4, "mine", 1)]
+    assert got == [example_from_row(r) for r in want]
+    assert [e.source for e in got] == [f"row 0 of mine.{fmt}", f"row 1 of mine.{fmt}"]
+    # its data_source from a column, and the boxed instruction
+    rows = [{"q": "What is $1 + 1$?", "a": "2", "src": "easy"}]
+    mine = write_rows(rows, tmp_path / f"src.{fmt}")
+    (ex,) = load_math_dataset(f"{mine}:prompt=q:answer=a:data_source=src:answer_format=boxed", verbose=False)
+    assert ex.data_source == "easy"
+    assert ex.question == "What is $1 + 1$?\nPlease reason step by step, and put your final answer within \\boxed{}."
+    with pytest.raises(
+        ValueError, match=r"(has no column problem; its columns are q, a, src|column problem \(prompt=)"
+    ):
+        load_math_dataset(f"{mine}:prompt=problem:answer=a")
+
+
+@pytest.mark.skipif(AIME is None, reason="shared/data/aime-2024.parquet not present")
+def test_the_published_aime_rows_from_their_problems_and_answers(tmp_path):
+    """The published AIME-2024 file, rebuilt from its raw problems and answers alone as a problem/answer file and read
+    through the mapping, holds the published prompts and answers, row for row."""
+    published = load_math_dataset(AIME, verbose=False)
+    plain = [
+        {"problem": e.extra_info["raw_problem"], "answer": e.ground_truth, "src": e.data_source} for e in published
+    ]
+    got = load_math_dataset(
+        f"{write_rows(plain, tmp_path / 'aime.parquet')}:prompt=problem:answer=answer:data_source=src"
+    )
+    assert [(e.prompt, e.ground_truth, e.data_source) for e in got] == [
+        (e.prompt, e.ground_truth, e.data_source) for e in published
+    ]
+
+
+def test_data_spec_is_checked_before_a_row_is_read(tmp_path):
+    """Every part of a spec is parsed and checked up front, and written back by str(); a mistake is one line naming
+    the setting, the spec and the fix."""
+    from dapo_ref.data import DataSpec, data_spec
+
+    f = write_rows([good_row(0)], tmp_path / "m.parquet")
+    assert data_spec("hub:BytedTsinghua-SIA/DAPO-Math-17k@v1.0:config=default:split=train") == DataSpec(
+        "BytedTsinghua-SIA/DAPO-Math-17k", hub=True, revision="v1.0", config="default", split="train"
+    )
+    s = f"{f}:prompt=problem:answer=answer:data_source=subject:answer_format=boxed"
+    assert str(data_spec(s)) == s
+    assert data_spec(f"{f}:answer=a:prompt=p").columns == {"prompt": "p", "answer": "a"}
+    for spec, msg in [
+        (f"{f}:prompt=p", "prompt= and answer= map the problem and answer columns together"),
+        (f"{f}:split=train:prompt=p:answer=a", "split= chooses among a hub dataset's files; a local file is one table"),
+        (
+            f"{f}:prompt=p:answer=a:answer_format=latex",
+            "answer_format=latex is unknown; give one of answer_line, boxed",
+        ),
+        (f"{f}:prompt", "'prompt' is no option; after the file or hub:owner/name come :key=value options"),
+        ("hub:a/b/c", "'a/b/c' is no hub dataset; write hub:owner/name"),
+        ("hub:a/b:split=x:split=x", "split is given twice"),
+        (f"{tmp_path / 'nope.parquet'}:prompt=p:answer=a", "nope.parquet is absent; give a .parquet or .jsonl file"),
+    ]:
+        with pytest.raises(ValueError, match=r"^train_data: .*" + re.escape(msg)):
+            data_spec(spec, "train_data")
+
+
+def test_eval_data_takes_specs(tmp_path):
+    "`eval_data` takes the specs `train_data` takes: a mapped file and a hub dataset beside a plain file."
+    from dapo_ref.datasets import eval_files, load_eval_files
+
+    plain = save_math_dataset([make_example("What is 1 + 1?", 2, data_source="")], tmp_path / "plain.jsonl")
+    mapped = write_rows([{"problem": "What is 3 + 3?", "answer": 6}], tmp_path / "mine.parquet")
+    held = load_eval_files(f"{plain},{mapped}:prompt=problem:answer=answer")
+    assert [(e.data_source, e.ground_truth, e.question) for e in held] == [
+        ("plain", "2", PROMPT_TEMPLATE.format(problem="What is 1 + 1?")),
+        ("mine", "6", DAPO_USER.format("What is 3 + 3?")),
+    ]
+    specs = eval_files(f"{plain},{mapped}:prompt=problem:answer=answer,hub:o/n:split=test")
+    assert [str(s) for s in specs] == [str(plain), f"{mapped}:prompt=problem:answer=answer", "hub:o/n:split=test"]
+    assert [s.name for s in specs] == ["plain", "mine", "n"]

@@ -167,3 +167,121 @@ def test_aime_2025_and_math_500_are_converted_into_the_schema(tmp_path):
     assert convert_upstream("aime-2025", upstream["aime-2025"][0])[1].question == PROMPT_TEMPLATE.format(
         problem=aime[1]["problem"]
     )
+
+
+# ---------------------------------------------------------------- hub datasets named by a data spec (01_data)
+
+
+def hub_repo(cache: Path, repo_id: str, files: dict, card: str | None = None, sha: str = SHA, ref: str | None = "main"):
+    "A hub dataset as huggingface_hub's cache holds it: `files` ({path: rows}) and a card in snapshot `sha`, `ref` on it."
+    import json
+
+    import pyarrow as pa, pyarrow.parquet as pq
+
+    repo = cache / f"datasets--{repo_id.replace('/', '--')}"
+    for name, rows in files.items():
+        f = repo / "snapshots" / sha / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        if f.suffix == ".parquet":
+            pq.write_table(pa.Table.from_pylist(rows), f)
+        else:
+            f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if card is not None:
+        (repo / "snapshots" / sha / "README.md").write_text(card)
+    if ref:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(sha)
+
+
+def qa(*pairs):
+    return [{"problem": f"What is {a} + {b}?", "answer": a + b} for a, b in pairs]
+
+
+@pytest.fixture()
+def offline_hub(tmp_path, monkeypatch):
+    "huggingface_hub pointed at an empty cache here, offline (HF_HUB_OFFLINE=1): nothing is fetched."
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+def test_hub_dataset_by_config_split_and_revision(offline_hub, tmp_path):
+    """`hub:owner/name[@revision]:config=...:split=...` reads the files of that config and split from the cache: without
+    a card, the split the file names say (train, test); with a card's `configs`, the config's patterns; a revision (a
+    tag or a commit) its own snapshot. Rows map as a local file's do (the same examples, each sourced to its file in
+    the repository), and the DAPO-Math-17k schema is the default."""
+    import pyarrow as pa, pyarrow.parquet as pq
+
+    from dapo_ref.core import InputError
+    from dapo_ref.data import example_from_row, example_to_row
+
+    hub_repo(
+        offline_hub,
+        "me/plain",
+        {"data/train-00000-of-00001.parquet": qa((1, 1), (2, 2), (1, 1)), "data/test-00000-of-00001.jsonl": qa((5, 5))},
+    )
+    mapping = ":prompt=problem:answer=answer"
+    local = tmp_path / "train.parquet"  # the same rows in a local file
+    pq.write_table(pa.Table.from_pylist(qa((1, 1), (2, 2), (1, 1))), local)
+    got = load_math_dataset(f"hub:me/plain:split=train{mapping}", verbose=False)
+    twin = load_math_dataset(f"{local}{mapping}", verbose=False)
+    assert [(e.prompt, e.ground_truth, e.extra_info) for e in got] == [
+        (e.prompt, e.ground_truth, e.extra_info) for e in twin
+    ]  # the same rows, deduplicated alike
+    assert {e.data_source for e in got} == {"plain"}  # no data_source column: the dataset's name
+    assert [e.source for e in got] == [
+        "row 0 of me/plain/data/train-00000-of-00001.parquet",
+        "row 1 of me/plain/data/train-00000-of-00001.parquet",
+    ]
+    assert [e.ground_truth for e in load_math_dataset(f"hub:me/plain:split=test{mapping}", verbose=False)] == ["10"]
+    with pytest.raises(InputError, match=r"^hub:me/plain has several splits \(test, train\); name one with :split="):
+        load_math_dataset(f"hub:me/plain{mapping}")
+    with pytest.raises(InputError, match=r"hub:me/plain has no split validation \(its splits: test, train\)"):
+        load_math_dataset(f"hub:me/plain:split=validation{mapping}")
+    # a card with configs: the default one unless another is named, its files of the split
+    card = (
+        "---\nconfigs:\n- config_name: main\n  default: true\n  data_files:\n  - split: train\n    path: main/train-*\n"
+        "  - split: test\n    path: main/test-*\n- config_name: hard\n  data_files: hard/*.parquet\n---\n# Sums\n"
+    )
+    files = {"main/train-0.parquet": qa((3, 3)), "main/test-0.parquet": qa((4, 4)), "hard/all.parquet": qa((50, 50))}
+    hub_repo(offline_hub, "me/card", files, card)
+    answers = lambda spec: [e.ground_truth for e in load_math_dataset(spec + mapping, verbose=False)]
+    assert answers("hub:me/card:split=test") == ["8"]
+    assert answers("hub:me/card:config=hard") == ["100"]  # its only split
+    with pytest.raises(InputError, match=r"hub:me/card has no config easy \(its configs: main, hard\)"):
+        answers("hub:me/card:config=easy")
+    # revisions: a tag, and a commit that no ref names
+    v1, c2 = "1" * 40, "2" * 40
+    hub_repo(offline_hub, "me/plain", {"data/train.parquet": qa((7, 7))}, sha=v1, ref="v1")
+    hub_repo(offline_hub, "me/plain", {"data/train.parquet": qa((8, 8))}, sha=c2, ref=None)
+    assert answers("hub:me/plain@v1") == ["14"]
+    assert answers(f"hub:me/plain@{c2}") == ["16"]
+    # the DAPO-Math-17k schema, no mapping: as the published repository holds it
+    dapo = [problem(i) for i in (0, 1, 0)]
+    fake_dataset(offline_hub, "dapo-math-17k", dapo)
+    got = load_math_dataset("hub:BytedTsinghua-SIA/DAPO-Math-17k", verbose=False)
+    assert got == [example_from_row(example_to_row(e)) for e in dapo[:2]]
+
+
+def test_hub_dataset_not_in_the_cache_fails_in_one_line_before_the_model_loads(offline_hub, tmp_path, monkeypatch):
+    """Offline, `train_data: hub:...` that the cache does not hold stops the run in one line naming the dataset and both
+    fixes (unset HF_HUB_OFFLINE, or a local file), before a tokenizer or weights are loaded (`dapo-train` prints the
+    line as `dapo-train: error: ...`, exit status 2, as for every InputError)."""
+    from dapo_ref import trainer
+    from dapo_ref.core import DAPOConfig, InputError
+
+    def load_tokenizer(name):
+        raise AssertionError("the model was loaded before the data was read")
+
+    monkeypatch.setattr(trainer, "load_tokenizer", load_tokenizer)
+    cfg = DAPOConfig(
+        output_dir=str(tmp_path / "run"), train_data="hub:BytedTsinghua-SIA/DAPO-Math-17k@main:split=train"
+    )
+    with pytest.raises(InputError) as e:
+        trainer.Trainer(cfg, log=None)
+    assert str(e.value) == (
+        "cannot read hub:BytedTsinghua-SIA/DAPO-Math-17k@main (HF_HUB_OFFLINE is set and it is not in the local "
+        "cache); unset HF_HUB_OFFLINE to download it, or give a local .parquet or .jsonl file"
+    )
