@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from .core import FOREIGN, DAPOConfig, Foreign, InputError, fits, foreign, short
+from .core import DAPOConfig, InputError, fits, short
+from .names import FOREIGN, Foreign, foreign
 
 # %% auto #0
 __all__ = ['USER_ERRORS', 'find_recipe', 'read_yaml', 'config_from_dict', 'load_config', 'save_config', 'parse_overrides',
@@ -153,7 +154,7 @@ def _field_of(k: str, v: Any) -> tuple[str, Foreign | None]:
         raise InputError(e.error(k), k)
     return e.field, e
 
-
+# %% ../nbs/00b_cli.ipynb #ba5e2e75
 def config_from_dict(
     d: dict[str, Any],  # a recipe's keys and values
     overrides: dict[str, Any] | None = None,  # command-line items; they win over `d` whatever name either uses

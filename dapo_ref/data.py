@@ -325,7 +325,7 @@ class DataSpec:
             opts["answer_format"] = self.answer_format
         return ":".join([head, *(f"{k}={v}" for k, v in opts.items() if v)])
 
-
+# %% ../nbs/01_data.ipynb #b84032ad
 def data_spec(
     spec: str | Path | DataSpec,  # a file, a `HUB_DATASETS` name or hub:owner/name[@revision], then :key=value options
     setting: str | None = None,  # the field or flag it came from, as errors name it, e.g. "eval_data item 2 of 2"
@@ -469,7 +469,7 @@ def card_configs(
         default = next(iter(configs))
     return configs, default
 
-
+# %% ../nbs/01_data.ipynb #1d903ac6
 def hub_files(
     spec: DataSpec,  # a hub spec: owner/name, revision, config, split
     setting: str | None = None,  # the field or flag it came from, as errors name it

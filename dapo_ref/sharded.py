@@ -189,7 +189,8 @@ def gather_buffers(
     chunk: int = GATHER_CHUNK_BYTES,  # the largest broadcast (a 32B step's batch from one engine can reach GiBs)
 ) -> tuple[list, list[int]]:  # every rank's buffer in rank order (None where it sent nothing); their sizes
     "Every rank's byte buffer on every rank, without padding: the sizes first, then each sender's buffer broadcast at its exact size."
-    if not torch.distributed.is_initialized() or not dist.is_distributed():  # one process, or `run_ranks`' threads
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:  # one process, or threads
+        # (`run_ranks` answers `dist` for its threads, also beside a one-rank process group)
         parts = dist.all_gather(buf)
         return parts, [0 if b is None else len(b) for b in parts]
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from dapo_ref.cli import config_from_dict, load_config, save_config
-from dapo_ref.core import FOREIGN, DAPOConfig, InputError, foreign
+from dapo_ref.core import DAPOConfig, InputError
+from dapo_ref.names import FOREIGN, foreign
 
 DEFAULTS = asdict(DAPOConfig())
 NAMES = {f.name for f in fields(DAPOConfig)}
