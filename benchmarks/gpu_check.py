@@ -250,7 +250,9 @@ def logprob_gap(engine, learner, prompts: list[list[int]], max_tokens: int) -> d
     return dict(tokens=int(d.numel()), mean=float(d.mean()), max=float(d.max()))
 
 
-def lora_phase(cfg, model: Path, make_engine, prompts: list[list[int]], max_tokens: int, pad_id: int) -> dict:
+def lora_phase(
+    cfg, model: Path, make_engine, prompts: list[list[int]], max_tokens: int, pad_id: int, updates: int = 10
+) -> dict:
     """The 7B LoRA recipe's adapters (r 64, alpha 128, lr 1e-5, all-linear; recipes/dapo-qwen2.5-7b-lora-1gpu.yaml) on a
     plain learner over `model` (the base frozen), served by an engine that applies them as the learner does
     (`make_engine(lcfg, learner)`: vLLM's LoRA layers, or the HF engine's PEFT copy): 10 updates through the engine's
@@ -295,7 +297,7 @@ def lora_phase(cfg, model: Path, make_engine, prompts: list[list[int]], max_toke
             torch.zeros(n),
         )
         before, _ = learner.compute_logprobs(batch)
-        for _ in range(10):
+        for _ in range(updates):  # the issue's 10 on a GPU; --cpu runs 3 (its engine decodes ~8x slower with LoRA)
             engine.around_update(lambda: train_on(learner, batch, n), learner.sync_weights)
         after, _ = learner.compute_logprobs(batch)
         moved = float(torch.cat([(a.double() - b.double()).abs().cpu() for a, b in zip(after, before)]).mean())
@@ -551,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             stage = "seeds"
             from dapo_ref.interfaces import SamplingParams
 
-            prompts = [tr.prompt_ids[i % len(tr.prompt_ids)] for i in range(64)]
+            prompts = [tr.prompt_ids[i % len(tr.prompt_ids)] for i in range(16 if cpu else 64)]  # --cpu: that it runs
             sp = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=run["l_max"], seed=1)
             rates = {}
             for seeded in (True, False, True):  # the first call warms up; the last two are compared
@@ -595,11 +597,12 @@ def main(argv: list[str] | None = None) -> int:
                 e.load_weights(learner.sync_weights())
                 return e
 
-            lo = lora_phase(cfg, work / "model", lora_engine, probe, run["l_max"], tr.pad_id)
+            updates = 3 if cpu else 10
+            lo = lora_phase(cfg, work / "model", lora_engine, probe, run["l_max"], tr.pad_id, updates)
             phase("lora", **lo)
             checks[
                 f"LoRA at the 7B recipe's settings: the engine serves the learner's adapters (mean |d| < {tol:g})"
-            ] = lo["gap_mean"] < tol and lo["adapter_syncs"] in (None, 11)
+            ] = lo["gap_mean"] < tol and lo["adapter_syncs"] in (None, updates + 1)
         else:
             skipped.append("the LoRA phase (PEFT is not installed: pip install peft)")
     except TimeoutError as e:

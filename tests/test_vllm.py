@@ -738,7 +738,7 @@ def test_gpu_check_cpu(tmp_path):
     """The one-GPU check's phases at tiny shapes (so the script cannot rot), in a process where pytest cannot be imported:
     a ZeRO-3 learner (float32) and a vLLM engine
     (bfloat16) in one process, one DAPO step (rollout-corrected), the engine's log-probs against the learner's after it, the bf16 fused-gradient check, the
-    engine closed and a new one started and synced, then the 7B recipe's LoRA adapters served by a LoRA engine. On the
+    engine closed and a new one started and synced, then the 7B recipe's LoRA adapters served by a LoRA engine through 3 syncs (10 on a GPU). On the
     CPU it says what it skipped (compiled engine, sleep mode)."""
     import json, subprocess, sys
     from pathlib import Path
@@ -769,7 +769,7 @@ def test_gpu_check_cpu(tmp_path):
     # LoRA (nbs/07c_lora): the bfloat16 engine, after loading the merged adapters, is within the bf16 sync bound of the
     # adapted float32 learner on tokens it sampled, while the adapters moved those log-probs by more than twice that gap
     lora = s["phases"][-1]  # the 7B recipe's adapters served by a LoRA engine (bf16) through 10 syncs
-    assert lora["trained"] > 0 and lora["gap_tokens"] > 0 and lora["adapter_syncs"] == 11, lora
+    assert lora["trained"] > 0 and lora["gap_tokens"] > 0 and lora["adapter_syncs"] == 4, lora  # --cpu: 3 syncs
     assert s["phases"][0]["engine"] == "VLLMRolloutEngine" and s["phases"][0]["learner"] == "DeepSpeedLearner"
     assert any("sleep" in x for x in s["skipped"]) and any("compiled" in x for x in s["skipped"])
     assert set(s["plan"]["phases_gb"]) >= {"load", "update"}  # dapo-plan's prediction for the shape was read
