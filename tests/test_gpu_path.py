@@ -20,12 +20,7 @@ from accum_bf16 import accumulation_ratio  # noqa: E402  (no pytest there: gpu_c
 RECIPE = "recipes/tiny-cpu.yaml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread (conftest.py)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["gpu-states", "offload"])

@@ -26,12 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EPS64 = 2.0**-52
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread (conftest.py)
 
 
 @pytest.fixture(scope="module")

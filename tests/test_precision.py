@@ -19,12 +19,7 @@ LR = 1e-6  # the paper's
 BOUND = 2.0**-11  # a bf16 weight of |w| > BOUND cannot move by LR: half its step is 2^-19 > 1e-6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread (conftest.py)
 
 
 def test_bf16_full_fine_tuning_without_deepspeed_is_refused_naming_both_ways_out():

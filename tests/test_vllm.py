@@ -820,6 +820,19 @@ def test_one_gpu_notebook_cpu_twin(tmp_path):
     assert all(0 <= a <= 1 for a in r["evals"]) and "eval/avg@1" in r["eval_keys"] and r["final"], r
 
 
+def lora_engine(path, lora_config) -> VLLMRolloutEngine:
+    "A float32 engine serving adapters (`lora_config`) on the checkpoint at `path`, as small as this module's engine."
+    return VLLMRolloutEngine(
+        path,
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+        gpu_memory_utilization=0.3,
+        enforce_eager=not CUDA,
+        lora_config=lora_config,
+    )
+
+
 # ---------------------------------------------------------------- gpu_check's LoRA phase on this module's policy
 def test_gpu_check_lora_phase_serves_the_recipes_adapters(setup):
     """gpu_check's `lora` phase (the 7B recipe's r 64, alpha 128, lr 1e-5) on this module's policy, float32: a LoRA
@@ -838,15 +851,7 @@ def test_gpu_check_lora_phase_serves_the_recipes_adapters(setup):
     from gpu_check import lora_phase
 
     def make(lcfg, learner):
-        eng = VLLMRolloutEngine(
-            setup["dir"],
-            dtype="float32",
-            seed=0,
-            max_model_len=256,
-            gpu_memory_utilization=0.3,
-            enforce_eager=not CUDA,
-            lora_config=adapter_config(lcfg),
-        )
+        eng = lora_engine(setup["dir"], adapter_config(lcfg))
         eng.load_weights(learner.sync_weights())
         return eng
 
@@ -927,15 +932,7 @@ def test_lora_engine_serves_the_adapters_the_learner_applies(setup, tmp_path):
 
     for _ in range(10):
         train_on(learner, batch, len(batch))
-    eng = VLLMRolloutEngine(
-        base,
-        dtype="float32",
-        seed=0,
-        max_model_len=256,
-        gpu_memory_utilization=0.3,
-        enforce_eager=not CUDA,
-        lora_config=adapter_config(cfg),
-    )
+    eng = lora_engine(base, adapter_config(cfg))
     lora_dir = Path(eng._lora_dir.name)
     try:
         eng.load_weights(learner.sync_weights())
