@@ -19,8 +19,8 @@ from .interfaces import Completion, Learner, RolloutBatch, RolloutEngine, sampli
 from .rollout_correction import log_ratios, rollout_gap, rollout_weight_stats
 
 # %% auto #0
-__all__ = ['PromptSampler', 'seed_of', 'Group', 'score_groups', 'Rollout', 'batch_stats', 'collect', 'make_batch', 'train_on',
-           'step_metrics', 'dapo_step']
+__all__ = ['DS_FIELDS', 'PromptSampler', 'seed_of', 'Group', 'score_groups', 'Rollout', 'batch_stats', 'collect', 'make_batch',
+           'train_on', 'step_metrics', 'dapo_step']
 
 # %% ../nbs/09_algorithm.ipynb #b9c152cc
 class PromptSampler:
@@ -175,6 +175,9 @@ def batch_stats(learner: Learner, minis: list[RolloutBatch], olds: list[tuple[li
     return stats | rollout_gap(learner, d) | rollout_weight_stats(learner, d)
 
 # %% ../nbs/09_algorithm.ipynb #a4d98c17
+DS_FIELDS = {"acc": "acc", "score": "scores", "reward": "rewards"}  # dynamic_sampling_metric -> the `Group` field
+
+
 def collect(
     rollout,  # `Rollout` (or `sharded.ShardedRollout`): `groups(indices, step, round)`
     prompts: PromptSampler,  # line 2's data order
@@ -191,8 +194,9 @@ def collect(
     while not buf.full:  # lines 7-8: until N groups are kept
         groups = rollout.groups(prompts.next(n), step, buf.rounds)  # lines 2, 4-5
         seen += groups
-        acc = torch.tensor([a for g in groups for a in g.acc])  # (P*G,) correct or not
-        buf.add(groups, acc)  # line 6: drop all-correct, all-wrong groups (Eq. 11)
+        field = DS_FIELDS[cfg.dynamic_sampling_metric]  # acc (Eq. 11); a continuous reward: score or reward
+        vals = torch.tensor([float(v) for g in groups for v in getattr(g, field)])  # (P*G,)
+        buf.add(groups, vals)  # line 6: drop the groups whose values are all equal (Eq. 11: all correct, all wrong)
         if on_round is not None:
             on_round(buf)
     timeouts, errors = rollout.reward_counts()

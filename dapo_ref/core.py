@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
 # %% auto #0
-__all__ = ['REWARD_MODES', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'SCALE_REWARDS', 'IS_LEVELS', 'LOSS_MODES',
+__all__ = ['REWARD_MODES', 'DS_METRICS', 'REWARD_PLUGIN', 'REPORT_TO', 'LOSS_AGGS', 'SCALE_REWARDS', 'IS_LEVELS', 'LOSS_MODES',
            'ROLLOUT_CORRECTIONS', 'ANSWER_FORMATS', 'LORA_TARGETS', 'ATTN_IMPLEMENTATIONS', 'VLLM_FIELDS',
            'PATH_FIELDS', 'Allowed', 'ge', 'gt', 'below_1', 'prob', 'one_of', 'knob', 'answer_formats',
            'DAPOHyperparams', 'DAPOConfig', 'InputError', 'short', 'validate', 'fits']
@@ -58,6 +58,11 @@ def knob(
 
 # %% ../nbs/00_core.ipynb #a388af90
 REWARD_MODES = ("dapo-reference", "dapo-strict", "math-verify")
+DS_METRICS = (
+    "acc",
+    "score",
+    "reward",
+)  # dynamic_sampling_metric: a group's field, `algorithm.Group`'s acc, scores, rewards
 REWARD_PLUGIN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # your own: `reward: package.module:function`
 REPORT_TO = ("none", "tensorboard", "wandb")  # experiment trackers `report_to` may name (TRL's field)
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -195,6 +200,14 @@ class DAPOHyperparams:
     gen_batch_size: int = knob(1536, "prompts generated per round, before filtering", ge(1), "not stated", "3 x 512")
     mini_batch_size: int = knob(512, "responses per gradient update", ge(1), "512 (16 updates a step)", "32 x 16")
     dynamic_sampling: bool = knob(True, "drop groups whose accuracies are all equal", None, "on (Eq. 11)", "on (acc)")
+    dynamic_sampling_metric: str = knob(
+        "acc",
+        "which value of each response the filter compares (a group is kept when they differ): acc (correct or not), "
+        "score (the reward's score: a continuous reward) or reward (score + overlong penalty); verl's filter_groups.metric",
+        one_of(*DS_METRICS),
+        "acc (Eq. 11)",
+        "acc",
+    )
     max_num_gen_batches: int = knob(
         10, "bound on generation rounds per step; 0 = unbounded", ge(0, "0 = unbounded"), "a bound, no value", "10"
     )

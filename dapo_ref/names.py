@@ -96,6 +96,14 @@ def _loss_type(key, v, given) -> dict:
     raise InputError(f"{key} = {short(v)} has no loss_agg here; TRL's names read: {ways}; or set loss_agg", key)
 
 
+def _metric(key, v, given) -> dict:
+    "verl's filter_groups.metric: acc and score as they are, its sequence rewards as `reward` (score + overlong penalty)."
+    names = {"acc": "acc", "score": "score", "seq_reward": "reward", "seq_final_reward": "reward"}
+    if v not in names:
+        raise InputError(f"{key} = {short(v)}: verl's metrics read here are {', '.join(names)}", key)
+    return {"dynamic_sampling_metric": names[v]}
+
+
 _KL = "DAPO has no KL term (Section 2.3): no reference policy is loaded; remove it"
 _EPOCHS = (
     "each rollout batch is used once, in prompts_per_step x group_size / mini_batch_size updates (the paper's 16 "
@@ -321,8 +329,10 @@ _VERL_PEFT_NAMES = (
     Foreign(
         "algorithm.filter_groups.metric",
         VERL_DAPO,
-        "none",
-        note="groups are filtered on correctness here (acc: Eq. 11 keeps a group whose accuracies differ); remove it",
+        "alias",
+        "dynamic_sampling_metric",
+        "acc, score; seq_reward and seq_final_reward: reward",
+        _metric,
     ),
     Foreign("reward_model.overlong_buffer.enable", VERL_DAPO, "alias", "soft_overlong_punishment"),
     Foreign("reward_model.overlong_buffer.len", VERL_DAPO, "alias", "l_cache", "tokens in both"),

@@ -183,3 +183,30 @@ def test_invalid_arguments(make, msg):
     with pytest.raises((ValueError, AssertionError)) as e:  # shapes raise; ranges are the caller's contract
         make()
     assert msg in str(e.value)
+
+
+def test_a_continuous_reward_fills_the_batch_when_the_filter_reads_its_score():
+    """A plug-in whose score is always positive (a continuous reward in 0.2-0.8) reads "correct" on every response (acc
+    is score > 0): with `dynamic_sampling_metric: acc` every group is all-correct and dropped, so no round fills the
+    batch (the bound of 3 rounds ends the step); with `score` (verl's filter_groups.metric: score) a group is kept when
+    its scores differ and the batch fills. A group whose scores are all equal (every 4th prompt here) is still
+    dropped: its advantages are zero (Eq. 4), as Eq. 11's all-correct groups' are."""
+    from dapo_ref.algorithm import Group, PromptSampler, collect
+    from dapo_ref.core import DAPOConfig
+    from dapo_ref.names import foreign
+    from dapo_ref.sharded import StubRollout
+
+    def group(i):
+        s = [0.5] * 4 if i % 4 == 0 else [round(0.2 + 0.1 * ((i + k) % 7), 1) for k in range(4)]
+        return Group(i, [1], [[2]] * 4, [False] * 4, s, [x > 0 for x in s], s, ["x"] * 4, [{}] * 4)
+
+    base = dict(group_size=4, prompts_per_step=6, gen_batch_size=8, max_num_gen_batches=3, mini_batch_size=24)
+    with pytest.raises(DynamicSamplingError):
+        collect(StubRollout(group), PromptSampler(1000, seed=0), DAPOConfig(**base), step=1)
+    cfg = DAPOConfig(**base, dynamic_sampling_metric="score")
+    kept, seen, stats = collect(StubRollout(group), PromptSampler(1000, seed=0), cfg, step=1)
+    assert len(kept) == 6 and all(len(set(g.scores)) > 1 for g in kept)
+    assert stats["groups_all_correct"] == sum(g.index % 4 == 0 for g in seen)  # the equal groups, dropped
+    # verl's key reads as the field: its sequence rewards are this project's reward (score + overlong penalty)
+    metric = foreign("algorithm.filter_groups.metric")
+    assert metric.convert("metric", "seq_final_reward", {}) == {"dynamic_sampling_metric": "reward"}
