@@ -151,6 +151,8 @@ def _field_of(k: str, v: Any) -> tuple[str, Foreign | None]:
     if e is None:
         raise InputError(f"unknown config key '{short(k, 60)[1:-1]}'{_key_hint(k, v)}", k)
     if e.kind != "alias":
+        if e.neutral and any(v == n and type(v) is type(n) for n in e.neutral):
+            return "", e  # what this project does anyway (verl's DAPO scripts set these): read, nothing to set
         raise InputError(e.error(k), k)
     return e.field, e
 
@@ -166,6 +168,8 @@ def config_from_dict(
         seen = {}
         for k, v in layer.items():
             f, e = _field_of(str(k), v)
+            if not f:
+                continue
             if f in seen:
                 raise InputError(f"{seen[f]} and {k} both set {f}; keep one", str(k))
             seen[f] = str(k)

@@ -29,6 +29,7 @@ class Foreign:
     field: str = ""  # this project's field (refuse: the fields to set instead; none: "")
     note: str = ""  # alias: the conversion; same: a difference to know; refuse, none: why, the words of the error
     convert: Callable[[str, Any, dict], dict] | None = None  # alias: (key, value, fields given) -> {field: value}
+    neutral: tuple = ()  # refuse, none: the values that ask for what this project does anyway: accepted, ignored
 
     def error(self, key: str) -> str:
         "The one-line refusal of `key`, this name as a recipe wrote it."
@@ -104,6 +105,11 @@ def _metric(key, v, given) -> dict:
     return {"dynamic_sampling_metric": names[v]}
 
 
+def _never(name: str) -> Callable[[str, Any, dict], dict]:
+    "verl's every-N-steps keys, where -1 means never: this project's 0."
+    return lambda key, v, given: {name: 0 if v == -1 else v}
+
+
 _KL = "DAPO has no KL term (Section 2.3): no reference policy is loaded; remove it"
 _EPOCHS = (
     "each rollout batch is used once, in prompts_per_step x group_size / mini_batch_size updates (the paper's 16 "
@@ -116,7 +122,7 @@ _ACT, _ROLL = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 _TRL_NAMES = (
     # TRL GRPOConfig (its TrainingArguments included) and GRPOTrainer
     Foreign("learning_rate", TRL, "alias", "lr"),
-    Foreign("beta", TRL, "none", note=_KL),
+    Foreign("beta", TRL, "none", note=_KL, neutral=(0, 0.0)),
     Foreign(
         "epsilon", TRL, "alias", "eps_low", "eps_high too unless set (TRL's epsilon bounds both sides)", _both_clips
     ),
@@ -156,7 +162,7 @@ _TRL_NAMES = (
         "the updates a rollout step makes are prompts_per_step x group_size / mini_batch_size; set mini_batch_size "
         "(responses an update)",
     ),
-    Foreign("num_iterations", TRL, "none", note=_EPOCHS),
+    Foreign("num_iterations", TRL, "none", note=_EPOCHS, neutral=(1,)),
     Foreign("temperature", TRL, "same", "temperature"),
     Foreign("top_p", TRL, "same", "top_p"),
     Foreign("top_k", TRL, "same", "top_k", "off is -1 here (TRL's: 0 or null)"),
@@ -279,6 +285,7 @@ _VERL_PEFT_NAMES = (
         VERL,
         "none",
         note="micro-batches are always packed to micro_token_budget tokens here (verl's use_dynamic_bsz: true); remove it",
+        neutral=(True,),
     ),
     Foreign(f"{_ACT}.ulysses_sequence_parallel_size", VERL, "alias", "sequence_parallel_size"),
     Foreign(f"{_ACT}.ppo_max_token_len_per_gpu", VERL, "alias", "micro_token_budget", "tokens a micro-batch a device"),
@@ -305,24 +312,26 @@ _VERL_PEFT_NAMES = (
     ),
     Foreign(f"{_ACT}.optim.weight_decay", VERL, "alias", "weight_decay"),
     Foreign(f"{_ACT}.grad_clip", VERL, "alias", "grad_clip"),
-    Foreign(f"{_ACT}.use_kl_loss", VERL, "none", note=_KL),
-    Foreign(f"{_ACT}.kl_loss_coef", VERL, "none", note=_KL),
+    Foreign(f"{_ACT}.use_kl_loss", VERL, "none", note=_KL, neutral=(False,)),
+    Foreign(f"{_ACT}.kl_loss_coef", VERL, "none", note=_KL, neutral=(0, 0.0)),
     Foreign(f"{_ACT}.kl_loss_type", VERL, "none", note=_KL),
-    Foreign("algorithm.use_kl_in_reward", VERL, "none", note=_KL),
+    Foreign("algorithm.use_kl_in_reward", VERL, "none", note=_KL, neutral=(False,)),
     Foreign("algorithm.kl_penalty", VERL, "none", note=_KL),
-    Foreign("algorithm.kl_ctrl.kl_coef", VERL, "none", note=_KL),
-    Foreign(f"{_ACT}.ppo_epochs", VERL, "none", note=_EPOCHS),
+    Foreign("algorithm.kl_ctrl.kl_coef", VERL, "none", note=_KL, neutral=(0, 0.0)),
+    Foreign(f"{_ACT}.ppo_epochs", VERL, "none", note=_EPOCHS, neutral=(1,)),
     Foreign(
         f"{_ACT}.entropy_coeff",
         VERL,
         "none",
         note="DAPO adds no entropy bonus: Clip-Higher (eps_high) is how it keeps entropy up (Section 3.1); remove it",
+        neutral=(0, 0.0),
     ),
     Foreign(
         "algorithm.adv_estimator",
         VERL,
         "none",
         note="the advantage is always GRPO's group-relative one (Eq. 4); scale_rewards sets its normalisation; remove it",
+        neutral=("grpo",),
     ),
     Foreign("algorithm.filter_groups.enable", VERL_DAPO, "alias", "dynamic_sampling"),
     Foreign("algorithm.filter_groups.max_num_gen_batches", VERL_DAPO, "alias", "max_num_gen_batches"),
@@ -354,8 +363,8 @@ _VERL_PEFT_NAMES = (
         "a run here is total_steps rollout steps, not epochs (a step reads gen_batch_size prompts a generation "
         "round); set total_steps",
     ),
-    Foreign("trainer.save_freq", VERL, "alias", "save_every", "rollout steps in both"),
-    Foreign("trainer.test_freq", VERL, "alias", "eval_every", "rollout steps in both"),
+    Foreign("trainer.save_freq", VERL, "alias", "save_every", "rollout steps in both; -1: 0", _never("save_every")),
+    Foreign("trainer.test_freq", VERL, "alias", "eval_every", "rollout steps in both; -1: 0", _never("eval_every")),
     Foreign("trainer.nnodes", VERL, "alias", "nnodes"),
     Foreign("trainer.n_gpus_per_node", VERL, "alias", "gpus_per_node"),
     Foreign("trainer.val_before_train", VERL, "alias", "val_before_train"),
@@ -369,7 +378,9 @@ _VERL_PEFT_NAMES = (
     Foreign("lora_alpha", PEFT, "same", "lora_alpha", "PEFT's default 8, here null: lora_r (a scale of 1)"),
     Foreign("target_modules", PEFT, "alias", "lora_target_modules"),
     Foreign("lora_dropout", PEFT, "same", "lora_dropout", "0 only here"),
-    Foreign("bias", PEFT, "none", note="the adapters train no bias here (PEFT's bias: none); remove it"),
+    Foreign(
+        "bias", PEFT, "none", note="the adapters train no bias here (PEFT's bias: none); remove it", neutral=("none",)
+    ),
     Foreign(
         "use_rslora",
         PEFT,

@@ -47,7 +47,7 @@ def test_every_listed_name_is_read_or_refused_with_why(name):
     assert name in NAMES or e is not None, name
     if e is not None and e.kind in ("refuse", "none"):
         with pytest.raises(InputError) as err:
-            config_from_dict({name: 1})
+            config_from_dict({name: 7})  # a value no entry takes as what this project does anyway (its `neutral`)
         assert str(err.value) == e.error(name) and e.source in str(err.value)
         assert "unknown config key" not in str(err.value)
 
@@ -211,3 +211,33 @@ def test_fields_lists_every_field_with_default_help_and_range(capsys):
     with contextlib.redirect_stdout(help_), pytest.raises(SystemExit):
         main(["--help"])
     assert "--fields" in help_.getvalue()
+
+
+def test_the_values_verl_dapo_scripts_set_for_what_dapo_does_are_read_and_ignored():
+    """verl's DAPO recipe scripts (recipe/dapo/*.sh) set `algorithm.adv_estimator=grpo`, `algorithm.use_kl_in_reward=False`,
+    `actor_rollout_ref.actor.use_kl_loss=False`, `actor_rollout_ref.actor.kl_loss_coef=0.0`,
+    `algorithm.kl_ctrl.kl_coef=0.0`, `actor_rollout_ref.actor.entropy_coeff=0`, `trainer.test_freq=-1` (never) and
+    `use_dynamic_bsz=True`; TRL's defaults include `beta: 0.0` and `num_iterations: 1`; PEFT's `bias: none`. Each asks
+    for what this project does anyway: read, nothing set. Any other value of the same key is still refused (a KL
+    coefficient of 0.001 would change the objective), and -1 of an every-N-steps key is this project's 0."""
+    from dapo_ref.cli import config_from_dict
+
+    neutral = {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.use_kl_in_reward": False,
+        "actor_rollout_ref.actor.use_kl_loss": False,
+        "actor_rollout_ref.actor.kl_loss_coef": 0.0,
+        "algorithm.kl_ctrl.kl_coef": 0.0,
+        "actor_rollout_ref.actor.entropy_coeff": 0,
+        "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_epochs": 1,
+        "beta": 0.0,
+        "num_iterations": 1,
+    }
+    cfg = config_from_dict({**neutral, "trainer.test_freq": -1, "trainer.save_freq": -1})
+    assert cfg == DAPOConfig(eval_every=0, save_every=0)
+    for k, v in [("actor_rollout_ref.actor.kl_loss_coef", 0.001), ("beta", 0.04), ("num_iterations", 2)]:
+        with pytest.raises(InputError, match="has no equivalent here"):
+            config_from_dict({k: v})
+    with pytest.raises(InputError, match="has no equivalent here"):
+        config_from_dict({"actor_rollout_ref.actor.use_kl_loss": 1})  # 1 is not False: only the value itself
