@@ -41,14 +41,20 @@ class ShardedRollout:
             self.held, self.source = {}, {}
             self.gathered = dict.fromkeys(self.gathered, 0)
         mine = dist.shard(indices, self.d, self.D)  # the same share on an engine's t ranks
+        failure = None
         try:
             got = self.local.groups(mine, step, rnd)
-        except RewardPluginError as e:  # one engine's plug-in failed: every rank stops with it, none waits
-            got = [e]
+        except (
+            Exception
+        ) as e:  # one engine failed (its plug-in, its engine, its scorer): every rank stops with it, none
+            failure = e  # waits in the gather until the process group's timeout
+            got = [e if isinstance(e, RewardPluginError) else RuntimeError(f"engine {self.d}: {type(e).__name__}: {e}")]
         if self.t == 0:
             self.held.update({(rnd, k): g for k, g in enumerate(got)})
         per_engine = self._gather(pack_groups(got, tokens=False) if self.t == 0 else None, "round_bytes")
-        if failed := [g[0] for g in per_engine if g and isinstance(g[0], RewardPluginError)]:
+        if failure is not None:
+            raise failure  # this rank's own, with its traceback
+        if failed := [g[0] for g in per_engine if g and isinstance(g[0], Exception)]:
             raise failed[0]
         for e, part in enumerate(per_engine):
             self.source.update({id(g): (e, (rnd, k)) for k, g in enumerate(part)})

@@ -44,6 +44,11 @@ class Failing(StubRollout):
         raise RewardPluginError("plug-in my_reward failed on 4 of 4 calls")
 
 
+class Broken(StubRollout):
+    def groups(self, indices, step, rnd):
+        raise ValueError("scorer ran out of memory")
+
+
 if __name__ == "__main__":
     out = sys.argv[1]
     r, w = dist.init_distributed(backend="gloo")
@@ -71,6 +76,11 @@ if __name__ == "__main__":
         row["failed"] = None
     except RewardPluginError as e:
         row["failed"] = str(e)
+    try:  # any other failure of one engine's round: every rank stops with it too
+        ShardedRollout(Broken() if r >= 2 else StubRollout(group), r, w, tp=2).groups([0, 1, 2], step=3, rnd=0)
+        row["broken"] = None
+    except Exception as e:
+        row["broken"] = f"{type(e).__name__}: {e}"
     with open(os.path.join(out, f"rank{r}.json"), "w") as f:
         json.dump(row, f)
     tdist.destroy_process_group()

@@ -51,3 +51,7 @@ def test_four_ranks_two_engines_gather_statistics_then_the_kept_groups(tmp_path)
     assert [rk["failed"] for rk in ranks] == [
         "plug-in my_reward failed on 4 of 4 calls"
     ] * 4  # every rank stops with it
+    # another exception in one engine (ranks 2 and 3): they raise their own, the others the engine's in one line
+    assert [rk["broken"] for rk in ranks] == ["RuntimeError: engine 1: ValueError: scorer ran out of memory"] * 2 + [
+        "ValueError: scorer ran out of memory"
+    ] * 2
