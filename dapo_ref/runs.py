@@ -281,6 +281,7 @@ FROZEN = (  # change the experiment: a resumed run must keep them
     "gen_batch_size",
     "mini_batch_size",  # batch sizes
     "dynamic_sampling",
+    "dynamic_sampling_metric",
     "max_num_gen_batches",
     "reward",
     "reward_timeout",
