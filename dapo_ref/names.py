@@ -60,7 +60,7 @@ def _prompts_x_group(key, v, given) -> dict:
     n, G = _whole(key, v, "prompts per mini-batch"), _given(given, "group_size")
     return {"mini_batch_size": n * G if type(G) is int else n}  # a bad group_size: its own error, validated first
 
-
+# %% ../nbs/00_names.ipynb #5ea4ace3
 def _ratio_of_steps(rounding: Callable[[float], int]) -> Callable[[str, Any, dict], dict]:
     "A warm-up ratio as warm-up steps: rounding(ratio x total_steps) rollout steps (TRL rounds up, verl down)."
 

@@ -221,7 +221,8 @@ def test_gpu_check_without_vllm_cpu(tmp_path):
     assert [x["phase"] for x in s["phases"]] == ["build", "step", "sync", "fused", "lora"]  # lora: PEFT is installed
     assert len(s["checks"]) == 5 and all(s["checks"].values()), s["checks"]
     lora = s["phases"][4]  # the HF engine's PEFT copy serving the learner's adapters: float32 rounding against the move
-    assert lora["trained"] > 0 and lora["gap_mean"] < 1e-4 and lora["moved_mean"] > 1e-2, lora
+    # 3 updates at the 7B recipe's lr 1e-5 (--cpu) move the batch's log-probs by ~5e-3: 10x the fp32 bound at least
+    assert lora["trained"] > 0 and lora["gap_mean"] < 1e-4 and lora["moved_mean"] > 1e-3, lora
     assert s["backend"] == "hf" and s["phases"][0]["engine"] == "HFRolloutEngine"
     assert s["phases"][0]["learner"] == "TorchLearner" and not {"vllm", "deepspeed"} & set(s["versions"])
     assert any(x.startswith("the ZeRO-3 learner (DeepSpeed is not installed") for x in s["skipped"]), s["skipped"]
