@@ -31,13 +31,8 @@ def tiny_cfg(tmp_path, **kw):
     return load_config(RECIPE, {**base, **kw})
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    "The tiny model runs ~4x faster on one thread when cores are shared (and one thread keeps runs bit-exact)."
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# the tiny model runs ~4x faster on one thread when cores are shared, and one thread keeps runs bit-exact (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
