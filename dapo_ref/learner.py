@@ -331,18 +331,15 @@ def policy_copy(self: MicroBatchLearner):
     "A model holding the learner's current policy, on its device: the transformers rollout engine's own copy (LoRA: a PEFT model, the learner's base and adapters)."
     from transformers import AutoModelForCausalLM
 
-    base = base_of(self.model)
-    if not is_lora(self.model):
-        m = AutoModelForCausalLM.from_config(base.config, dtype=getattr(torch, self.cfg.dtype))
-        m.load_state_dict(dict(self.named_weights()))
-        m.generation_config = copy.deepcopy(base.generation_config)
+    base, lora = base_of(self.model), is_lora(self.model)
+    m = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype if lora else getattr(torch, self.cfg.dtype))
+    m.load_state_dict(dict(base_named_weights(self.model) if lora else self.named_weights()))  # LoRA: W0, never merged
+    m.generation_config = copy.deepcopy(base.generation_config)
+    if not lora:
         return m.to(self.device).eval()
-    m = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)  # W0 in the learner's dtype, never merged
-    m.load_state_dict(dict(base_named_weights(self.model)))
     own_buffers = dict(m.named_buffers())
     for k, v in base.named_buffers():  # rotary tables too: the learner's, in whatever dtype its loading gave them
         own_buffers[k].data = v.detach().clone()
-    m.generation_config = copy.deepcopy(base.generation_config)
     m = with_lora(m, self.cfg).requires_grad_(False)  # PEFT's layers, as the learner's
     own = dict(m.named_parameters())
     for k, v in self.sync_weights():

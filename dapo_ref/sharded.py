@@ -44,10 +44,8 @@ class ShardedRollout:
         failure = None
         try:
             got = self.local.groups(mine, step, rnd)
-        except (
-            Exception
-        ) as e:  # one engine failed (its plug-in, its engine, its scorer): every rank stops with it, none
-            failure = e  # waits in the gather until the process group's timeout
+        except Exception as e:  # one engine failed (its plug-in, its engine, its scorer): every rank stops with it,
+            failure = e  # none waits in the gather until the process group's timeout
             got = [e if isinstance(e, RewardPluginError) else RuntimeError(f"engine {self.d}: {type(e).__name__}: {e}")]
         if self.t == 0:
             self.held.update({(rnd, k): g for k, g in enumerate(got)})
@@ -65,9 +63,9 @@ class ShardedRollout:
         where = [self.source[id(g)] for g in groups]  # (engine, key) of each: the same on every rank
         mine = [self.held[k] for e, k in where if e == self.d] if self.t == 0 else None  # in the batch's order
         per_engine = self._gather(None if mine is None else pack_groups(mine), "batch_bytes")
-        full = {(e, k): g for e in range(self.D) for k, g in zip([k for e2, k in where if e2 == e], per_engine[e])}
         self.held, self.source = {}, {}  # the surplus and the dropped groups go with them
-        return [full[w] for w in where]
+        arrived = [iter(part) for part in per_engine]  # each engine sent its kept groups in the batch's order
+        return [next(arrived[e]) for e, _ in where]
 
     def _gather(self, buf, kind: str) -> list[list]:
         "Every engine's packed groups, unpacked, in engine order (each from its first rank); the bytes counted."

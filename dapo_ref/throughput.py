@@ -131,7 +131,13 @@ PERF_KEYS = (
     "perf/eta_s",
 )  # every key `PerfMeter.row` may write: all depend on the machine (trainer.TIMING_KEYS)
 MEM_PHASES = ("generate", "update", "sync")
-ENDS_BEFORE = {"sleep": "generate", "wake(weights)": "update", "wake": "update", "wake(kv_cache)": "sync"}
+ENDS_BEFORE = {
+    "sleep(1)": "generate",
+    "sleep(2)": "generate",
+    "wake(weights)": "update",
+    "wake": "update",
+    "wake(kv_cache)": "sync",
+}
 # the phase that ends where the engine's memory changes (`VLLMRolloutEngine.on_transition`): the update runs from the
 # sleep to the weights' wake, the sync from there to the KV cache's
 
@@ -180,7 +186,7 @@ class PerfMeter:
 
     def transition(self, step: str):
         "The engine is about to sleep or wake (`step`, as in its `update_order`): the phase that ends here takes its peak."
-        name = ENDS_BEFORE.get(step.split("(")[0] if step.startswith("sleep") else step)
+        name = ENDS_BEFORE.get(step)
         if self.peaks and name:
             self.mem[name] = max(self.mem.get(name, 0), self.peaks.take("perf"))
 
