@@ -12,7 +12,7 @@ import torch
 
 from .core import DAPOConfig
 from .data import MathExample
-from .reward import extra_means, score_batch, overlong_penalty
+from .reward import extra_means, is_plugin, score_batch, overlong_penalty, trl_context
 from .loss_family import scaled_advantages
 from .sampling import DynamicSamplingBuffer
 from .interfaces import Completion, Learner, RolloutBatch, RolloutEngine, sampling_params_from_config
@@ -80,6 +80,7 @@ def score_groups(
     indices: list[int],  # the P rows the completions answer
     cfg: DAPOConfig,  # group_size, reward mode and timeout, overlong settings
     stats: dict | None = None,  # adds the reward's timeouts and errors to stats["reward_timeouts"], ...
+    step: int = 0,  # the rollout step (done so far): a TRL-form reward plug-in gets it as its trainer_state
 ) -> list[Group]:
     "Algorithm 1 line 5: the rule-based reward (Eq. 7, `cfg.reward`) plus the soft overlong punishment (Eq. 13) of every response."
     if not indices:
@@ -97,6 +98,7 @@ def score_groups(
         weights=cfg.reward_weights,
         on_failure=cfg.reward_failures,  # a plug-in failing on most calls stops the run (`RewardPluginError`)
         memory_mb=cfg.reward_memory_mb,
+        trl=trl_context([c.token_ids for c in comps], cfg, step) if is_plugin(cfg.reward) else None,  # TRL's extras
     )  # (P*G,)
     if stats is not None:
         for k in ("reward_timeouts", "reward_errors"):
@@ -146,7 +148,9 @@ class Rollout:
             else []
         )
         t1 = time.perf_counter()
-        out = score_groups(comps, self.tokenizer, self.examples, self.prompt_ids, indices, self.cfg, stats=self.stats)
+        out = score_groups(
+            comps, self.tokenizer, self.examples, self.prompt_ids, indices, self.cfg, stats=self.stats, step=step
+        )
         self.stats["generate"] = self.stats.get("generate", 0.0) + t1 - t0
         self.stats["score"] = self.stats.get("score", 0.0) + time.perf_counter() - t1
         return out

@@ -331,6 +331,9 @@ class DAPOConfig(DAPOHyperparams):
 
     # --- run ---
     model: str = knob("tiny", "hub name or local folder of a causal LM; tiny = the embedded tiny default")
+    model_revision: str | None = knob(
+        None, "the hub revision of model (branch, tag or commit); the run records the commit it loads; null = main"
+    )
     train_data: str | None = knob(None, "parquet/JSONL in DAPO-Math-17k schema; null = the tiny task")
     eval_data: str | None = knob(
         None, "held-out parquet/JSONL files or dapo-data names, a list or a,b; null = the tiny task's held-out split"
@@ -349,6 +352,18 @@ class DAPOConfig(DAPOHyperparams):
     save_every: int = knob(10, "rollout steps between checkpoints (what --resume needs); 0 = only at the end", ge(0))
     export_every: int = knob(0, "rollout steps between HF exports (exports/step-N); 0 = only final/", ge(0))
     output_dir: str = knob("runs/dapo", "metrics.jsonl, curves.png and checkpoints go here")
+    push_to_hub: bool = knob(False, "upload final/ to the hub repo hub_model_id, with a model card (TRL's name)")
+    hub_model_id: str | None = knob(
+        None,
+        "the hub repo push_to_hub uploads to, owner/name; null = your user/output_dir's folder name (TRL's name)",
+        Allowed(lambda v: v is None or re.fullmatch(r"[\w.-]+(/[\w.-]+)?", v) is not None, "owner/name or name"),
+    )
+    hub_private_repo: bool | None = knob(None, "create the hub repo private; null = the hub's default (TRL's name)")
+    hub_strategy: str = knob(
+        "end",
+        "what push_to_hub uploads: end (final/) or every_save (each export too) (TRL's name)",
+        one_of("end", "every_save"),
+    )
     dtype: str = knob(
         "float32", "learner dtype", Allowed(lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16")
     )

@@ -13,6 +13,7 @@ from torch import Tensor
 from .data import MathExample, prompt_token_ids
 from .answers import normalize_answer
 from .reward import score_batch
+from .reward_pool import is_plugin
 from .interfaces import RolloutEngine, SamplingParams
 
 PROGRESS_S = 30.0  # seconds between progress lines of work that shows no bar (evaluation, generation rounds)
@@ -278,6 +279,7 @@ def evaluate(
                 lengths[start + q, j], truncated[start + q, j] = len(out.token_ids), out.truncated
         kw = dict(answer_format=answer_format, rows=[ex for ex in batch for _ in range(k)], weights=reward_weights)
         kw.update(timeout=reward_timeout, on_failure=reward_failures, memory_mb=reward_memory_mb)
+        kw.update(trl=dict(completion_ids=[o.token_ids for o in outs]) if is_plugin(reward) else None)  # TRL's form
         scores, accs, m, batch_preds = score_batch(texts, truths, reward, return_preds=True, **kw)  # (len(batch) * k,)
         if samples is not None:
             samples += response_rows(

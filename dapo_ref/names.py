@@ -237,15 +237,10 @@ _TRL_NAMES = (
     Foreign("weight_decay", TRL, "same", "weight_decay", "TRL's default 0, here 0.1 (the reference script's)"),
     Foreign("adam_beta1", TRL, "same", "adam_beta1"),
     Foreign("adam_beta2", TRL, "same", "adam_beta2"),
-    Foreign(
-        "push_to_hub",
-        TRL,
-        "none",
-        note="dapo-train writes a Hugging Face model folder to output_dir/final; upload it with huggingface-cli upload",
-    ),
-    Foreign(
-        "hub_model_id", TRL, "none", note="nothing is uploaded: upload output_dir/final with huggingface-cli upload"
-    ),
+    Foreign("push_to_hub", TRL, "same", "push_to_hub", "final/ with a model card; checked before the first step"),
+    Foreign("hub_model_id", TRL, "same", "hub_model_id"),
+    Foreign("hub_private_repo", TRL, "same", "hub_private_repo"),
+    Foreign("hub_strategy", TRL, "same", "hub_strategy", "end and every_save (each export); not the checkpoint ones"),
 )
 
 # %% ../nbs/00_names.ipynb #37e70acd

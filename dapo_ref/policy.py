@@ -4,6 +4,7 @@
 
 # %% ../nbs/07d_policy.ipynb #f55e4c38
 from __future__ import annotations
+import re
 from pathlib import Path
 
 import torch
@@ -17,8 +18,8 @@ from .testbeds import TESTBEDS, testbed_model
 from .lora import with_lora
 
 # %% auto #0
-__all__ = ['LOAD_ERRORS', 'STAGED', 'resolve_model', 'load_model_config', 'check_model', 'weights_problem', 'model_path',
-           'stage_model', 'load_model', 'load_tokenizer', 'load_policy']
+__all__ = ['LOAD_ERRORS', 'STAGED', 'COMMIT', 'resolve_model', 'load_model_config', 'check_model', 'weights_problem',
+           'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy']
 
 # %% ../nbs/07d_policy.ipynb #acae54e37e7d407bbb7b55eff062a284
 def resolve_model(name: str, flag: str = "--model") -> str:
@@ -54,17 +55,23 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def load_model_config(name: str, flag: str = "--model"):
-    "The transformers config of `name` (a folder or hub name), or a one-line `InputError` (offline, unknown name, bad file)."
+def load_model_config(name: str, flag: str = "--model", revision: str | None = None):
+    "The transformers config of `name` (a folder, or a hub name at `revision`), or a one-line `InputError` (offline, unknown name or revision, bad file)."
     from transformers import AutoConfig
 
+    at = f" at revision {revision}" if revision else ""
     try:
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, revision=revision)
     except (OSError, ValueError, KeyError) as e:
         if not Path(name).expanduser().exists() and _offline():
             raise InputError(
-                f"{flag} {name}: not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
+                f"{flag} {name}{at}: not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
                 "forbids downloading it; download it where the hub is reachable, or give a local folder"
+            ) from None
+        if revision and "revision" in str(e).lower():
+            raise InputError(
+                f"model_revision = {revision}: {name} has no such branch, tag or commit ({one_line(e)[:200]}); "
+                "check the name on the model's hub page, or drop model_revision for main"
             ) from None
         raise InputError(
             f"{flag} {name}: cannot read its config ({one_line(e)[:300]}); "
@@ -78,13 +85,20 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def check_model(
     name: str,  # `--model` / `model`: a local folder, a hub name, or tiny
     flag: str = "--model",  # names the input in errors ("model =" in dapo-train)
+    revision: str | None = None,  # a hub name's branch, tag or commit (`model_revision`); None: main
 ):
     """Before any weight loads, what can be known of a model: the folder (config.json, tokenizer files, every
-    safetensors file whole, by its header) or the hub name (in the cache when offline), and its config; returns
-    `(name to load, config)`. dapo-train and dapo-eval run the same checks."""
+    safetensors file whole, by its header) or the hub name (at `revision`; in the cache when offline), and its config;
+    returns `(name to load, config)`. dapo-train and dapo-eval run the same checks."""
     path = resolve_model(name, flag)
-    config = load_model_config(path, flag)
     folder = Path(path)
+    if revision is not None and folder.is_dir():
+        raise InputError(
+            f"model_revision = {revision}, but {flag} {name} is a local folder, which has no revisions; "
+            "drop model_revision, or give the hub name",
+            "model_revision",
+        )
+    config = load_model_config(path, flag, revision)
     if folder.is_dir():
         if not any((folder / f).is_file() for f in _TOKENIZER_FILES):  # transformers would make an empty one
             raise InputError(
@@ -121,6 +135,7 @@ def weights_problem(model: torch.nn.Module) -> str | None:
 
 # %% ../nbs/07d_policy.ipynb #d23a7166
 STAGED: dict[str, str] = {}  # hub name -> its files on this node (`stage_model` fills it)
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a git commit as the hub names it; a branch or tag is anything else
 
 
 def model_path(name: str) -> str:
@@ -132,21 +147,32 @@ def model_path(name: str) -> str:
 
 def stage_model(
     name: str,  # cfg.model: a hub name, a local folder, or a tiny model
+    revision: str | None = None,  # cfg.model_revision: a branch, tag or commit; None: main
 ) -> str:
     """A hub model's files on this node's disk, read from the hub once per node: local rank 0 downloads them (config,
-    tokenizer, safetensors), the node's other ranks wait at a barrier, then resolve the same snapshot from the cache.
-    Afterwards `model_path(name)` is that folder for the learner and the vLLM engine alike. A local folder
+    tokenizer, safetensors) at `revision`, the node's other ranks wait at a barrier, then resolve the same snapshot
+    from the cache. Afterwards `model_path(name)` is that folder for the learner and the vLLM engine alike; its name is
+    the commit it holds (`snapshots/<commit>`, huggingface_hub's layout), what the run records. A local folder
     (pre-staged on each node's disk, the fastest start) or a tiny model is returned as it is. Call it on every rank."""
-    if name in STAGED or name == "tiny" or name.startswith("tiny-") or Path(name).is_dir():
+    if name == "tiny" or name.startswith("tiny-") or Path(name).is_dir():
         return model_path(name)
     from huggingface_hub import snapshot_download
 
     files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # what transformers and vLLM read
+    commit = revision
+    if dist.rank() == 0 and not (revision and COMMIT.fullmatch(revision)):  # a branch or tag: its commit, now
+        if _offline():
+            commit = Path(snapshot_download(name, revision=revision, allow_patterns=files, local_files_only=True)).name
+        else:
+            from huggingface_hub import HfApi
+
+            commit = HfApi().model_info(name, revision=revision).sha
+    commit = dist.broadcast_object(commit)  # one commit for every node: a branch may move while they download
     if dist.local_rank() == 0:
-        STAGED[name] = snapshot_download(name, allow_patterns=files)
+        STAGED[name] = snapshot_download(name, revision=commit, allow_patterns=files)
     dist.barrier()
     if dist.local_rank() != 0:
-        STAGED[name] = snapshot_download(name, allow_patterns=files, local_files_only=True)
+        STAGED[name] = snapshot_download(name, revision=commit, allow_patterns=files, local_files_only=True)
     return STAGED[name]
 
 # %% ../nbs/07d_policy.ipynb #d42b37e6

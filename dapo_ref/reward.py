@@ -14,11 +14,18 @@ from .answers import REFERENCE_WINDOW, extract_answer, extract_answer_reference
 from .answers import normalize_answer, normalize_reference
 from .core import REWARD_MODES, answer_formats
 from .data import extract_boxed
-from .reward_pool import MATH_VERIFY_TIMEOUT, combine, is_plugin, math_verify_equal, verify_pairs
+from dapo_ref.reward_pool import (
+    MATH_VERIFY_TIMEOUT,
+    combine,
+    is_plugin,
+    math_verify_equal,
+    renamed_columns,
+    verify_pairs,
+)
 from .reward_pool import extra_means  # noqa: F401 (for algorithm, which imports reward, not reward_pool)
 
 # %% auto #0
-__all__ = ['score_response', 'overlong_penalty', 'score_batch']
+__all__ = ['score_response', 'overlong_penalty', 'score_batch', 'trl_context']
 
 # %% ../nbs/02_reward.ipynb #cbce2a3e
 def _check_mode(mode: str):
@@ -98,6 +105,7 @@ def score_batch(
     weights: str | None = None,  # `reward_weights`, one per reward of a comma-separated `mode`
     on_failure: str = "stop",  # `reward_failures`: a plug-in failing on most calls stops the run, or warns
     memory_mb: int = 0,  # `reward_memory_mb`: a plug-in call's memory bound (0: none)
+    trl: dict | None = None,  # what a TRL-form plug-in gets beyond the rows (`reward_pool.plugin_results`)
 ):  # (scores (B,) float32, accs (B,) bool, metrics) [+ preds]
     "Eq. 7 for a whole round: `score_response`'s verdicts, with math-verify calls run in parallel and bounded in time."
     _check_mode(mode)
@@ -111,7 +119,7 @@ def score_batch(
     if is_plugin(mode) or "," in mode or weights:  # your own rewards, several or weighted: `reward_pool.combine`
         kw = dict(window=window, workers=workers, return_preds=True, answer_format=answer_format, rows=rows)
         one = lambda m: score_batch(responses, ground_truths, m, timeout, **kw)  # a built-in mode
-        out = combine(responses, ground_truths, mode, timeout, workers, rows, weights, one, on_failure, memory_mb)
+        out = combine(responses, ground_truths, mode, timeout, workers, rows, weights, one, on_failure, memory_mb, trl)
         return out if return_preds else out[:3]
     string_mode = "dapo-strict" if mode == "math-verify" else mode
     memo = {}  # (response tail, ground truth) -> verdict: a group often repeats both
@@ -144,3 +152,18 @@ def score_batch(
         "extra": [{} for _ in res],  # a plug-in's other keys per response (`reward_pool.combine`)
     }
     return (scores, accs, metrics, [d["pred"] for d in res]) if return_preds else (scores, accs, metrics)
+
+# %% ../nbs/02_reward.ipynb #756fb543
+def trl_context(
+    completion_ids: Sequence[Sequence[int]],  # B responses' token ids, in the order of the round's responses
+    cfg,  # the run's `DAPOConfig`: batch sizes, total_steps, train_data
+    step: int,  # rollout steps done
+) -> dict:
+    """What TRL's GRPOTrainer passes its reward functions beyond the rows, for one round: `completion_ids`, a
+    `trainer_state` (global_step and max_steps in optimizer steps, as TRL counts them: updates per rollout step x
+    rollout steps; and the rollout steps themselves) and the data's own column names (`renamed_columns`)."""
+    U = cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size  # optimizer steps per rollout step
+    state = dict(global_step=step * U, max_steps=cfg.total_steps * U, rollout_step=step, total_steps=cfg.total_steps)
+    return dict(
+        completion_ids=[list(c) for c in completion_ids], trainer_state=state, renames=renamed_columns(cfg.train_data)
+    )

@@ -14,9 +14,9 @@ from typing import Callable
 from .core import REWARD_MODES, REWARD_PLUGIN, InputError, short
 
 # %% auto #0
-__all__ = ['MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'BATCH_COLUMNS', 'PLUGIN_FORMS', 'default_workers', 'verify_pairs',
+__all__ = ['MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'BATCH_COLUMNS', 'TRL_EXTRAS', 'PLUGIN_FORMS', 'default_workers', 'verify_pairs',
            'math_verify_equal', 'is_plugin', 'plugin_form', 'check_plugin', 'RewardPluginError', 'failure_report',
-           'plugin_results', 'plugin_batch', 'combine', 'extra_means']
+           'renamed_columns', 'plugin_results', 'plugin_batch', 'combine', 'extra_means']
 
 # %% ../nbs/01b_reward_pool.ipynb #a1e0c003
 MATH_VERIFY_TIMEOUT = 5.0  # seconds one math-verify comparison may take before it scores -1 (DAPOConfig.reward_timeout)
@@ -185,6 +185,9 @@ def is_plugin(mode: str) -> bool:
 
 # the columns TRL's form gets besides prompts and completions
 BATCH_COLUMNS = ("data_source", "ground_truth", "extra_info", "ability")
+# and what TRL's GRPOTrainer passes besides, each where the function can take it (`verify_server.takes`): the
+# completions' token ids, and the trainer's state (global_step counts optimizer steps, as TRL counts them)
+TRL_EXTRAS = ("completion_ids", "trainer_state")
 PLUGIN_FORMS = {  # form: how it is written, as the error for a function of none of them says it
     "verl": "verl's {}(data_source, solution_str, ground_truth, extra_info=None)",
     "batch": "TRL's {}(prompts, completions, **columns)",
@@ -215,16 +218,17 @@ def plugin_form(fn) -> str | None:
     return "pair" if binds("response", "ground truth") else None
 
 
-def _check_batch(part: str, fn):
+def _check_batch(part: str, fn, names: Sequence[str] = ()):
     "`InputError` when a function in TRL's form asks for an argument the batch call does not give, or cannot take one it gives."
-    sig, given = inspect.signature(fn), ("prompts", "completions", *BATCH_COLUMNS)
+    sig, given = inspect.signature(fn), ("prompts", "completions", *BATCH_COLUMNS, *TRL_EXTRAS, *names)
     required = [
         p.name
         for p in sig.parameters.values()
         if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     missing = [n for n in required if n not in given]
-    if missing or not _binds(sig, prompts=[], completions=[], **dict.fromkeys(BATCH_COLUMNS, [])):
+    named = dict.fromkeys([n for n in (*TRL_EXTRAS, *names) if n in sig.parameters], [])  # passed when taken
+    if missing or not _binds(sig, prompts=[], completions=[], **dict.fromkeys(BATCH_COLUMNS, []), **named):
         what = f"its parameter `{missing[0]}` is no column" if missing else "it cannot take every column"
         raise InputError(
             f"reward = {part}: {part.rpartition(':')[2]}{sig} is TRL's form, but {what} of those it gets: "
@@ -233,7 +237,10 @@ def _check_batch(part: str, fn):
         )
 
 
-def check_plugin(spec: str) -> dict[str, str]:
+def check_plugin(
+    spec: str,  # `reward`: one plug-in or a comma-separated list (built-in modes among them are skipped)
+    names: Sequence[str] = (),  # the data's own column names TRL's form also gets (`renamed_columns`)
+) -> dict[str, str]:
     "Each plug-in of `spec` (one or a comma-separated list) and its form; `InputError` naming it and the fix when it does not load or fits no form."
     forms = {}
     for part in (p for p in spec.split(",") if REWARD_PLUGIN.fullmatch(p)):
@@ -255,7 +262,7 @@ def check_plugin(spec: str) -> dict[str, str]:
             )
         forms[part] = plugin_form(fn)
         if forms[part] == "batch":
-            _check_batch(part, fn)
+            _check_batch(part, fn, names)
         if forms[part] is None:
             raise InputError(
                 f"reward = {part}: {name}{inspect.signature(fn)} cannot be called as {name}(response, ground_truth), "
@@ -322,9 +329,37 @@ def _columns(row) -> dict:
     )
 
 
-def _jobs(form: str, responses, ground_truths, rows, workers: int) -> tuple[list, list]:
+def renamed_columns(
+    train_data: str | None,  # `train_data`: a data spec whose prompt=, answer=, data_source= may name other columns
+) -> dict[str, str]:
+    """{the data's column name: what it holds here (ground_truth, data_source, raw_problem)}: a TRL-form reward reads
+    the columns of its dataset by their own names (`def accuracy(completions, solution, **kw)` on a dataset whose
+    answers are in `solution`), so it gets them under those names too; {} for the DAPO schema."""
+    if not train_data:
+        return {}
+    from dapo_ref.data import data_spec
+
+    ours = {"answer": "ground_truth", "data_source": "data_source", "prompt": "raw_problem"}
+    taken = {"prompts", "completions", *BATCH_COLUMNS, *TRL_EXTRAS}  # names the call gives anyway
+    return {c: ours[k] for k, c in data_spec(train_data).columns.items() if c not in taken}
+
+
+def _more(trl: dict, ix: list[int], cols: list[dict], ground_truths) -> dict:
+    "What TRL's form gets for the completions `ix` beyond prompts, completions and the columns (`trl` of `plugin_results`)."
+    value = dict(
+        ground_truth=lambda i: str(ground_truths[i]),
+        data_source=lambda i: cols[i]["data_source"],
+        raw_problem=lambda i: cols[i]["extra_info"].get("raw_problem"),
+    )
+    more = {k: [value[v](i) for i in ix] for k, v in trl.get("renames", {}).items()}
+    if "completion_ids" in trl:
+        more["completion_ids"] = [list(trl["completion_ids"][i]) for i in ix]
+    return more
+
+
+def _jobs(form: str, responses, ground_truths, rows, workers: int, trl: dict | None = None) -> tuple[list, list]:
     "The server's jobs for one plug-in, and for each the responses it answers (one each; a batch chunk: several)."
-    cols = [_columns(r) for r in rows]
+    cols, trl = [_columns(r) for r in rows], trl or {}
     if form == "pair":
         return [(str(g), r) for r, g in zip(responses, ground_truths)], [[i] for i in range(len(responses))]
     if form == "verl":
@@ -347,6 +382,8 @@ def _jobs(form: str, responses, ground_truths, rows, workers: int) -> tuple[list
                 columns={
                     k: [cols[i][k] if k != "ground_truth" else str(ground_truths[i]) for i in ix] for k in BATCH_COLUMNS
                 },
+                more=_more(trl, ix, cols, ground_truths),  # the server passes each where the function takes it
+                trainer_state=trl.get("trainer_state"),
             ),
         )
         for ix in idx
@@ -364,13 +401,15 @@ def plugin_results(
     | None = None,  # B data rows (`MathExample`): data_source, extra_info, ... for verl's and TRL's forms
     on_failure: str = "stop",  # `reward_failures`: stop (raise `RewardPluginError`) or warn, on `failure_report`
     memory_mb: int = 0,  # `reward_memory_mb`: a call's memory bound (0: none)
+    trl: dict
+    | None = None,  # TRL's form: completion_ids (B lists), trainer_state (a dict), renames (`renamed_columns`)
 ) -> tuple[
     list, list, dict, list
 ]:  # (B results: a float, a dict, or "timeout" / "error"; B accs or None; counts; B extras)
     "One plug-in's results on a round, in the bounded pool: per response its score, its `acc` if it gave one, its other numeric keys."
     workers = workers or default_workers()
-    form = check_plugin(spec)[spec]
-    jobs, idx = _jobs(form, responses, ground_truths, rows or [None] * len(responses), workers)
+    form = check_plugin(spec, tuple((trl or {}).get("renames", ())))[spec]
+    jobs, idx = _jobs(form, responses, ground_truths, rows or [None] * len(responses), workers, trl)
     give_up = max(8, 2 * workers) if on_failure == "stop" and len(jobs) > max(8, 2 * workers) else 0
     verdicts = verify_pairs(jobs, timeout, workers, plugin=spec, form=form, memory_mb=memory_mb, give_up=give_up)
     res = [None] * len(responses)
@@ -433,6 +472,7 @@ def combine(
     builtin: Callable,  # builtin(mode) -> (scores, accs, metrics, preds) of a built-in mode (`reward.score_batch`)
     on_failure: str = "stop",  # `reward_failures`: what a failing plug-in does (`plugin_results`)
     memory_mb: int = 0,  # `reward_memory_mb`
+    trl: dict | None = None,  # what TRL's form gets beyond the rows (`plugin_results`)
 ):  # (scores (B,) float32, accs (B,) bool, metrics with "extra", B preds)
     "The weighted sum of the rewards (one alone: times its weight); acc from the first that gives one per response, else total score > 0."
     parts = mode.split(",")
@@ -445,7 +485,9 @@ def combine(
     for part, wt in zip(parts, w):
         name = part.rpartition(":")[2]
         if REWARD_PLUGIN.fullmatch(part):
-            s, a, m, ex = plugin_results(responses, ground_truths, part, timeout, workers, rows, on_failure, memory_mb)
+            s, a, m, ex = plugin_results(
+                responses, ground_truths, part, timeout, workers, rows, on_failure, memory_mb, trl
+            )
             ex = [{(f"{name}/{k}" if len(parts) > 1 and "/" not in k else k): x for k, x in e.items()} for e in ex]
         else:
             s, a, m, p = builtin(part)

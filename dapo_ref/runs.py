@@ -307,6 +307,7 @@ FROZEN = (  # change the experiment: a resumed run must keep them
     "eval_temperature",
     "eval_top_p",  # sampling
     "model",
+    "model_revision",  # the commit the run loaded (hub.resume_revision)
     "train_data",
     "eval_data",
     "seed",
@@ -344,8 +345,12 @@ FREE = (  # may change on resume: applied from the next step on, written to conf
     "vllm_gpu_memory_utilization",
     "vllm_enable_chunked_prefill",
     "vllm_enforce_eager",
-    "dist_timeout",
-)  # how long ranks wait
+    "dist_timeout",  # how long ranks wait
+    "push_to_hub",
+    "hub_model_id",
+    "hub_private_repo",
+    "hub_strategy",  # where the result goes
+)
 
 # %% ../nbs/08a_runs.ipynb #50e160a6
 def _show(v):

@@ -26,6 +26,7 @@ from .trainer import Trainer, check_run, summary_line
 from .sampling import DynamicSamplingError
 from .reward_pool import RewardPluginError
 from .runs import latest_checkpoint, prepare_output_dir
+from .hub import resume_revision
 from .guards import CheckpointError
 from .guards import SAMPLING_TIMEOUT, DivergenceError
 
@@ -143,7 +144,11 @@ def _config(args, rank) -> DAPOConfig:
         ov = parse_overrides(args.overrides)
         args.resume = strict_bool("resume", ov.pop("resume", False)) or args.resume  # a run option, not a config field
         # fields this launch cannot honour; rank 0 says the rollout's host memory where it is large
-        return check_run(load_config(args.config, ov), dist.world_size(), print if rank == 0 else None)
+        cfg = check_run(load_config(args.config, ov), dist.world_size(), print if rank == 0 else None)
+        cfg, line = resume_revision(cfg, args.resume)  # --resume: the base model's commit the run started from
+        if line and rank == 0:
+            print(line)
+        return cfg
 
 
 def _train(args, cfg, rank) -> int:
@@ -186,6 +191,9 @@ def _train(args, cfg, rank) -> int:
         trainer.close()  # output_dir free again
     if rank == 0:
         print(summary_line(summary))
+        if summary.get("hub_error"):  # trained and saved, not published: a script must not take it as published
+            print(f"dapo-train: error: {summary['hub_error']}", file=sys.stderr, flush=True)
+            return 1
     return 0
 
 # %% ../nbs/09a_train.ipynb #7540ad5b

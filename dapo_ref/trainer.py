@@ -18,7 +18,7 @@ from .cli import one_line, save_config
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_ids_for
 from .datasets import load_eval_files
 from .data import check_answer_sources
-from .reward_pool import check_plugin, is_plugin
+from .reward_pool import check_plugin, is_plugin, renamed_columns
 from dapo_ref.runs import (
     FROZEN,
     hold_output_dir,
@@ -37,11 +37,12 @@ from .guards import MAX_BAD_UPDATES, SAMPLING_TIMEOUT, SamplingWatch, blown_erro
 from .rollout import HFRolloutEngine, check_host_memory, rollout_groups
 from .interfaces import Learner, RolloutEngine
 from .learner import TorchLearner
-from .policy import LOAD_ERRORS, check_model, load_tokenizer, model_path, stage_model
+from .policy import LOAD_ERRORS, STAGED, check_model, load_tokenizer, model_path, stage_model
 from .sharded_learner import ShardedTorchLearner
 from .algorithm import Group, PromptSampler, Rollout, dapo_step, seed_of
 from .sharded import ShardedRollout
 from .track import SampleLog, Trackers, check_trackers
+from .hub import check_push, push_run, resume_revision
 from .throughput import PERF_KEYS, PerfMeter
 from .lora import adapter_config
 
@@ -57,8 +58,8 @@ def check_run(
 ) -> DAPOConfig:
     "Raise `ValueError` naming the field when this launch cannot honour `cfg` (the packages here, its ranks); return `cfg`."
     check_trackers(cfg.report_to)  # a tracker asked for and not installed: refused before the model loads
-    if is_plugin(cfg.reward):
-        check_plugin(cfg.reward)  # a reward plug-in that does not load: the same
+    if is_plugin(cfg.reward):  # a reward plug-in that does not load, or asks for what it will not get: the same
+        check_plugin(cfg.reward, tuple(renamed_columns(cfg.train_data)))
     have = lambda m: importlib.util.find_spec(m) is not None
     if cfg.zero_stage and not have("deepspeed"):
         raise ValueError(
@@ -211,10 +212,13 @@ class Trainer:
             self._hold()  # a second run on this folder is refused here, before anything loads
         tiny = cfg.model == "tiny" or cfg.model.startswith("tiny-")  # built in code: nothing to check before it loads
 
+        self.hub_repo, self.push_error = check_push(cfg), None  # an upload that cannot happen: refused before the load
         if model is None and not tiny:
-            check_model(cfg.model, "model =")  # the folder or hub name, config, tokenizer files
-        if self.world > 1 and model is None:
-            stage_model(cfg.model)  # a hub model read once per node, not once per rank
+            check_model(cfg.model, "model =", cfg.model_revision)  # the folder or hub name, config, tokenizer files
+        if model is None:
+            stage_model(cfg.model, cfg.model_revision)  # a hub model read once per node, at one commit
+            if cfg.model in STAGED:  # a hub name: the run records the commit it loads (`hub.resume_revision` reads it)
+                self.cfg = cfg = dataclasses.replace(cfg, model_revision=Path(STAGED[cfg.model]).name)
         B = cfg.prompts_per_step * cfg.group_size
         if B % cfg.mini_batch_size:
             raise ValueError(
@@ -404,6 +408,14 @@ def export(self: Trainer, path: str | Path) -> Path:
 
 
 @patch
+def push(self: Trainer, folder: Path, message: str) -> str | None:
+    "Rank 0: `folder` and its model card to the `push_to_hub` repo (`hub.push_run`); a failure is kept for the run's last line."
+    url, err = push_run(folder, self.cfg, self.rows, self.hub_repo, message, self.log)
+    self.push_error = err or self.push_error
+    return url
+
+
+@patch
 def load_checkpoint(self: Trainer, path: str | Path):
     "Restore weights, optimizer, schedule, RNG, data position, step and metrics from `path`; then line 3."
     path = Path(path)
@@ -538,7 +550,9 @@ def fit(
         if last or (cfg.save_every and self.step_idx % cfg.save_every == 0):
             self.save_checkpoint(keep_checkpoints)
         if not last and cfg.export_every and self.step_idx % cfg.export_every == 0:
-            self.export(self.out / "exports" / f"step-{self.step_idx}")
+            path = self.export(self.out / "exports" / f"step-{self.step_idx}")
+            if main and self.hub_repo and cfg.hub_strategy == "every_save":
+                self.push(path, f"dapo_ref: step {self.step_idx}")
     bar.close()
     if self.step_idx == 0:
         self._write(dict(step=0, grad_updates=0))
@@ -553,6 +567,10 @@ def fit(
         output_dir=str(self.out),
         world_size=self.world,
     )
+    if main and self.hub_repo:
+        summary["hub"] = self.push(self.out / "final", f"dapo_ref: final/, step {self.step_idx}")
+    if self.push_error:
+        summary["hub_error"] = self.push_error  # dapo-train ends with it, exit status 1
     if main:
         plot_curves(self.rows, self.out / "curves.png")
         self.trackers.summary(summary)
@@ -586,6 +604,9 @@ def train(
         deterministic = not torch.cuda.is_available()  # on GPUs it NaN-fills torch.empty, warns on cuBLAS
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+    cfg, line = resume_revision(cfg, resume)  # the base model's commit this run started from
+    if line and dist.is_main():
+        print(line)
     trainer = Trainer(cfg, hold=True, **kwargs)  # a second run on output_dir is refused before the model loads
     try:
         return trainer.fit(resume=resume, keep_checkpoints=keep_checkpoints, overwrite=overwrite)

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['W', 'DEAD', 'SERVER', 'sel', 'out', 'P', 'verify', 'PLUGIN', 'FORM', 'MEMORY_MB', 'SCORE_MAX', 'load_math_verify',
-           'load_plugin', 'Invalid', 'plugin_verdict', 'child', 'spawn', 'drop', 'reap', 'run_round', 'serve']
+           'load_plugin', 'Invalid', 'takes', 'plugin_verdict', 'child', 'spawn', 'drop', 'reap', 'run_round', 'serve']
 
 # %% ../nbs/02a_verify_server.ipynb #86c4a0b3
-import collections, ctypes, importlib, json, logging, math, os, selectors, signal, sys, time
+import collections, ctypes, importlib, inspect, json, logging, math, os, selectors, signal, sys, time, types
 
 W, DEAD = {}, []  # the live workers, by the fd of their answer pipe; killed workers not yet reaped
 SERVER = sel = out = P = verify = PLUGIN = None  # set by `serve`: this process, its selector, the answer stream,
@@ -63,12 +63,25 @@ def _clean(v):
     return float(s)
 
 
+def takes(fn, name: str) -> bool:
+    "Whether `fn` can take the keyword argument `name`: a parameter of that name, or **kwargs."
+    try:
+        ps = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    by_name = name in ps and ps[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return by_name or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
+
+
 def plugin_verdict(gold, job):
     """The plug-in's result on one job as JSON (a batch: a list, None = no verdict), or why there is none: "invalid: ..."
     (no finite score in range), "memory" (past its memory bound), "error: <exception>" (it raised)."""
     try:
         if FORM == "batch":  # TRL: fn(prompts, completions, **columns) -> one result (or None) per completion
-            v = list(PLUGIN(job["prompts"], job["completions"], **job["columns"]))
+            more = {k: v for k, v in (job.get("more") or {}).items() if takes(PLUGIN, k)}  # TRL's extras, if taken
+            if job.get("trainer_state") is not None and takes(PLUGIN, "trainer_state"):
+                more["trainer_state"] = types.SimpleNamespace(**job["trainer_state"])  # read by attribute, as TRL's
+            v = list(PLUGIN(job["prompts"], job["completions"], **job["columns"], **more))
             if len(v) != len(job["completions"]):
                 return json.dumps(f"invalid: returned {len(v)} results for {len(job['completions'])} completions")
             return json.dumps([None if x is None else _clean(x) for x in v])

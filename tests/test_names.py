@@ -23,7 +23,7 @@ per_device_train_batch_size gradient_accumulation_steps generation_batch_size st
 temperature top_p top_k loss_type mask_truncated_completions scale_rewards warmup_steps warmup_ratio max_steps seed
 bf16 use_vllm vllm_gpu_memory_utilization vllm_tensor_parallel_size save_steps logging_steps report_to output_dir
 model_init_kwargs reward_funcs reward_weights gradient_checkpointing max_grad_norm weight_decay adam_beta1 adam_beta2
-push_to_hub hub_model_id""".split()
+push_to_hub hub_model_id hub_private_repo hub_strategy""".split()
 VERL_NAMES = """data.train_batch_size data.gen_batch_size data.max_prompt_length data.max_response_length
 actor_rollout_ref.rollout.n actor_rollout_ref.actor.ppo_mini_batch_size actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
 actor_rollout_ref.actor.ppo_max_token_len_per_gpu actor_rollout_ref.actor.clip_ratio_low clip_ratio_high clip_ratio_c

@@ -40,12 +40,24 @@ def verl_boxed(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def trl_boxed(prompts, completions, **columns):
-    _log(dict(form="trl", n=len(completions), prompts=prompts, columns={k: columns[k] for k in sorted(columns)}))
+    extras = ("completion_ids", "trainer_state")  # TRL's, given in training (not JSON: trainer_state)
+    cols = {k: columns[k] for k in sorted(columns) if k not in extras}
+    _log(dict(form="trl", n=len(completions), prompts=prompts, columns=cols, extras=[k for k in extras if k in columns]))
     return [_box(c[0]["content"], g) for c, g in zip(completions, columns["ground_truth"])]  # TRL's chat completions
 
 
 def trl_none(prompts, completions, **columns):
     return [None if len(c[0]["content"]) % 3 == 0 else 0.5 for c in completions]
+
+
+def trl_sees(prompts, completions, completion_ids, trainer_state, solution, problem, **kwargs):
+    _log(dict(form="trl_sees", ids=completion_ids, step=trainer_state.global_step, max=trainer_state.max_steps,
+              rollout_step=trainer_state.rollout_step, solution=solution, problem=problem, kw=sorted(kwargs)))
+    return [_box(c[0]["content"], s) for c, s in zip(completions, solution)]
+
+
+def trl_narrow(prompts, completions, data_source, ground_truth, extra_info, ability):  # no extras taken: none given
+    return [_box(c[0]["content"], g) for c, g in zip(completions, ground_truth)]
 
 
 def verl_clash(data_source, solution_str, ground_truth, extra_info=None):
@@ -184,6 +196,42 @@ def test_a_dict_key_named_like_a_sample_field_is_written_as_logged(forms):
     json.dumps(rows)  # one JSON line each
 
 
+def test_trl_form_gets_completion_ids_trainer_state_and_its_own_column_names(forms, tmp_path):
+    """What TRL's GRPOTrainer passes a reward function: the completions' token ids, the trainer state (global_step in
+    optimizer steps: 3 rollout steps done x 2 updates each = 6; max_steps 5 x 2 = 10), and the dataset's columns under
+    their own names (answers mapped from `solution`, problems from `problem`); a function that takes none of these
+    gets none; one that asks for a column the data does not have is refused before training, naming it."""
+    import pyarrow as pa, pyarrow.parquet as pq
+    from dapo_ref.algorithm import score_groups
+    from dapo_ref.core import InputError
+    from dapo_ref.data import load_math_dataset
+    from dapo_ref.reward_pool import check_plugin
+    from dapo_ref.trainer import load_tokenizer
+
+    f = tmp_path / "mine.parquet"
+    pq.write_table(pa.Table.from_pylist([{"problem": "What is 1 + 1?", "solution": "2"}]), f)
+    spec = f"{f}:prompt=problem:answer=solution:answer_format=boxed"
+    tok, exs = load_tokenizer("tiny"), load_math_dataset(spec, verbose=False)
+    base = dict(model="tiny", train_data=spec, answer_format="boxed", group_size=2, prompts_per_step=1)
+    base.update(gen_batch_size=1, mini_batch_size=1, total_steps=5, soft_overlong_punishment=False, reward_timeout=30.0)
+    ids = [tok.encode(boxed(2, right), add_special_tokens=False) + [tok.eos_token_id] for right in (True, False)]
+    comps = [Completion(0, i, "stop") for i in ids]
+    for fn in ("trl_sees", "trl_narrow"):
+        cfg = config_from_dict({**base, "reward": f"forms_mod:{fn}"})
+        groups = score_groups(comps, tok, exs, [prompt_token_ids(exs[0], tok)], [0], cfg, step=3)
+        assert groups[0].scores == [1.0, -1.0], fn
+    calls = [json.loads(l) for l in (forms / "calls.jsonl").read_text().splitlines()]  # a call per worker's chunk
+    assert {c["form"] for c in calls} == {"trl_sees"}  # trl_narrow logs nothing: it was called without the extras
+    assert sorted(i for c in calls for i in c["ids"]) == sorted(ids)
+    assert {(c["step"], c["max"], c["rollout_step"]) for c in calls} == {(6, 10, 3)}
+    assert [x for c in calls for x in c["solution"]] == ["2", "2"]
+    assert [x for c in calls for x in c["problem"]] == ["What is 1 + 1?"] * 2
+    assert all(c["kw"] == ["ability", "data_source", "extra_info", "ground_truth"] for c in calls)
+    with pytest.raises(InputError, match="`solution` is no column"):
+        check_plugin("forms_mod:trl_sees")  # the DAPO schema: no column of that name
+    assert check_plugin("forms_mod:trl_sees", ("solution", "problem")) == {"forms_mod:trl_sees": "batch"}
+
+
 # ---------------------------------------------------------------- a training run whose every verdict is known
 
 
@@ -319,6 +367,9 @@ def test_dapo_train_passes_the_rows_columns_to_each_form(forms, tmp_path):
         )
         assert set(cols) == {"ability", "data_source", "extra_info", "ground_truth"} and set(rows) <= known
         assert all(p[-1]["role"] == "user" and "Answer:" in p[-1]["content"] for p in c["prompts"])
+        assert c["extras"][:1] == ["completion_ids"]  # what TRL passes besides: the token ids, ...
+    assert {tuple(c["extras"]) for c in trl} == {("completion_ids",), ("completion_ids", "trainer_state")}  # ... and
+    # in training (not in the held-out evaluation, which runs outside a step) the trainer state
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     step = rows[-1]
     assert step["score_mean"] == pytest.approx(step["reward/verl_boxed"] + 0.5 * step["reward/trl_boxed"], abs=1e-12)
