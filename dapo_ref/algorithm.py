@@ -14,7 +14,7 @@ from .core import DAPOConfig
 from .data import MathExample
 from .reward import extra_means, is_plugin, score_batch, overlong_penalty, trl_context
 from .loss_family import scaled_advantages
-from .sampling import DynamicSamplingBuffer
+from .sampling import DynamicSamplingBuffer, DynamicSamplingError, unfillable_cause
 from .interfaces import Completion, Learner, RolloutBatch, RolloutEngine, sampling_params_from_config
 from .rollout_correction import log_ratios, rollout_gap, rollout_weight_stats
 
@@ -195,14 +195,17 @@ def collect(
     )
     n = cfg.gen_batch_size if cfg.dynamic_sampling else cfg.prompts_per_step
     seen = []
-    while not buf.full:  # lines 7-8: until N groups are kept
-        groups = rollout.groups(prompts.next(n), step, buf.rounds)  # lines 2, 4-5
-        seen += groups
-        field = DS_FIELDS[cfg.dynamic_sampling_metric]  # acc (Eq. 11); a continuous reward: score or reward
-        vals = torch.tensor([float(v) for g in groups for v in getattr(g, field)])  # (P*G,)
-        buf.add(groups, vals)  # line 6: drop the groups whose values are all equal (Eq. 11: all correct, all wrong)
-        if on_round is not None:
-            on_round(buf)
+    try:
+        while not buf.full:  # lines 7-8: until N groups are kept
+            groups = rollout.groups(prompts.next(n), step, buf.rounds)  # lines 2, 4-5
+            seen += groups
+            field = DS_FIELDS[cfg.dynamic_sampling_metric]  # acc (Eq. 11); a continuous reward: score or reward
+            vals = torch.tensor([float(v) for g in groups for v in getattr(g, field)])  # (P*G,)
+            buf.add(groups, vals)  # line 6: drop the groups whose values are all equal (Eq. 11: all correct, all wrong)
+            if on_round is not None:
+                on_round(buf)
+    except DynamicSamplingError as e:  # the batch cannot fill: the rounds' own statistics may name the cause first
+        raise DynamicSamplingError(unfillable_cause(seen, cfg) + str(e)) from None
     timeouts, errors = rollout.reward_counts()
     stats = dict(
         gen_rounds=buf.rounds,

@@ -12,7 +12,7 @@ import torch
 
 from . import dist
 from .core import DAPOConfig, InputError
-from .guards import checkpoint_error, export_error
+from .guards import WRITE_ERRORS, checkpoint_error, export_error
 from .lora import ADAPTER_DIR, adapter_problem, load_adapters
 from .policy import load_model
 from .runs import MARKER, check_owned, check_writable, latest_checkpoint, rng_state, step_folders, write_marker
@@ -139,8 +139,8 @@ def write_checkpoint(
         if main:
             tokenizer.save_pretrained(tmp)
             write_whole(tmp / "state.json", json.dumps(state))
-    except (OSError, RuntimeError) as e:
-        failed = e  # a full disk: OSError, or torch's zip writer's RuntimeError
+    except WRITE_ERRORS as e:
+        failed = e  # a full disk: OSError, torch's zip writer's RuntimeError, safetensors' SafetensorError
     if dist.all_reduce([float(failed is not None)])[0]:  # every rank learns that one failed (this replaces a barrier)
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -175,7 +175,7 @@ def export_model(
         if main:
             tokenizer.save_pretrained(tmp)
             publish_folder(tmp, path, replace=True)
-    except (OSError, RuntimeError) as e:
+    except WRITE_ERRORS as e:
         failed = e  # a full disk
     # every rank stops with the same error (this replaces a barrier)
     if dist.all_reduce([float(failed is not None)])[0]:

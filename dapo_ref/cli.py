@@ -25,6 +25,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: the parent class merges it, and a key given here overrides the merged one
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.setdefault(key, key_node.start_mark.line + 1)

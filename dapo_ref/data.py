@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_data.ipynb #499c86e1
 from __future__ import annotations
-import fnmatch, json, re, warnings
+import fnmatch, json, re, stat, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -384,6 +384,9 @@ def data_spec(
                 raise InputError(f"{setting} names {head}, but {path} is absent; {fix}")
             raise InputError(f"{head} is a name dapo-data fetches, but {path} is absent; {fix}")
     elif not path.is_file():
+        if path.exists() and not path.is_dir():  # /dev/null, a FIFO, a socket: there, but no file to read rows from
+            kind = "a FIFO (named pipe)" if stat.S_ISFIFO(path.stat().st_mode) else "a device or socket"
+            raise InputError(f"{at}{head} is {kind}, not a file; give a .parquet or .jsonl file")
         if path.suffix and not path.is_dir():
             _check_format(path, "read")  # a .csv: the extension is what to fix
         raise InputError(

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01a_datasets.ipynb #51a05bb9
 from __future__ import annotations
-import hashlib, os
+import hashlib, os, tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -29,7 +29,7 @@ from dapo_ref.data import (
 
 # %% auto #0
 __all__ = ['RECIPE_DATASETS', 'UPSTREAM_KEEP', 'convert_upstream', 'sha256', 'fetch_dataset', 'main', 'eval_files',
-           'load_eval_files']
+           'load_eval_files', 'check_splits']
 
 # %% ../nbs/01a_datasets.ipynb #53591f59
 RECIPE_DATASETS = ("dapo-math-17k", "aime-2024")  # what `dapo-data` fetches unless --only names others
@@ -144,7 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         there = [out / f"{n}.parquet" for n in names if (out / f"{n}.parquet").exists()]
         if there and not args.overwrite:
             raise InputError(f"{there[0]} exists; pass --overwrite to replace it, or --out another folder")
-        out.mkdir(parents=True, exist_ok=True)
+        try:  # a folder it cannot write: said now, not after the download
+            out.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=out, prefix=".dapo-write-test-")
+            os.close(fd), os.unlink(probe)
+        except OSError as e:
+            raise InputError(
+                f"--out {args.out}: cannot write there ({e.strerror or e}); give a folder you can write (--out), or "
+                "make that one writable"
+            ) from None
         for n in names:
             r = fetch_dataset(n, out, args.revision, args.answer_format)
             print(
@@ -185,3 +193,32 @@ def load_eval_files(
             ex.data_source = ex.data_source or s.name
         examples += got
     return examples
+
+# %% ../nbs/01a_datasets.ipynb #5cd54235
+def check_splits(
+    cfg,  # the run's `DAPOConfig`: prompts_per_step, train_data, eval_data
+    train: list,  # the training examples (`MathExample`)
+    held_out: list,  # the held-out examples
+    log=print,  # says a partial overlap
+):
+    "`InputError` for a training set smaller than a step's prompts or held-out problems all trained on; a line for a partial overlap."
+    if len(train) < cfg.prompts_per_step:
+        raise InputError(
+            f"train_data = {cfg.train_data} holds {len(train)} problems, fewer than prompts_per_step = "
+            f"{cfg.prompts_per_step}: a step would train on some problems twice; give more problems or lower "
+            "prompts_per_step",
+            "train_data",
+        )
+    if not held_out:
+        return
+    seen = {(e.question, str(e.ground_truth)) for e in train}
+    both = sum((e.question, str(e.ground_truth)) in seen for e in held_out)
+    if both == len(held_out):
+        raise InputError(
+            f"eval_data = {cfg.eval_data}: all {both} held-out problems are in train_data as well, so held-out "
+            "accuracy would measure memorisation; give problems the run does not train on (aime-2024 for "
+            "dapo-math-17k)",
+            "eval_data",
+        )
+    if both and log:
+        log(f"note: {both} of the {len(held_out)} held-out problems (eval_data) are also in train_data")

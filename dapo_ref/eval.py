@@ -16,12 +16,12 @@ from .reward import score_batch
 from .reward_pool import is_plugin
 from .interfaces import RolloutEngine, SamplingParams
 
-PROGRESS_S = 30.0  # seconds between progress lines of work that shows no bar (evaluation, generation rounds)
+from .rollout import PROGRESS_S  # seconds between progress lines of work that shows no bar
 
 # %% auto #0
-__all__ = ['PROGRESS_S', 'INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'pass_ks', 'majority_vote', 'maj_at_k',
-           'generate_checked', 'response_rows', 'set_metrics', 'truths_of', 'source_groups', 'evaluate',
-           'per_prompt_rows', 'reward_args', 'eval_metrics']
+__all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'pass_ks', 'majority_vote', 'maj_at_k', 'generate_checked',
+           'response_rows', 'set_metrics', 'truths_of', 'source_groups', 'evaluate', 'per_prompt_rows', 'reward_args',
+           'eval_metrics']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:

@@ -491,7 +491,9 @@ def _hf_engine(args, name, tokenizer, device):
     from dapo_ref.rollout import HFRolloutEngine
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
-    return HFRolloutEngine(model, eos_token_id=eos, pad_token_id=pad, max_batch_size=args.max_batch_size)
+    engine = HFRolloutEngine(model, eos_token_id=eos, pad_token_id=pad, max_batch_size=args.max_batch_size)
+    engine.log = print  # --k x --batch-prompts responses in one call: how far it got, every PROGRESS_S seconds
+    return engine
 
 
 def vllm_engine(args, name: str, tokenizer, examples: Sequence[MathExample]):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+from safetensors import SafetensorError
 from torch import Tensor
 
 from . import dist
@@ -16,12 +17,16 @@ from .sampling import DynamicSamplingError
 from .eval import PROGRESS_S
 
 # %% auto #0
-__all__ = ['WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT', 'CheckpointError', 'checkpoint_error', 'export_error',
-           'max_abs', 'UpdateGuard', 'DivergenceError', 'divergence_error', 'blown_error', 'SamplingWatch']
+__all__ = ['WRITE_ERRORS', 'WEIGHT_GROWTH', 'MAX_BAD_UPDATES', 'SAMPLING_TIMEOUT', 'CheckpointError', 'checkpoint_error',
+           'export_error', 'max_abs', 'UpdateGuard', 'DivergenceError', 'divergence_error', 'blown_error',
+           'SamplingWatch']
 
 # %% ../nbs/08a_safeguards.ipynb #d796d603
 class CheckpointError(RuntimeError):
     "A checkpoint could not be written; the message names the disk space and the checkpoint that is still intact."
+
+
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # a failed write: OSError, torch's zip writer, safetensors'
 
 
 def _write_failure(e: BaseException, path: Path) -> tuple[float, str]:
@@ -29,7 +34,7 @@ def _write_failure(e: BaseException, path: Path) -> tuple[float, str]:
     base = Path(path)
     while not base.exists() and base != base.parent:
         base = base.parent
-    full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e)
+    full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e) or "StorageFull" in str(e)
     return (
         shutil.disk_usage(base).free / 2**30,
         "the disk is full" if full else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}",

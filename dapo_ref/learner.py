@@ -19,7 +19,7 @@ from .loss import overlong_filter
 from .loss_family import family_kwargs, family_loss
 from .rollout_correction import batch_weights
 from .packing import SeqParallel, forward_logprobs, pack, pack_micro_batches, use_varlen_attention
-from .guards import UpdateGuard
+from .guards import WRITE_ERRORS, UpdateGuard
 from dapo_ref.lora import (
     ADAPTER_DIR,
     adapter_named_weights,
@@ -320,7 +320,7 @@ def save_model(self: MicroBatchLearner, path: str | Path):
             base_of(self.model).save_pretrained(path, state_dict=sd, safe_serialization=True)
             if is_lora(self.model):
                 save_adapters(self.model, Path(path) / ADAPTER_DIR, base=self.cfg.model)
-        except (OSError, RuntimeError) as e:
+        except WRITE_ERRORS as e:
             failed = e  # a full disk: the other ranks must not wait in a barrier for it
     if self.reduce([float(failed is not None)])[0]:  # rank 0's outcome on every rank (this replaces a barrier)
         raise failed or OSError(f"rank 0 could not write the model to {path}")

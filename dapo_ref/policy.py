@@ -19,7 +19,7 @@ from .lora import with_lora
 
 # %% auto #0
 __all__ = ['LOAD_ERRORS', 'STAGED', 'COMMIT', 'resolve_model', 'load_model_config', 'check_model', 'weights_problem',
-           'model_path', 'stage_model', 'load_model', 'load_tokenizer', 'load_policy']
+           'model_path', 'stage_model', 'load_model', 'loading_problem', 'load_tokenizer', 'load_policy']
 
 # %% ../nbs/07d_policy.ipynb #acae54e37e7d407bbb7b55eff062a284
 def resolve_model(name: str, flag: str = "--model") -> str:
@@ -184,11 +184,38 @@ def load_model(
 ):
     "The causal LM `name` (see `model_path`) in `dtype` with `attn_implementation`; with LoRA adapters when `lora` asks."
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path(name), dtype=getattr(torch, dtype), attn_implementation=attn_implementation
-    )
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers' table of missing weights: `loading_problem` says it in one line
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_path(name),
+            dtype=getattr(torch, dtype),
+            attn_implementation=attn_implementation,
+            output_loading_info=True,
+        )
+    finally:
+        hf_logging.set_verbosity(level)
+    if why := loading_problem(info, type(model).__name__):
+        raise ValueError(why)  # one of LOAD_ERRORS: each caller names its input
     return model if lora is None else with_lora(model, lora)
+
+
+def loading_problem(
+    info: dict,  # from_pretrained's loading info: missing_keys, unexpected_keys, mismatched_keys
+    arch: str,  # the class config.json named
+) -> str | None:
+    """Why the weights do not fit the architecture the config names (a Llama checkpoint under a Qwen2 config.json: the
+    biases left random, weights unread), in words; None when every weight was read into its place."""
+    missing, unused = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    shapes = list(info.get("mismatched_keys") or ())
+    if not (missing or unused or shapes):
+        return None
+    parts = [f"{len(missing)} missing, left random (e.g. {missing[0]})"] if missing else []
+    parts += [f"{len(unused)} unused (e.g. {unused[0]})"] if unused else []
+    parts += [f"{len(shapes)} of another shape (e.g. {shapes[0][0]})"] if shapes else []
+    return f"the weights do not fit {arch} (config.json): {', '.join(parts)}; use the config.json saved with them"
 
 
 def load_tokenizer(name: str):

@@ -14,9 +14,9 @@ from typing import Callable
 from .core import REWARD_MODES, REWARD_PLUGIN, InputError, short
 
 # %% auto #0
-__all__ = ['MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'BATCH_COLUMNS', 'TRL_EXTRAS', 'PLUGIN_FORMS', 'default_workers', 'verify_pairs',
-           'math_verify_equal', 'is_plugin', 'plugin_form', 'check_plugin', 'RewardPluginError', 'failure_report',
-           'renamed_columns', 'plugin_results', 'plugin_batch', 'combine', 'extra_means']
+__all__ = ['MATH_VERIFY_TIMEOUT', 'SLOW_AFTER', 'RUN_DIR_ENV', 'BATCH_COLUMNS', 'TRL_EXTRAS', 'PLUGIN_FORMS', 'default_workers',
+           'verify_pairs', 'math_verify_equal', 'is_plugin', 'plugin_form', 'check_plugin', 'RewardPluginError',
+           'failure_report', 'renamed_columns', 'plugin_results', 'plugin_batch', 'combine', 'extra_means']
 
 # %% ../nbs/01b_reward_pool.ipynb #a1e0c003
 MATH_VERIFY_TIMEOUT = 5.0  # seconds one math-verify comparison may take before it scores -1 (DAPOConfig.reward_timeout)
@@ -142,7 +142,7 @@ def verify_pairs(
     "math-verify (or a reward plug-in) on many pairs at once, in a pool of worker processes started once and reused."
     if not pairs:
         return []
-    key = f"{plugin}@{memory_mb}" if plugin else "math-verify"
+    key = f"{plugin}@{memory_mb}@{os.environ.get(RUN_DIR_ENV, '')}" if plugin else "math-verify"  # a run's own server
     with _POOL_LOCK:
         if _POOL["pid"] != os.getpid():
             _POOL.update(pid=os.getpid(), pools={})  # never reuse a parent's pipes
@@ -183,6 +183,9 @@ def is_plugin(mode: str) -> bool:
     return any(REWARD_PLUGIN.fullmatch(m) is not None for m in mode.split(","))
 
 
+RUN_DIR_ENV = (
+    "DAPO_REF_RUN_DIR"  # the run's folder: a plug-in's server may not write beneath it (verify_server.protect)
+)
 # the columns TRL's form gets besides prompts and completions
 BATCH_COLUMNS = ("data_source", "ground_truth", "extra_info", "ability")
 # and what TRL's GRPOTrainer passes besides, each where the function can take it (`verify_server.takes`): the
@@ -217,7 +220,7 @@ def plugin_form(fn) -> str | None:
         return "verl"
     return "pair" if binds("response", "ground truth") else None
 
-
+# %% ../nbs/01b_reward_pool.ipynb #6a9a49bb
 def _check_batch(part: str, fn, names: Sequence[str] = ()):
     "`InputError` when a function in TRL's form asks for an argument the batch call does not give, or cannot take one it gives."
     sig, given = inspect.signature(fn), ("prompts", "completions", *BATCH_COLUMNS, *TRL_EXTRAS, *names)
@@ -308,6 +311,8 @@ def failure_report(
     skipped = sum(v == "skipped" for _, v in fails)
     made = len(res) - skipped
     first = v[len("error: ") :] if v.startswith("error: ") else {"timeout": "no result in time"}.get(v, v)
+    if first.startswith("PermissionError") and os.environ.get(RUN_DIR_ENV):  # `verify_server.protect`'s doing
+        first += " (a reward plug-in may not write beneath the run's folder, nor make files in the folders above it)"
     return (
         f"reward = {spec} failed on {made - (len(res) - len(fails))} of the {made} calls it was given this round "
         f"({counts}{f'; the round stopped there, {skipped} calls not made' if skipped else ''}); first: {first}, on "

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_rollout.ipynb #20839d4d
 from __future__ import annotations
-import difflib, os
+import difflib, os, time
 from typing import Callable, Iterable
 
 import torch
@@ -14,8 +14,8 @@ from .core import InputError
 from .interfaces import Completion, RolloutEngine, SamplingParams
 
 # %% auto #0
-__all__ = ['HOST_BYTES_PER_TOKEN', 'rollout_groups', 'top_k_filter', 'top_p_filter', 'sample_next', 'HFRolloutEngine',
-           'check_host_memory']
+__all__ = ['PROGRESS_S', 'HOST_BYTES_PER_TOKEN', 'rollout_groups', 'top_k_filter', 'top_p_filter', 'sample_next',
+           'HFRolloutEngine', 'check_host_memory']
 
 # %% ../nbs/07_rollout.ipynb #c4d16e99
 def rollout_groups(
@@ -70,8 +70,13 @@ def sample_next(
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)  # (B,)
 
 # %% ../nbs/07_rollout.ipynb #44144124
+PROGRESS_S = 30.0  # seconds between progress lines of work that shows no bar (generation, evaluation, rounds)
+
+
 class HFRolloutEngine(RolloutEngine):
     "Rollout engine on a transformers causal LM: batched, left-padded, KV-cached, seeded sampling loop."
+
+    log: Callable[[str], None] | None = None  # a call that runs long says how far it got, every PROGRESS_S seconds
 
     def __init__(
         self,
@@ -110,11 +115,15 @@ class HFRolloutEngine(RolloutEngine):
             from tqdm.auto import tqdm
 
             chunks = tqdm(chunks, desc="generate", unit="chunk")
-        out = []
+        out, t0 = [], time.monotonic()
+        t_line = t0
         for s in chunks:
             chunk = rows[s : s + self.max_batch_size]
             ids = self._generate_chunk([p for _, p in chunk], params, gen)
             out += [Completion(i, t, "stop" if t[-1] in self.eos_ids else "length") for (i, _), t in zip(chunk, ids)]
+            if self.log and time.monotonic() - t_line >= PROGRESS_S and len(out) < len(rows):
+                t_line = time.monotonic()
+                self.log(f"generating: {len(out):,} of {len(rows):,} responses, {t_line - t0:.0f} s")
         return out
 
     @torch.no_grad()

@@ -17,10 +17,10 @@ from .cli import config_from_dict, read_yaml
 from .writers import LOCK, RunLock, held_elsewhere, remove_tree
 
 # %% auto #0
-__all__ = ['MARKER', 'RUN_ENTRIES', 'FROZEN', 'FREE', 'read_marker', 'write_marker', 'run_contents', 'check_owned',
-           'check_writable', 'prepare_output_dir', 'foreign_folders', 'check_overwrite', 'clear_run', 'hold_output_dir',
-           'step_folders', 'checkpoint_experiment', 'resume_changes', 'read_metrics', 'rng_state', 'set_rng_state',
-           'latest_checkpoint', 'plot_curves']
+__all__ = ['MARKER', 'RUN_ENTRIES', 'RUN_PATH_TAIL', 'FROZEN', 'FREE', 'read_marker', 'write_marker', 'run_contents',
+           'check_owned', 'check_resumable', 'check_writable', 'prepare_output_dir', 'foreign_folders',
+           'check_overwrite', 'clear_run', 'hold_output_dir', 'step_folders', 'checkpoint_experiment', 'resume_changes',
+           'read_metrics', 'rng_state', 'set_rng_state', 'latest_checkpoint', 'plot_curves']
 
 # %% ../nbs/08a_runs.ipynb #6b6f1360
 MARKER = ".dapo_ref.json"  # written first into every folder a dapo_ref command creates: its kind, command, time, id
@@ -70,7 +70,7 @@ def write_marker(
     (folder / MARKER).write_text(json.dumps(m) + "\n")
     return m
 
-# %% ../nbs/08a_runs.ipynb #977d874d
+# %% ../nbs/08a_runs.ipynb #632d92de
 def run_contents(out: str | Path) -> list[str]:
     "What `out` holds of an earlier run (its `metrics.jsonl`, checkpoints, exports), in words; empty when there is nothing to lose."
     out, have = Path(out), []
@@ -133,15 +133,55 @@ def check_owned(
     )
 
 
+RUN_PATH_TAIL = len("/checkpoints/step-1000000.tmp/global_step1000000/zero_pp_rank_127_mp_rank_00_optim_states.pt")
+
+
+def _limits(base: Path) -> tuple[int, int]:
+    "(the longest file name, the longest path) the file system at `base` takes, in bytes; Linux's 255 and 4096 if it does not say."
+    try:
+        return os.pathconf(base, "PC_NAME_MAX"), os.pathconf(base, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 255, 4096
+
+
+def check_resumable(out: str | Path):
+    "`--resume` of dapo-train: `InputError` when `out` holds no run to continue (a silent new run before)."
+    if not run_contents(out) and not (Path(out) / "config.yaml").is_file():
+        raise InputError(
+            f"--resume: {out} holds no run (no config.yaml, metrics.jsonl or checkpoints); drop --resume to start "
+            "one there, or give the output_dir of the run to continue"
+        )
+
+# %% ../nbs/08a_runs.ipynb #977d874d
 def check_writable(
     out: str | Path,  # the folder a run will write
     name: str = "output_dir",  # the setting that names it, for the message
 ) -> Path:
     "Raise `InputError` unless a file can be created in `out` (or, if it does not exist yet, in its nearest existing parent); creates nothing."
-    p = Path(out)
-    base = p
-    while not base.exists() and base != base.parent:
+    p = base = Path(out)
+    while base != base.parent:  # the nearest folder that exists (a name too long to look up is not one)
+        try:
+            if base.exists():
+                break
+        except OSError:
+            pass
         base = base.parent
+    name_max, path_max = _limits(base)
+    if long := [c for c in p.absolute().parts if len(c.encode()) > name_max]:
+        raise InputError(
+            f"{name} = {short(out)}: the name {short(long[0])} is {len(long[0].encode())} bytes, and this file "
+            f"system takes names of at most {name_max}; choose a shorter {name}"
+        )
+    if (n := len(str(p.absolute()).encode()) + RUN_PATH_TAIL) > path_max:
+        raise InputError(
+            f"{name} = {short(out)}: the run's deepest files would have paths of {n} bytes, and paths here may have "
+            f"at most {path_max}; choose a {name} nearer the root"
+        )
+    if p.is_symlink() and not p.exists():  # mkdir would raise FileExistsError, after the model had loaded
+        raise InputError(
+            f"{name} = {out} is a symbolic link to {os.readlink(p)}, which does not exist; create that folder, "
+            f"or choose another {name}"
+        )
     if not base.is_dir():
         raise InputError(f"{name} = {out}: {base} is a file, so no run folder can be made there; choose another {name}")
     try:
@@ -184,6 +224,8 @@ def prepare_output_dir(
     if overwrite:
         check_overwrite(out)
     have = run_contents(out)
+    if resume and (out / "metrics.jsonl").is_file():
+        read_metrics(out / "metrics.jsonl")  # a line that is no row: said now, not after the model loads
     if have and not resume and not overwrite:
         raise InputError(
             f"output_dir = {out} already holds a run ({'; '.join(have)}); pass --resume to continue it, "
@@ -429,8 +471,24 @@ def resume_changes(
 
 # %% ../nbs/08a_runs.ipynb #de8c32a7
 def read_metrics(path: str | Path) -> list[dict]:
-    "Rows of a `metrics.jsonl` file."
-    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    "Rows of a `metrics.jsonl` file; `InputError` naming the line that is not a JSON row."
+    rows = []
+    for i, l in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+        if not l.strip():
+            continue
+        try:
+            rows.append(json.loads(l))
+        except ValueError as e:
+            raise InputError(
+                f"{path}: line {i} is not a JSON row ({getattr(e, 'msg', e)}: {short(l[:60])}); the run's rows up "
+                f"to its newest checkpoint are in that checkpoint's state.json: move the file aside (mv {path} "
+                f"{path}.bad) and run again, and --resume writes it anew from them"
+            ) from None
+        if not isinstance(rows[-1], dict):
+            raise InputError(
+                f"{path}: line {i} is {type(rows[-1]).__name__}, not a row (a JSON object); fix or remove it"
+            )
+    return rows
 
 
 def rng_state() -> dict:

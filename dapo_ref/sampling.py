@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['informative_groups', 'DynamicSamplingError', 'DynamicSamplingBuffer']
+__all__ = ['informative_groups', 'DynamicSamplingError', 'DynamicSamplingBuffer', 'unfillable_cause']
 
 # %% ../nbs/05_sampling.ipynb #a3a053d1
 def _check_int(name: str, value, lo: int, allowed: str):
@@ -142,3 +142,39 @@ class DynamicSamplingBuffer:
         out, self.n_dropped = self._groups[: self.prompts_per_step], len(self._groups) - self.prompts_per_step
         self._groups = []
         return out
+
+# %% ../nbs/05_sampling.ipynb #7f9bf163
+def unfillable_cause(
+    groups: list,  # the step's groups so far (`algorithm.Group`: truncated, responses, preds), every round
+    cfg,  # the run's `DAPOConfig`: l_max, overlong_filter, sampling, reward and answer_format
+) -> str:
+    "Why no group could be informative, when the rounds' own statistics say it, as a sentence naming the field to change; '' otherwise."
+    if not all(hasattr(g, a) for g in groups for a in ("truncated", "responses", "preds")):
+        return ""  # groups of another kind (a test's stand-ins): no statistics to read
+    n = sum(len(g.truncated) for g in groups)
+    if n and all(t for g in groups for t in g.truncated):
+        lost = "; overlong_filter drops every one from the loss" if cfg.overlong_filter else ""
+        return (
+            f"every one of the {n} responses reached l_max = {cfg.l_max} tokens without ending{lost}, so every "
+            "group's responses scored alike: raise l_max (the paper: 20480), or check that the model ends its "
+            "answers (its EOS token). "
+        )
+    key = lambda r, p: (tuple(r) if isinstance(r, list) else len(r), p)  # tokens, or (on N ranks) the length
+    if (
+        groups
+        and cfg.group_size > 1
+        and all(len({key(r, p) for r, p in zip(g.responses, g.preds)}) == 1 for g in groups)
+    ):
+        return (
+            f"every group's group_size = {cfg.group_size} responses were identical (temperature = {cfg.temperature}, "
+            f"top_p = {cfg.top_p}, top_k = {cfg.top_k}: sampling that draws one response), so no group's rewards "
+            "differ: sample with spread, top_k: -1 and temperature: 1.0 (the paper's). "
+        )
+    builtin = all("." not in m for m in cfg.reward.split(","))  # a plug-in reads its own answers
+    if n and builtin and all(p in ("", "[INVALID]", None) for g in groups for p in g.preds):
+        return (
+            f"no response had an answer the reward reads (answer_format = {cfg.answer_format}), so every group "
+            "scored all wrong: set answer_format to what the prompts ask for (boxed for \\boxed{} answers, "
+            "answer_line for a last line `Answer: ...`), or a data spec's answer_format= for the prompts it wraps. "
+        )
+    return ""

@@ -11,7 +11,7 @@ from .core import InputError
 
 # %% auto #0
 __all__ = ['BACKEND_MODULE', 'TRACKERS', 'report_targets', 'check_trackers', 'numbers', 'Tracker', 'code_block',
-           'TensorBoardTracker', 'WandbTracker', 'Trackers', 'SampleLog', 'read_samples']
+           'TensorBoardTracker', 'WandbTracker', 'Trackers', 'SampleLog', 'read_samples', 'sample_rows']
 
 # %% ../nbs/08e_track.ipynb #a9f0b4df
 BACKEND_MODULE = {
@@ -176,3 +176,32 @@ def read_samples(out: Path) -> list[dict]:
         if p.is_file():
             rows += [json.loads(l) for l in p.read_text(encoding="utf-8").splitlines() if l.strip()]
     return rows
+
+# %% ../nbs/08e_track.ipynb #acb60a7f
+def sample_rows(
+    groups: list,  # `algorithm.Group`s of one step
+    tokenizer,  # decodes prompts and responses
+    examples: list,  # the training set (`MathExample`), for the ground truths
+    step: int,
+    mode: str,  # `reward`
+) -> list[dict]:
+    "samples.jsonl rows (`track.SampleLog`) of training groups: one per response, its text, answer, score and reward."
+    dec = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return [
+        dict(
+            step=step,
+            split="train",
+            prompt=dec(g.prompt_ids),
+            response=dec(r),
+            pred=p,
+            ground_truth=str(examples[g.index].ground_truth),
+            score=s,
+            reward=w,
+            length=len(r),
+            truncated=t,
+            reward_mode=mode,
+            **{f"reward/{k}": v for k, v in x.items()},  # a reward's other keys, as logged: never a field's name
+        )
+        for g in groups
+        for r, p, s, w, t, x in zip(g.responses, g.preds, g.scores, g.rewards, g.truncated, g.extra)
+    ]

@@ -25,7 +25,7 @@ from .tiny_ship import check_cache
 from .trainer import Trainer, check_run, summary_line
 from .sampling import DynamicSamplingError
 from .reward_pool import RewardPluginError
-from .runs import latest_checkpoint, prepare_output_dir
+from .runs import check_resumable, latest_checkpoint, prepare_output_dir
 from .hub import resume_revision
 from .guards import CheckpointError
 from .guards import SAMPLING_TIMEOUT, DivergenceError
@@ -160,6 +160,8 @@ def _train(args, cfg, rank) -> int:
             prepare_output_dir(
                 cfg, resume, args.overwrite
             )  # the user's folder never written, an earlier run never replaced silently
+            if resume:
+                check_resumable(cfg.output_dir)  # nothing to continue: said, not a silent new run
             if cfg.model == "tiny" or cfg.model.startswith("tiny-"):
                 check_cache()  # where a tiny model may be built
             # the tiny model's matrices are too small to split across threads: on 2 shared cores one thread generates

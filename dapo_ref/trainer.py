@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_trainer.ipynb #a1cb4547
 from __future__ import annotations
-import dataclasses, importlib.util, json, math, random, sys, time, weakref
+import dataclasses, importlib.util, json, math, os, random, sys, time, weakref
 from pathlib import Path
 from typing import Callable
 
@@ -16,9 +16,9 @@ from . import dist
 from .core import DAPOConfig, InputError, validate
 from .cli import one_line, save_config
 from .data import MathExample, check_prompt_lengths, load_math_dataset, prompt_ids_for
-from .datasets import load_eval_files
+from .datasets import check_splits, load_eval_files
 from .data import check_answer_sources
-from .reward_pool import check_plugin, is_plugin, renamed_columns
+from .reward_pool import RUN_DIR_ENV, check_plugin, is_plugin, renamed_columns
 from dapo_ref.runs import (
     FROZEN,
     hold_output_dir,
@@ -39,16 +39,17 @@ from .interfaces import Learner, RolloutEngine
 from .learner import TorchLearner
 from .policy import LOAD_ERRORS, STAGED, check_model, load_tokenizer, model_path, stage_model
 from .sharded_learner import ShardedTorchLearner
-from .algorithm import Group, PromptSampler, Rollout, dapo_step, seed_of
+from .algorithm import PromptSampler, Rollout, dapo_step, seed_of
 from .sharded import ShardedRollout
-from .track import SampleLog, Trackers, check_trackers
+from .track import SampleLog, Trackers, check_trackers, sample_rows
 from .hub import check_push, push_run, resume_revision
+from .verify_server import landlock_abi
 from .throughput import PERF_KEYS, PerfMeter
 from .lora import adapter_config
 
 # %% auto #0
 __all__ = ['TINY_N_TRAIN', 'TINY_N_EVAL', 'TIMING_KEYS', 'check_run', 'load_splits', 'learner_class', 'strip_timing',
-           'make_engine', 'Trainer', 'sample_rows', 'summary_line', 'train']
+           'make_engine', 'Trainer', 'summary_line', 'train']
 
 # %% ../nbs/09_trainer.ipynb #12029f8b
 def check_run(
@@ -67,7 +68,7 @@ def check_run(
             "pip install 'deepspeed>=0.19.8,<0.20' or set zero_stage: 0 (the plain PyTorch learner)"
         )
     if cfg.zero_stage:
-        check_build_locks()  # a killed build of a DeepSpeed op would make the learner wait on its lock forever
+        check_build_locks(log)  # a killed build of a DeepSpeed op would make the learner wait on its lock forever
     if cfg.attn_implementation.startswith("flash"):  # transformers would fail at load time, after the model was read
         pkg, mod = {
             "flash_attention_2": ("flash-attn", "flash_attn"),
@@ -97,6 +98,11 @@ def check_run(
         raise ValueError(
             "vllm_enable_chunked_prefill = true on vLLM's CPU backend: a seeded request whose prefill is "
             "split fails there (CPU generators have no offset to rewind); set vllm_enable_chunked_prefill: false"
+        )
+    if log and cfg.warmup_steps > cfg.total_steps > 0:  # allowed (a short check run), never silent
+        log(
+            f"note: warmup_steps = {cfg.warmup_steps} > total_steps = {cfg.total_steps}: the learning rate rises over "
+            f"the whole run and never reaches lr = {cfg.lr:g}; lower warmup_steps or raise total_steps for a real run"
         )
     G, tokens = cfg.group_size, cfg.max_prompt_length + cfg.l_max
     round_prompts = cfg.gen_batch_size if cfg.dynamic_sampling else cfg.prompts_per_step
@@ -238,6 +244,7 @@ class Trainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.prompt_ids = prompt_ids_for(train_examples, tokenizer, cfg)  # chat template, system prompt: cfg's
         check_prompt_lengths(train_examples, self.prompt_ids, cfg.max_prompt_length)  # names the row in the file
+        check_splits(cfg, self.train_examples, self.eval_examples, self.log)  # a set too small; held-out = trained on
         try:
             self.learner = learner_class(cfg, self.world).build(cfg, self.pad_id, model=model)
         except LOAD_ERRORS as e:
@@ -251,6 +258,8 @@ class Trainer:
         self.perf = PerfMeter(self.learner, cfg, self.world)  # the perf/ keys of every row
         self.own_engine = engine is None  # `close` closes what it started
         self.engine = engine or make_engine(cfg, self.learner, tokenizer, self.pad_id)
+        if isinstance(self.engine, HFRolloutEngine):
+            self.engine.log = self.log  # a round of many responses says how far it got
         if hasattr(self.engine, "on_transition"):  # vLLM: the phases' peaks end where its memory sleeps and wakes
             self.engine.on_transition = self.perf.transition
         self.sampler = PromptSampler(len(train_examples), cfg.seed)  # line 2's data order
@@ -275,29 +284,6 @@ def sync_weights(self: Trainer):
     self.engine.load_weights(self.learner.sync_weights())
 
 # %% ../nbs/09_trainer.ipynb #922286cd
-def sample_rows(groups: list[Group], tokenizer, examples: list[MathExample], step: int, mode: str) -> list[dict]:
-    "samples.jsonl rows (`track.SampleLog`) of training groups: one per response, its text, answer, score and reward."
-    dec = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    return [
-        dict(
-            step=step,
-            split="train",
-            prompt=dec(g.prompt_ids),
-            response=dec(r),
-            pred=p,
-            ground_truth=str(examples[g.index].ground_truth),
-            score=s,
-            reward=w,
-            length=len(r),
-            truncated=t,
-            reward_mode=mode,
-            **{f"reward/{k}": v for k, v in x.items()},  # a reward's other keys, as logged: never a field's name
-        )
-        for g in groups
-        for r, p, s, w, t, x in zip(g.responses, g.preds, g.scores, g.rewards, g.truncated, g.extra)
-    ]
-
-
 @patch
 def after_update(self: Trainer, update: dict):
     "The guard's verdict on the optimizer step just taken: stop on weights that blew up, count (and log) one not applied."
@@ -483,8 +469,11 @@ def _start(self: Trainer, resume: bool, overwrite: bool = False):
             self.log(f"--overwrite: removed {', '.join(gone)} from {self.out}")
         if read_marker(self.out) is None:
             write_marker(self.out, "run")  # the folder is the run's from now on
+        if is_plugin(cfg.reward) and not landlock_abi():
+            self.log("note: this kernel has no Landlock, so a reward plug-in could write into the run's folder")
         save_config(cfg, self.out / "config.yaml")
     dist.barrier()
+    os.environ[RUN_DIR_ENV] = str(self.out.resolve())  # a reward plug-in's server may not write beneath it
     ck = newest_loadable_checkpoint(self.out, self.log) if resume else None  # a broken newer one is skipped, kept
     if ck is not None:
         self.load_checkpoint(ck)

@@ -957,7 +957,7 @@ CASES = [
             w,
             f"model={model_copy(w, 'nan', nan_weight)}",
             "total_steps=0",
-            f"eval_data={w.data}",
+            *("prompts_per_step=2", "gen_batch_size=2", "mini_batch_size=16"),  # w.data holds 3 problems
             "max_prompt_length=1000",
             out="runs/new",
             data=w.data,

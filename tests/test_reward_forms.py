@@ -71,6 +71,8 @@ def forms(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # the server's
     monkeypatch.setenv("FORMS_LOG", str(tmp_path / "calls.jsonl"))
+    (tmp_path / "calls.jsonl").touch()  # made here: a plug-in may write a file above the run's folder, not make one
+    # there (verify_server.protect: the runs below are in tmp_path/run)
     return tmp_path
 
 

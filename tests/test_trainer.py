@@ -448,16 +448,26 @@ def test_resume_skips_a_truncated_checkpoint_keeps_it_and_applies_total_steps(tm
     assert (run / "notes.md").read_text() == "the user's" and not (run / "metrics.dropped.jsonl").exists()
 
 
-def test_a_failed_checkpoint_write_names_disk_space_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("writer", ["torch", "safetensors"])
+def test_a_failed_checkpoint_write_names_disk_space_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch, writer):
+    """The second checkpoint runs out of space half way, as torch's zip writer reports it (a RuntimeError) or as
+    safetensors does (a SafetensorError, which is neither an OSError nor a RuntimeError: a traceback before)."""
+    from safetensors import SafetensorError
     from dapo_ref.checkpoints import checkpoint_problem
 
     run, calls, save = tmp_path / "run", [], TorchLearner.save
+    error = {
+        "torch": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 0"),
+        "safetensors": SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
+    }[writer]
 
-    def full_disk(self, path):  # the second checkpoint runs out of space half way, as torch's zip writer reports it
+    def full_disk(self, path):
         calls.append(path)
         save(self, path)
         if len(calls) == 2:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 0")
+            raise error
 
     monkeypatch.setattr(TorchLearner, "save", full_disk)
     rc = main(
@@ -476,6 +486,7 @@ def test_a_failed_checkpoint_write_names_disk_space_and_keeps_the_previous_one(t
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err, err
     assert "GiB of disk space is free there" in err and "step-1 is intact" in err and "--resume" in err, err
+    assert writer == "torch" or "(the disk is full)" in err, err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]  # no half-written step-2.tmp
     assert checkpoint_problem(run / "checkpoints" / "step-1") is None
 
