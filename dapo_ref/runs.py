@@ -169,12 +169,12 @@ def check_writable(
     name_max, path_max = _limits(base)
     if long := [c for c in p.absolute().parts if len(c.encode()) > name_max]:
         raise InputError(
-            f"{name} = {short(out)}: the name {short(long[0])} is {len(long[0].encode())} bytes, and this file "
+            f"{name} = {short(str(out))}: the name {short(long[0])} is {len(long[0].encode())} bytes, and this file "
             f"system takes names of at most {name_max}; choose a shorter {name}"
         )
     if (n := len(str(p.absolute()).encode()) + RUN_PATH_TAIL) > path_max:
         raise InputError(
-            f"{name} = {short(out)}: the run's deepest files would have paths of {n} bytes, and paths here may have "
+            f"{name} = {short(str(out))}: the run's deepest files would have paths of {n} bytes, and paths here may have "
             f"at most {path_max}; choose a {name} nearer the root"
         )
     if p.is_symlink() and not p.exists():  # mkdir would raise FileExistsError, after the model had loaded
