@@ -25,6 +25,7 @@ ALL = [  # (kind, name, seeds, folder under benchmarks/ablation): what `dapo-abl
     ("table", "recipes/ablation-testbed.yaml", (0, 1, 2), "testbed"),  # held-out starts at 0.27 here: target 0.45
     ("study", "token-loss", (0, 1, 2, 3), "token-loss"),
     ("study", "overlong", (0, 1, 2, 3), "overlong"),
+    ("study", "soft-punishment", (0, 1, 2, 3), "soft-punishment"),
     ("study", "clip-higher-testbed", (0, 1, 2, 3, 4, 5), "clip-higher-testbed"),
     ("study", "clip-higher-guesser", (0, 1, 2, 3, 4, 5), "clip-higher-guesser"),
     ("study", "dynamic-sampling", (0, 1, 2), "dynamic-sampling"),
@@ -55,6 +56,12 @@ MECHANISMS = [  # (technique, study, paper's claim, [(metric, direction the pape
         "overlong",
         "masking truncated samples stabilises training and helps accuracy",
         [("acc_mean", +1), ("entropy_mean", -1)],
+    ),
+    (
+        "Soft overlong punishment (Table 1)",
+        "soft-punishment",
+        "Eq. 13 moves lengths out of the last L_cache tokens before L_max, at no cost in accuracy",
+        [("trunc_mean", -1), ("len_mean", -1), ("acc_mean", +1)],
     ),
     (
         "Dynamic sampling (Fig. 6)",

@@ -80,7 +80,7 @@ def score_groups(
     indices: list[int],  # the P rows the completions answer
     cfg: DAPOConfig,  # group_size, reward mode and timeout, overlong settings
     stats: dict | None = None,  # adds the reward's timeouts and errors to stats["reward_timeouts"], ...
-    step: int = 0,  # the rollout step (done so far): a TRL-form reward plug-in gets it as its trainer_state
+    step: int = 1,  # this rollout step, from 1: a TRL-form reward plug-in gets the steps done as its trainer_state
 ) -> list[Group]:
     "Algorithm 1 line 5: the rule-based reward (Eq. 7, `cfg.reward`) plus the soft overlong punishment (Eq. 13) of every response."
     if not indices:

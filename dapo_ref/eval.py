@@ -12,8 +12,8 @@ from torch import Tensor
 
 from .data import MathExample, prompt_token_ids
 from .answers import normalize_answer
-from .reward import score_batch
-from .reward_pool import is_plugin
+from .reward import score_batch, trl_context
+from .reward_pool import is_plugin, renamed_columns
 from .interfaces import RolloutEngine, SamplingParams
 
 from .rollout import PROGRESS_S  # seconds between progress lines of work that shows no bar
@@ -243,6 +243,8 @@ def evaluate(
     reward_timeout: float = 5.0,  # seconds per math-verify or plug-in call (`DAPOConfig.reward_timeout`)
     reward_failures: str = "stop",  # a reward plug-in failing on most calls of a batch stops it (`DAPOConfig`)
     reward_memory_mb: int = 0,  # a plug-in call's memory bound (`DAPOConfig.reward_memory_mb`)
+    reward_columns: dict | None = None,  # TRL's form: the data's own column names (`reward_pool.renamed_columns`)
+    reward_state: dict | None = None,  # TRL's form: the trainer state of the run that evaluates (`reward.trl_context`)
     log: Callable[[str], None] | None = None,  # a progress line at most every PROGRESS_S seconds
 ) -> dict:
     "Sample k responses per prompt and report avg@k, pass@k (any of k correct), maj@k, length and truncation."
@@ -279,7 +281,8 @@ def evaluate(
                 lengths[start + q, j], truncated[start + q, j] = len(out.token_ids), out.truncated
         kw = dict(answer_format=answer_format, rows=[ex for ex in batch for _ in range(k)], weights=reward_weights)
         kw.update(timeout=reward_timeout, on_failure=reward_failures, memory_mb=reward_memory_mb)
-        kw.update(trl=dict(completion_ids=[o.token_ids for o in outs]) if is_plugin(reward) else None)  # TRL's form
+        trl = dict(completion_ids=[o.token_ids for o in outs], renames=reward_columns or {}, trainer_state=reward_state)
+        kw.update(trl=trl if is_plugin(reward) else None)
         scores, accs, m, batch_preds = score_batch(texts, truths, reward, return_preds=True, **kw)  # (len(batch) * k,)
         if samples is not None:
             samples += response_rows(
@@ -339,14 +342,20 @@ def per_prompt_rows(
     ]
 
 # %% ../nbs/08_eval.ipynb #e0a1b2c3
-def reward_args(cfg) -> dict:
+def reward_args(
+    cfg,  # the run's `DAPOConfig`
+    steps_done: int | None = None,  # a training run's rollout steps so far: TRL-form plug-ins get its trainer_state
+) -> dict:
     "`evaluate`'s reward and prompt keywords from a `DAPOConfig`: held-out responses are judged as training ones are."
+    state = None if steps_done is None else trl_context([], cfg, steps_done + 1)["trainer_state"]
     return dict(
+        reward_state=state,
         reward=cfg.reward,
         reward_weights=cfg.reward_weights,
         reward_timeout=cfg.reward_timeout,
         reward_failures=cfg.reward_failures,
         reward_memory_mb=cfg.reward_memory_mb,
+        reward_columns=renamed_columns(cfg.train_data),  # a TRL-form plug-in reads the data's own column names
         answer_format=cfg.answer_format,
         chat=cfg.apply_chat_template,
         system_prompt=cfg.system_prompt,

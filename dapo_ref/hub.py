@@ -63,6 +63,11 @@ def check_push(cfg: DAPOConfig) -> str | None:
                     err = f"push_to_hub = true, but the hub token of {me.get('name')} may only read; use a write token, {fix}"
                 else:
                     repo = hub_repo_id(cfg, me["name"])
+                    from huggingface_hub.utils import validate_repo_id
+
+                    validate_repo_id(repo)  # a default from output_dir's name may not be one
+            except ValueError as e:  # HFValidationError: the repo's name
+                err = f"push_to_hub = true, but {one_line(e)[:200]}; set hub_model_id to owner/name"
             except Exception as e:  # no token, no network, a proxy that refuses: all say the same thing here
                 err = (
                     f"push_to_hub = true, but the hub at {constants.ENDPOINT} cannot be used ({one_line(e)[:200]}); "

@@ -158,16 +158,33 @@ def stage_model(
         return model_path(name)
     from huggingface_hub import snapshot_download
 
-    files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # what transformers and vLLM read
-    commit = revision
+    files = [
+        "*.json",
+        "*.safetensors",
+        "*.txt",
+        "*.model",
+        "*.jinja",
+        "*.tiktoken",
+        "*.py",
+    ]  # what transformers, vLLM read
+    commit, err = revision, None
     if dist.rank() == 0 and not (revision and COMMIT.fullmatch(revision)):  # a branch or tag: its commit, now
-        if _offline():
-            commit = Path(snapshot_download(name, revision=revision, allow_patterns=files, local_files_only=True)).name
-        else:
-            from huggingface_hub import HfApi
+        try:
+            if _offline():
+                commit = Path(
+                    snapshot_download(name, revision=revision, allow_patterns=files, local_files_only=True)
+                ).name
+            else:
+                from huggingface_hub import HfApi
 
-            commit = HfApi().model_info(name, revision=revision).sha
-    commit = dist.broadcast_object(commit)  # one commit for every node: a branch may move while they download
+                commit = HfApi().model_info(name, revision=revision).sha
+        except Exception as e:  # every rank stops with it: none waits in the broadcast below
+            err = f"model = {name}: cannot resolve revision {revision or 'main'} to a commit ({one_line(e)[:200]})"
+    commit, err = dist.broadcast_object(
+        (commit, err)
+    )  # one commit for every node: a branch may move while they download
+    if err:
+        raise InputError(err, "model_revision")
     if dist.local_rank() == 0:
         STAGED[name] = snapshot_download(name, revision=commit, allow_patterns=files)
     dist.barrier()

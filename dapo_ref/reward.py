@@ -157,13 +157,13 @@ def score_batch(
 def trl_context(
     completion_ids: Sequence[Sequence[int]],  # B responses' token ids, in the order of the round's responses
     cfg,  # the run's `DAPOConfig`: batch sizes, total_steps, train_data
-    step: int,  # rollout steps done
+    step: int,  # this rollout step, from 1 (`algorithm.dapo_step`'s)
 ) -> dict:
     """What TRL's GRPOTrainer passes its reward functions beyond the rows, for one round: `completion_ids`, a
     `trainer_state` (global_step and max_steps in optimizer steps, as TRL counts them: updates per rollout step x
     rollout steps; and the rollout steps themselves) and the data's own column names (`renamed_columns`)."""
-    U = cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size  # optimizer steps per rollout step
-    state = dict(global_step=step * U, max_steps=cfg.total_steps * U, rollout_step=step, total_steps=cfg.total_steps)
+    U, done = cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size, step - 1  # updates a step; steps done
+    state = dict(global_step=done * U, max_steps=cfg.total_steps * U, rollout_step=done, total_steps=cfg.total_steps)
     return dict(
         completion_ids=[list(c) for c in completion_ids], trainer_state=state, renames=renamed_columns(cfg.train_data)
     )

@@ -20,7 +20,7 @@ from .writers import LOCK, RunLock, held_elsewhere, remove_tree
 __all__ = ['MARKER', 'RUN_ENTRIES', 'RUN_PATH_TAIL', 'FROZEN', 'FREE', 'read_marker', 'write_marker', 'run_contents',
            'check_owned', 'check_resumable', 'check_writable', 'prepare_output_dir', 'foreign_folders',
            'check_overwrite', 'clear_run', 'hold_output_dir', 'step_folders', 'checkpoint_experiment', 'resume_changes',
-           'read_metrics', 'rng_state', 'set_rng_state', 'latest_checkpoint', 'plot_curves']
+           'torn_tail', 'read_metrics', 'rng_state', 'set_rng_state', 'latest_checkpoint', 'plot_curves']
 
 # %% ../nbs/08a_runs.ipynb #6b6f1360
 MARKER = ".dapo_ref.json"  # written first into every folder a dapo_ref command creates: its kind, command, time, id
@@ -177,11 +177,12 @@ def check_writable(
             f"{name} = {short(str(out))}: the run's deepest files would have paths of {n} bytes, and paths here may have "
             f"at most {path_max}; choose a {name} nearer the root"
         )
-    if p.is_symlink() and not p.exists():  # mkdir would raise FileExistsError, after the model had loaded
-        raise InputError(
-            f"{name} = {out} is a symbolic link to {os.readlink(p)}, which does not exist; create that folder, "
-            f"or choose another {name}"
-        )
+    for x in (p, *p.parents):  # a dangling link on the way: mkdir would fail only after the model had loaded
+        if x.is_symlink() and not x.exists():
+            raise InputError(
+                f"{name} = {out}: {x} is a symbolic link to {os.readlink(x)}, which does not exist; create that "
+                f"folder, or choose another {name}"
+            )
     if not base.is_dir():
         raise InputError(f"{name} = {out}: {base} is a file, so no run folder can be made there; choose another {name}")
     try:
@@ -464,16 +465,30 @@ def resume_changes(
     except InputError as e:
         raise InputError(f"{p}: {e}; restore the run's config.yaml or choose a new output_dir") from None
     diff = [(k, getattr(old, k), getattr(cfg, k)) for k in names if getattr(old, k) != getattr(cfg, k)]
+    diff = [d for d in diff if not (d[0] == "model_revision" and d[1] is None)]  # a run from before it was recorded
     bad = [d for d in diff if d[0] not in FREE]
     if bad:
         raise _experiment_error(out, bad, p)
     return diff
 
 # %% ../nbs/08a_runs.ipynb #de8c32a7
+def torn_tail(path: str | Path) -> str | None:
+    "The last line of `path` when a killed write left it torn (no newline after it, not JSON); None otherwise."
+    text = Path(path).read_text(errors="replace")
+    if not text or text.endswith("\n"):
+        return None
+    tail = text.rsplit("\n", 1)[-1]
+    try:
+        json.loads(tail)
+        return None
+    except ValueError:
+        return tail
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    "Rows of a `metrics.jsonl` file; `InputError` naming the line that is not a JSON row."
-    rows = []
-    for i, l in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+    "Rows of a `metrics.jsonl` file (a torn last line left out: `torn_tail`); `InputError` naming a line that is not a JSON row."
+    rows, lines = [], Path(path).read_text(errors="replace").splitlines()
+    for i, l in enumerate(lines[:-1] if torn_tail(path) is not None else lines, 1):
         if not l.strip():
             continue
         try:

@@ -9,6 +9,8 @@ import math
 import torch
 from torch import Tensor
 
+from .core import REWARD_PLUGIN
+
 # %% auto #0
 __all__ = ['informative_groups', 'DynamicSamplingError', 'DynamicSamplingBuffer', 'unfillable_cause']
 
@@ -170,7 +172,7 @@ def unfillable_cause(
             f"top_p = {cfg.top_p}, top_k = {cfg.top_k}: sampling that draws one response), so no group's rewards "
             "differ: sample with spread, top_k: -1 and temperature: 1.0 (the paper's). "
         )
-    builtin = all("." not in m for m in cfg.reward.split(","))  # a plug-in reads its own answers
+    builtin = not any(REWARD_PLUGIN.fullmatch(m) for m in cfg.reward.split(","))  # a plug-in reads its own answers
     if n and builtin and all(p in ("", "[INVALID]", None) for g in groups for p in g.preds):
         return (
             f"no response had an answer the reward reads (answer_format = {cfg.answer_format}), so every group "

@@ -133,6 +133,19 @@ STUDIES = {  # name: base recipe, arms (name, label, switches), diagnostics repo
         ],
         quick={},
     ),
+    "soft-punishment": dict(
+        base="recipes/ablation-testbed.yaml",  # Table 1's row 4 with and without Eq. 13: the only switch that differs
+        arms=[
+            (
+                "no-soft",
+                "row 4 without the soft punishment (truncated: -1)",
+                {**row_switches("4-soft-punish"), "soft_overlong_punishment": False},
+            ),
+            ("soft", "row 4: soft overlong punishment (Eq. 13)", row_switches("4-soft-punish")),
+        ],
+        metrics=["trunc_mean", "trunc_end", "len_mean", "len_end", "acc_end", "acc_mean", "pass_mean", "entropy_mean"],
+        quick={},
+    ),
     "overlong": dict(
         base="recipes/ablation-testbed.yaml",  # the testbed: correct restated solutions cut at L_max
         arms=[
@@ -470,6 +483,17 @@ STUDY_FIGURES = {  # study: [(file, title, [(metric, y label, x) one panel each]
             ],
         ),
         ("accuracy.png", "Held-out accuracy", [("eval_acc", "held-out avg@k", "grad_updates")]),
+    ],
+    "soft-punishment": [
+        (
+            "length.png",
+            "Soft overlong punishment alone (Table 1, row 4)",
+            [
+                ("truncated_frac", "truncated at L_max", "grad_updates"),
+                ("resp_len_mean", "mean response length (tokens)", "grad_updates"),
+                ("eval_acc", "held-out avg@k", "grad_updates"),
+            ],
+        )
     ],
     "overlong": [
         (

@@ -5,6 +5,7 @@
 # %% ../nbs/09a_train.ipynb #20d87ad1
 from __future__ import annotations
 import argparse, contextlib, math, os, shlex, sys
+from pathlib import Path
 
 import torch
 
@@ -116,11 +117,12 @@ def main(
         if cfg is None:
             return "nothing was written; run the command again"
         ck = latest_checkpoint(cfg.output_dir)
+        started = (Path(cfg.output_dir) / "config.yaml").is_file()  # else --resume has nothing to continue
         again = shlex.join(
             [
                 "dapo-train",
                 *[a for a in (sys.argv[1:] if argv is None else argv) if a != "--overwrite"],
-                *([] if args.resume else ["--resume"]),
+                *([] if args.resume or not started else ["--resume"]),
             ]
         )
         return (

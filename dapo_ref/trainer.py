@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_trainer.ipynb #a1cb4547
 from __future__ import annotations
-import dataclasses, importlib.util, json, math, os, random, sys, time, weakref
+import dataclasses, importlib.util, json, math, os, random, sys, threading, time, weakref
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +27,7 @@ from dapo_ref.runs import (
     read_marker,
     write_marker,
     read_metrics,
+    torn_tail,
     set_rng_state,
     latest_checkpoint,
     plot_curves,
@@ -197,6 +198,9 @@ def make_engine(
 class Trainer:
     "The run around Algorithm 1 on one rank of N (N = 1 without a launcher): learner, engine, rollout, data, metrics, checkpoints."
 
+    hub_repo = push_error = None  # push_to_hub's repo, and an upload's failure (`push`)
+    pushes = ()  # uploads under way in the background (hub_strategy: every_save)
+
     def __init__(
         self,
         cfg: DAPOConfig,
@@ -218,7 +222,7 @@ class Trainer:
             self._hold()  # a second run on this folder is refused here, before anything loads
         tiny = cfg.model == "tiny" or cfg.model.startswith("tiny-")  # built in code: nothing to check before it loads
 
-        self.hub_repo, self.push_error = check_push(cfg), None  # an upload that cannot happen: refused before the load
+        self.hub_repo = check_push(cfg)  # an upload that cannot happen: refused before the model loads
         if model is None and not tiny:
             check_model(cfg.model, "model =", cfg.model_revision)  # the folder or hub name, config, tokenizer files
         if model is None:
@@ -355,7 +359,7 @@ def evaluate(self: Trainer) -> dict:
             top_p=cfg.eval_top_p,
             max_tokens=cfg.l_max,
             seed=seed,
-            **reward_args(cfg),  # reward, weights, answer format, prompt style
+            **reward_args(cfg, self.step_idx),  # reward, weights, answer format, prompt style, TRL's trainer state
             log=self.log,  # a progress line every 30 s
             samples=rows,
             breakdown=True,
@@ -394,11 +398,22 @@ def export(self: Trainer, path: str | Path) -> Path:
 
 
 @patch
-def push(self: Trainer, folder: Path, message: str) -> str | None:
-    "Rank 0: `folder` and its model card to the `push_to_hub` repo (`hub.push_run`); a failure is kept for the run's last line."
-    url, err = push_run(folder, self.cfg, self.rows, self.hub_repo, message, self.log)
-    self.push_error = err or self.push_error
-    return url
+def push(self: Trainer, folder: Path, message: str, background: bool = False) -> str | None:
+    """Rank 0: `folder` and its model card to the `push_to_hub` repo (`hub.push_run`); a failure is kept for the run's
+    last line. `background`: in a thread, while training goes on (the final push waits for it: commits stay in order)."""
+    earlier, rows = [t for t in self.pushes if t.is_alive()], list(self.rows)
+
+    def run():  # after the uploads started before it: the repo's commits in the run's order
+        for t in earlier:
+            t.join()
+        url, err = push_run(folder, self.cfg, rows, self.hub_repo, message, self.log)
+        self.push_error = err or self.push_error
+        return url
+
+    if not background:
+        return run()
+    self.pushes = [*earlier, threading.Thread(target=run, daemon=False)]
+    self.pushes[-1].start()
 
 
 @patch
@@ -483,6 +498,9 @@ def _start(self: Trainer, resume: bool, overwrite: bool = False):
     if main:  # metrics.jsonl holds exactly the rows up to the checkpoint (a killed run may have written more) ...
         old = read_metrics(self.out / "metrics.jsonl") if (self.out / "metrics.jsonl").is_file() else []
         dropped = old[len(self.rows) :] if old[: len(self.rows)] == self.rows else old
+        m = self.out / "metrics.jsonl"
+        if m.is_file() and (torn := torn_tail(m)) is not None:  # a killed write's half line: kept aside too
+            dropped = [*dropped, dict(torn_line=torn)]
         if dropped:  # ... and the rows after it are kept aside, not lost
             with open(self.out / "metrics.dropped.jsonl", "a") as f:
                 for r in dropped:
@@ -540,8 +558,8 @@ def fit(
             self.save_checkpoint(keep_checkpoints)
         if not last and cfg.export_every and self.step_idx % cfg.export_every == 0:
             path = self.export(self.out / "exports" / f"step-{self.step_idx}")
-            if main and self.hub_repo and cfg.hub_strategy == "every_save":
-                self.push(path, f"dapo_ref: step {self.step_idx}")
+            if main and self.hub_repo and cfg.hub_strategy == "every_save":  # uploads while the next steps train
+                self.push(path, f"dapo_ref: step {self.step_idx}", background=True)
     bar.close()
     if self.step_idx == 0:
         self._write(dict(step=0, grad_updates=0))
@@ -556,16 +574,17 @@ def fit(
         output_dir=str(self.out),
         world_size=self.world,
     )
+    if main:
+        plot_curves(self.rows, self.out / "curves.png")
+        self.trackers.summary(summary)
+        self.trackers.close()
+    dist.barrier()  # the upload comes after: no rank waits for it in a collective (a 32B upload outlasts dist_timeout)
     if main and self.hub_repo:
         summary["hub"] = self.push(self.out / "final", f"dapo_ref: final/, step {self.step_idx}")
     if self.push_error:
         summary["hub_error"] = self.push_error  # dapo-train ends with it, exit status 1
     if main:
-        plot_curves(self.rows, self.out / "curves.png")
-        self.trackers.summary(summary)
-        self.trackers.close()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    dist.barrier()
     return summary
 
 # %% ../nbs/09_trainer.ipynb #b9d41c07

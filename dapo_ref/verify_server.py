@@ -273,6 +273,8 @@ _FS_WRITE = sum(1 << b for b in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))  # write_file
 
 def landlock_abi() -> int:
     "The kernel's Landlock ABI version; 0 without Landlock (an older kernel, or not Linux)."
+    if not sys.platform.startswith("linux"):
+        return 0  # syscall 444 is Linux's number only
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return max(0, libc.syscall(_LANDLOCK[0], None, 0, 1))  # LANDLOCK_CREATE_RULESET_VERSION
@@ -346,7 +348,10 @@ def serve():
             if os.environ.get(RUN_DIR_ENV):  # the plug-in and its workers may not write the run's files
                 import tempfile
 
+                import atexit, shutil
+
                 os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="dapo-plugin-")  # made before the rules: writable
+                atexit.register(shutil.rmtree, os.environ["TMPDIR"], True)
                 tempfile.tempdir = None
                 protect(os.environ[RUN_DIR_ENV])
         else:

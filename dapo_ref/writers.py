@@ -11,9 +11,9 @@ from typing import Callable
 from .core import InputError
 
 # %% auto #0
-__all__ = ['LOCK', 'HEARTBEAT_S', 'STALE_AFTER_S', 'BUILD_LOCK_AGE_S', 'BUILD_LOCK_GRACE_S', 'process_start', 'holder_alive',
-           'file_age', 'write_whole', 'RunLock', 'read_lock', 'held_elsewhere', 'lock_message', 'take_over',
-           'remove_tree', 'publish_folder', 'linked_copy', 'extensions_root', 'check_build_locks']
+__all__ = ['LOCK', 'HEARTBEAT_S', 'STALE_AFTER_S', 'BUILD_LOCK_AGE_S', 'process_start', 'holder_alive', 'file_age', 'write_whole',
+           'RunLock', 'read_lock', 'held_elsewhere', 'lock_message', 'take_over', 'remove_tree', 'publish_folder',
+           'linked_copy', 'extensions_root', 'check_build_locks']
 
 # %% ../nbs/00c_one_writer.ipynb #85533298
 LOCK = ".dapo_ref.lock"  # in a run folder while a process writes it: who holds it, since when (JSON)
@@ -293,7 +293,6 @@ def _raise(e):
 
 # %% ../nbs/00c_one_writer.ipynb #476b3974
 BUILD_LOCK_AGE_S = 600.0  # a build lock older than this, in a folder where no process works, is a dead builder's
-BUILD_LOCK_GRACE_S = 20.0  # a younger one, once no builder has come to its folder in this many seconds
 # (ten minutes: a live first build took about two minutes on a loaded 2-core machine, and between its compiler runs
 # no process works in the folder; a dead builder's lock stays forever, so waiting longer to name it costs little)
 
@@ -324,40 +323,32 @@ def _worked_in(folder: Path) -> bool:
 
 
 def check_build_locks(
-    log: Callable[[str], None] | None = print,  # says what it waits on, and for how long
-    grace: float | None = None,  # seconds a young lock may stay without a builder at work; None: BUILD_LOCK_GRACE_S
+    log: Callable[[str], None] | None = print,  # says what a run will wait on
 ) -> None:
-    """`InputError` naming a build lock of torch's extension builder whose builder is gone (a killed build), and the fix.
-    A build at work has a process in its folder (the compiler); a lock with none is a killed build's once it is
-    older than `BUILD_LOCK_AGE_S`, or once no builder has appeared in `grace` seconds (a live build's own python
-    writes the lock a moment before its compiler starts), said while it waits."""
-    root, grace = extensions_root(), BUILD_LOCK_GRACE_S if grace is None else grace
+    """`InputError` naming a build lock of torch's extension builder whose builder is gone (a killed build), and the fix;
+    a lock a build may still hold is said, with what to do if it never goes. A build at work has a process in its
+    folder (the compiler); a lock without one is a killed build's once it is older than `BUILD_LOCK_AGE_S`. A younger
+    one may be a live build's between its compiler runs, or one on another node sharing the folder: not refused."""
+    root = extensions_root()
     for lock in sorted(root.glob("*/lock")) if root.is_dir() else []:
-        t0, said, dead = time.monotonic(), False, False
-        while True:
-            try:
-                age = file_age(lock)
-            except FileNotFoundError:
-                break  # the build ended meanwhile
-            if _worked_in(lock.parent.resolve()):
-                if log:
-                    log(
-                        f"the C++ op {lock.parent.name} is being built by another process ({lock}); this run waits for it"
-                    )
-                break
-            if age > BUILD_LOCK_AGE_S or time.monotonic() - t0 >= grace:
-                dead = True
-                break
-            if log and not said:
-                log(
-                    f"waiting up to {grace:.0f} s to see whether {lock} ({age:.0f} s old, no process builds there) "
-                    "belongs to a build that is starting"
-                )
-                said = True
-            time.sleep(0.5)
-        if dead:
+        try:
+            age = file_age(lock)
+        except FileNotFoundError:
+            continue  # the build ended meanwhile
+        op = lock.parent.name
+        if _worked_in(lock.parent.resolve()):
+            if log:
+                log(f"the C++ op {op} is being built by another process ({lock}); this run waits for it")
+        elif age > BUILD_LOCK_AGE_S:
             raise InputError(
-                f"the C++ op {lock.parent.name} (built by DeepSpeed through torch) has a build lock whose builder is "
+                f"the C++ op {op} (built by DeepSpeed through torch) has a build lock whose builder is "
                 f"gone ({lock}, {age:.0f} s old, no process builds there: a build that was killed); every process "
                 f"that loads the op would wait on it forever: remove it (rm {lock}) and run again"
+            )
+        elif log:
+            log(
+                f"the C++ op {op} has a build lock {age:.0f} s old ({lock}) and no process of this host builds there "
+                "now: a build between its compiler runs (here or on a node sharing the folder), or a killed one; this "
+                f"run waits for it, and if it waits {BUILD_LOCK_AGE_S / 60:.0f} minutes without a word from the build, "
+                f"stop it and remove the lock (rm {lock})"
             )

@@ -365,3 +365,22 @@ def test_rows_add_one_switch_each():
     assert row_switches("6-dynamic-sampling") == {k: getattr(DAPOConfig(), k) for k in SWITCHES}
     with pytest.raises(ValueError, match="rows are: 1-grpo"):
         row_switches("7-magic")
+
+
+def test_the_soft_punishment_study_switches_it_alone():
+    """Table 1's row 4 adds the soft punishment and drops the overlong filter at once, so rows 3 -> 4 cannot credit
+    either; the soft-punishment study's arms are row 4 with and without Eq. 13: the only setting that differs."""
+    from dapo_ref.core import DAPOConfig
+    from dapo_ref.studies import STUDIES, study_config
+
+    base = DAPOConfig()
+    (a, _, _), (b, _, _) = STUDIES["soft-punishment"]["arms"]
+    ca, cb = (study_config(base, "soft-punishment", arm, 0, "x") for arm in (a, b))
+    diff = {f for f in vars(ca) if getattr(ca, f) != getattr(cb, f) and f != "output_dir"}
+    assert diff == {"soft_overlong_punishment"} and (ca.soft_overlong_punishment, cb.soft_overlong_punishment) == (
+        False,
+        True,
+    )
+    assert cb.overlong_filter is False and {k: getattr(cb, k) for k in row_switches("4-soft-punish")} == dict(
+        row_switches("4-soft-punish")
+    )

@@ -121,15 +121,10 @@ def test_a_push_that_fails_after_training_keeps_final_and_exits_1_with_the_comma
     assert json.loads((out / "summary.json").read_text())["hub_error"] == last.removeprefix("dapo-train: error: ")
 
 
-def hub_snapshot(cache: Path, name: str, commit: str, src: Path, ref: str = "main", scale: float = 1.0) -> Path:
-    "The folder `src` as commit `commit` of hub model `name` in the HF cache `cache`, `ref` pointing at it; weights x `scale`."
-    from safetensors.torch import load_file, save_file
-
+def hub_snapshot(cache: Path, name: str, commit: str, src: Path, ref: str = "main") -> Path:
+    "The folder `src` as commit `commit` of hub model `name` in the HF cache `cache`, `ref` pointing at it."
     snap = cache / f"models--{name.replace('/', '--')}" / "snapshots" / commit
     shutil.copytree(src, snap)
-    if scale != 1.0:
-        w = load_file(snap / "model.safetensors")
-        save_file({k: v * scale for k, v in w.items()}, snap / "model.safetensors", metadata={"format": "pt"})
     (snap.parents[1] / "refs").mkdir(exist_ok=True)
     (snap.parents[1] / "refs" / ref).write_text(commit)
     return snap
@@ -155,7 +150,9 @@ def test_model_revision_pinned_recorded_and_read_again_on_resume(monkeypatch, tm
     base = [RECIPE, "model=me/tiny", "eval_every=0", "save_every=1", "eval_k=1", "samples_per_step=0"]
     assert main([*base, "total_steps=1", f"output_dir={run}"]) == 0, capsys.readouterr().err
     assert yaml.safe_load((run / "config.yaml").read_text())["model_revision"] == a
-    hub_snapshot(cache, "me/tiny", b, tiny, scale=0.5)  # the owner pushes new weights: main is b now
+    hub_snapshot(
+        cache, "me/tiny", b, tiny
+    )  # the owner pushes a new commit: main is b now (which loads: the folder's name)
     capsys.readouterr()
     assert main([*base, "total_steps=2", f"output_dir={run}", "--resume"]) == 0, capsys.readouterr().err
     assert f"model me/tiny at commit {a}" in capsys.readouterr().out
@@ -170,3 +167,16 @@ def test_model_revision_pinned_recorded_and_read_again_on_resume(monkeypatch, tm
     assert main([RECIPE, f"model={tiny}", "model_revision=main", f"output_dir={tmp_path / 'x'}"]) == 2
     err = capsys.readouterr().err
     assert "model_revision = main" in err and "local folder" in err, err
+    # a run from before the commit was recorded (config.yaml and the checkpoint's experiment without it) resumes,
+    # and records the commit it reads from now on
+    import json
+
+    cfg = yaml.safe_load((fresh / "config.yaml").read_text())
+    del cfg["model_revision"]
+    (fresh / "config.yaml").write_text(yaml.safe_dump(cfg))
+    for st in (fresh / "checkpoints").glob("step-*/state.json"):
+        s = json.loads(st.read_text())
+        del s["experiment"]["model_revision"]
+        st.write_text(json.dumps(s))
+    assert main([*base, "total_steps=1", f"output_dir={fresh}", "--resume"]) == 0, capsys.readouterr().err
+    assert yaml.safe_load((fresh / "config.yaml").read_text())["model_revision"] == b

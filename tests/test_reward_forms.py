@@ -42,7 +42,9 @@ def verl_boxed(data_source, solution_str, ground_truth, extra_info=None):
 def trl_boxed(prompts, completions, **columns):
     extras = ("completion_ids", "trainer_state")  # TRL's, given in training (not JSON: trainer_state)
     cols = {k: columns[k] for k in sorted(columns) if k not in extras}
-    _log(dict(form="trl", n=len(completions), prompts=prompts, columns=cols, extras=[k for k in extras if k in columns]))
+    gs = columns["trainer_state"].global_step if "trainer_state" in columns else None
+    _log(dict(form="trl", n=len(completions), prompts=prompts, columns=cols, extras=[k for k in extras if k in columns],
+              global_step=gs))
     return [_box(c[0]["content"], g) for c, g in zip(completions, columns["ground_truth"])]  # TRL's chat completions
 
 
@@ -200,7 +202,7 @@ def test_a_dict_key_named_like_a_sample_field_is_written_as_logged(forms):
 
 def test_trl_form_gets_completion_ids_trainer_state_and_its_own_column_names(forms, tmp_path):
     """What TRL's GRPOTrainer passes a reward function: the completions' token ids, the trainer state (global_step in
-    optimizer steps: 3 rollout steps done x 2 updates each = 6; max_steps 5 x 2 = 10), and the dataset's columns under
+    optimizer steps: in step 4, 3 rollout steps done x 2 updates each = 6; max_steps 5 x 2 = 10), the dataset's columns under
     their own names (answers mapped from `solution`, problems from `problem`); a function that takes none of these
     gets none; one that asks for a column the data does not have is refused before training, naming it."""
     import pyarrow as pa, pyarrow.parquet as pq
@@ -220,7 +222,7 @@ def test_trl_form_gets_completion_ids_trainer_state_and_its_own_column_names(for
     comps = [Completion(0, i, "stop") for i in ids]
     for fn in ("trl_sees", "trl_narrow"):
         cfg = config_from_dict({**base, "reward": f"forms_mod:{fn}"})
-        groups = score_groups(comps, tok, exs, [prompt_token_ids(exs[0], tok)], [0], cfg, step=3)
+        groups = score_groups(comps, tok, exs, [prompt_token_ids(exs[0], tok)], [0], cfg, step=4)  # 3 steps done
         assert groups[0].scores == [1.0, -1.0], fn
     calls = [json.loads(l) for l in (forms / "calls.jsonl").read_text().splitlines()]  # a call per worker's chunk
     assert {c["form"] for c in calls} == {"trl_sees"}  # trl_narrow logs nothing: it was called without the extras
@@ -370,9 +372,42 @@ def test_dapo_train_passes_the_rows_columns_to_each_form(forms, tmp_path):
         assert set(cols) == {"ability", "data_source", "extra_info", "ground_truth"} and set(rows) <= known
         assert all(p[-1]["role"] == "user" and "Answer:" in p[-1]["content"] for p in c["prompts"])
         assert c["extras"][:1] == ["completion_ids"]  # what TRL passes besides: the token ids, ...
-    assert {tuple(c["extras"]) for c in trl} == {("completion_ids",), ("completion_ids", "trainer_state")}  # ... and
+    assert {tuple(c["extras"]) for c in trl} == {("completion_ids", "trainer_state")}  # ... and the trainer state,
+    assert sorted({c["global_step"] for c in trl}) == [0, 1]  # TRL's global_step: 0 in step 1, 1 at the last evaluation
     # in training (not in the held-out evaluation, which runs outside a step) the trainer state
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     step = rows[-1]
     assert step["score_mean"] == pytest.approx(step["reward/verl_boxed"] + 0.5 * step["reward/trl_boxed"], abs=1e-12)
     assert step["reward/verl_boxed/boxed"] == 0.0  # the tiny policy writes `Answer:` lines, never a box
+
+
+def test_a_trl_form_plugin_reading_its_own_columns_trains_and_evaluates(forms, tmp_path):
+    """`train_data` and `eval_data` in another schema (`solution` holds the answers): a TRL-form plug-in asking for
+    `solution` gets it in the training rounds and in the held-out evaluations alike (the evaluation at step 0 had no
+    renamed columns: an error after the model had loaded)."""
+    import pyarrow as pa, pyarrow.parquet as pq
+    from dapo_ref.train import main
+
+    rows = lambda lo, hi: [{"problem": f"What is {i} + 1?", "solution": str(i + 1)} for i in range(lo, hi)]
+    pq.write_table(pa.Table.from_pylist(rows(0, 8)), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows(8, 10)), tmp_path / "held.parquet")
+    spec = lambda f: f"{tmp_path / f}:prompt=problem:answer=solution"
+    args = [*("--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--threads", "1", "--quiet")]
+    args += [f"train_data={spec('train.parquet')}", f"eval_data={spec('held.parquet')}", "reward=forms_mod:trl_sees"]
+    args += ["total_steps=1", "prompts_per_step=2", "gen_batch_size=2", "group_size=2", "mini_batch_size=4"]
+    args += [
+        "l_max=8",
+        "l_cache=2",
+        "dynamic_sampling=false",
+        "eval_k=1",
+        "save_every=0",
+        f"output_dir={tmp_path / 'r'}",
+    ]
+    assert main(args) == 0
+    calls = [json.loads(l) for l in (forms / "calls.jsonl").read_text().splitlines()]
+    held = {"What is 8 + 1?", "What is 9 + 1?"}
+    evals = [c for c in calls if set(c["problem"]) <= held]
+    train = [c for c in calls if not set(c["problem"]) & held]
+    assert evals and train and len(evals) + len(train) == len(calls)
+    assert sorted({c["step"] for c in evals}) == [0, 1]  # global_step before and after the step (2 x 2 / 4 = 1 update)
+    assert sorted(x for c in evals for x in c["solution"]) == ["10", "10", "9", "9"]  # two problems, two evaluations

@@ -2,12 +2,13 @@
 model loads where it can be known then, and leaves nothing behind; each failed on the code before (a symptom for
 the cause, a traceback, a silent run, a misleading word). In process (`dapo_ref.train.main`), on the tiny recipe."""
 
-import os
+import json, os
 from pathlib import Path
 
 import pytest
 
 from dapo_ref.data import make_example, save_math_dataset
+from dapo_ref.runs import read_metrics
 from dapo_ref.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,8 +63,14 @@ def test_an_output_dir_that_is_a_dangling_link_is_refused_first(tmp_path, capsys
     link.symlink_to(tmp_path / "gone")
     assert main([*RECIPE, f"output_dir={link}"]) == 2
     err = one_line(capsys)
-    assert f"output_dir = {link} is a symbolic link to {tmp_path / 'gone'}, which does not exist" in err, err
+    assert f"output_dir = {link}: {link} is a symbolic link to {tmp_path / 'gone'}, which does not exist" in err, err
     assert link.is_symlink() and not (tmp_path / "gone").exists()  # nothing made, nothing changed
+
+
+def test_an_output_dir_under_a_dangling_link_is_refused_first(tmp_path, capsys, no_model_load):
+    (tmp_path / "runs").symlink_to(tmp_path / "gone")
+    assert main([*RECIPE, f"output_dir={tmp_path / 'runs' / 'x'}"]) == 2
+    assert f"{tmp_path / 'runs'} is a symbolic link to {tmp_path / 'gone'}, which does not exist" in one_line(capsys)
 
 
 def test_an_output_dir_name_past_the_file_systems_limit_is_refused_first(tmp_path, capsys, no_model_load):
@@ -84,6 +91,19 @@ def test_resume_over_a_metrics_line_that_is_no_json_names_the_line(tmp_path, cap
     err = one_line(capsys)
     assert f"{m}: line 3 is not a JSON row" in err and f"mv {m} {m}.bad" in err, err
     assert m.read_bytes() == before
+
+
+def test_resume_after_a_torn_last_metrics_line_goes_on_and_keeps_it(tmp_path, capsys):
+    "A write killed half way leaves a last line without its newline: the resume keeps it aside, not refuses."
+    out = tmp_path / "run"
+    args = [*RECIPE, "eval_every=0", "save_every=1", "eval_k=1", "val_before_train=false", f"output_dir={out}"]
+    assert main([*args, "total_steps=1"]) == 0
+    m = out / "metrics.jsonl"
+    m.write_text(m.read_text() + '{"step": 2, "ac')  # no newline: the writer was killed here
+    assert main([*args, "total_steps=2", "--resume"]) == 0, capsys.readouterr().err
+    assert read_metrics(m)[-1]["step"] == 2  # the resumed step, after the rows up to the checkpoint
+    kept = [json.loads(l) for l in (out / "metrics.dropped.jsonl").read_text().splitlines()]
+    assert kept[-1]["torn_line"] == '{"step": 2, "ac'
 
 
 def test_dapo_data_into_a_folder_it_cannot_write_is_one_line(capsys):
