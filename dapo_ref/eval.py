@@ -20,8 +20,8 @@ from .rollout import PROGRESS_S  # seconds between progress lines of work that s
 
 # %% auto #0
 __all__ = ['INVALID', 'avg_at_k', 'pass_at_k', 'pass_at_k_batch', 'pass_ks', 'majority_vote', 'maj_at_k', 'generate_checked',
-           'response_rows', 'set_metrics', 'truths_of', 'source_groups', 'evaluate', 'per_prompt_rows', 'reward_args',
-           'eval_metrics']
+           'response_rows', 'set_metrics', 'truths_of', 'source_groups', 'breakdown_metrics', 'evaluate',
+           'per_prompt_rows', 'reward_args', 'eval_metrics']
 
 # %% ../nbs/08_eval.ipynb #612ca4de
 def _as_bool_matrix(correct) -> Tensor:
@@ -218,6 +218,20 @@ def source_groups(examples: Sequence[MathExample]) -> dict[str, list[int]]:
         groups.setdefault(ex.data_source or "unknown", []).append(p)
     return groups
 
+# %% ../nbs/08_eval.ipynb #41c1a636
+def breakdown_metrics(
+    correct: Tensor,  # (P, k) each sample's verdict
+    preds: list[list[str]],  # P lists of k answers read
+    examples: list[MathExample],  # the P problems (their data_source)
+) -> dict:
+    "`evaluate(breakdown=True)`'s extra keys: pass@j for every j of `pass_ks(k)`, and every metric per data_source."
+    out = {key: v for key, v in set_metrics(correct, preds, truths_of(examples)).items() if "pass@" in key}
+    out["by_source"] = {
+        s: set_metrics(correct[idx], [preds[p] for p in idx], truths_of([examples[p] for p in idx]))
+        for s, idx in source_groups(examples).items()
+    }
+    return out
+
 # %% ../nbs/08_eval.ipynb #d39b40de
 def evaluate(
     engine: RolloutEngine,  # generates k completions per prompt
@@ -313,11 +327,7 @@ def evaluate(
         "reward_errors": errors,  # calls that raised, gave no finite score or ended their worker (-1 each)
     }
     if breakdown:
-        res.update({key: v for key, v in set_metrics(correct, preds, truths_of(examples)).items() if "pass@" in key})
-        res["by_source"] = {
-            s: set_metrics(correct[idx], [preds[p] for p in idx], truths_of([examples[p] for p in idx]))
-            for s, idx in source_groups(examples).items()
-        }
+        res.update(breakdown_metrics(correct, preds, examples))
     if return_per_prompt:
         res["per_prompt"] = per_prompt_rows(correct, preds, examples)
     return res
