@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .data import MathExample, prompt_token_ids
 from .answers import normalize_answer
-from .reward import score_batch, trl_context
+from .reward import score_batch, trainer_state
 from .reward_pool import is_plugin, renamed_columns
 from .interfaces import RolloutEngine, SamplingParams
 
@@ -357,9 +357,8 @@ def reward_args(
     steps_done: int | None = None,  # a training run's rollout steps so far: TRL-form plug-ins get its trainer_state
 ) -> dict:
     "`evaluate`'s reward and prompt keywords from a `DAPOConfig`: held-out responses are judged as training ones are."
-    state = None if steps_done is None else trl_context([], cfg, steps_done + 1)["trainer_state"]
     return dict(
-        reward_state=state,
+        reward_state=None if steps_done is None else trainer_state(cfg, steps_done),
         reward=cfg.reward,
         reward_weights=cfg.reward_weights,
         reward_timeout=cfg.reward_timeout,

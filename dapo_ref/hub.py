@@ -86,8 +86,7 @@ def model_card(
 ) -> str:
     "The repo's README.md: hub metadata, what was trained, the held-out curve and the run's config."
     meta = {"library_name": "transformers", "tags": ["dapo", "dapo_ref", "reinforcement-learning", "grpo"]}
-    local = cfg.model == "tiny" or cfg.model.startswith("tiny-") or Path(cfg.model).expanduser().exists()
-    if not local:
+    if cfg.model_revision:  # a hub model (the run pins its commit): the card links it
         meta["base_model"] = cfg.model
     base = cfg.model + (f" at commit {cfg.model_revision}" if cfg.model_revision else "")
     last = rows[-1] if rows else {}

@@ -158,15 +158,8 @@ def stage_model(
         return model_path(name)
     from huggingface_hub import snapshot_download
 
-    files = [
-        "*.json",
-        "*.safetensors",
-        "*.txt",
-        "*.model",
-        "*.jinja",
-        "*.tiktoken",
-        "*.py",
-    ]  # what transformers, vLLM read
+    # what transformers and vLLM read (weights as safetensors)
+    files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
     commit, err = revision, None
     if dist.rank() == 0 and not (revision and COMMIT.fullmatch(revision)):  # a branch or tag: its commit, now
         try:
@@ -180,9 +173,8 @@ def stage_model(
                 commit = HfApi().model_info(name, revision=revision).sha
         except Exception as e:  # every rank stops with it: none waits in the broadcast below
             err = f"model = {name}: cannot resolve revision {revision or 'main'} to a commit ({one_line(e)[:200]})"
-    commit, err = dist.broadcast_object(
-        (commit, err)
-    )  # one commit for every node: a branch may move while they download
+    # one commit for every node: a branch may move while they download
+    commit, err = dist.broadcast_object((commit, err))
     if err:
         raise InputError(err, "model_revision")
     if dist.local_rank() == 0:

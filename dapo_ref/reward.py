@@ -25,7 +25,7 @@ from dapo_ref.reward_pool import (
 from .reward_pool import extra_means  # noqa: F401 (for algorithm, which imports reward, not reward_pool)
 
 # %% auto #0
-__all__ = ['score_response', 'overlong_penalty', 'score_batch', 'trl_context']
+__all__ = ['score_response', 'overlong_penalty', 'score_batch', 'trl_context', 'trainer_state']
 
 # %% ../nbs/02_reward.ipynb #cbce2a3e
 def _check_mode(mode: str):
@@ -162,8 +162,19 @@ def trl_context(
     """What TRL's GRPOTrainer passes its reward functions beyond the rows, for one round: `completion_ids`, a
     `trainer_state` (global_step and max_steps in optimizer steps, as TRL counts them: updates per rollout step x
     rollout steps; and the rollout steps themselves) and the data's own column names (`renamed_columns`)."""
-    U, done = cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size, step - 1  # updates a step; steps done
-    state = dict(global_step=done * U, max_steps=cfg.total_steps * U, rollout_step=done, total_steps=cfg.total_steps)
     return dict(
-        completion_ids=[list(c) for c in completion_ids], trainer_state=state, renames=renamed_columns(cfg.train_data)
+        completion_ids=[list(c) for c in completion_ids],
+        trainer_state=trainer_state(cfg, step - 1),
+        renames=renamed_columns(cfg.train_data),
+    )
+
+
+def trainer_state(
+    cfg,  # the run's `DAPOConfig`: batch sizes, total_steps
+    steps_done: int,  # rollout steps done
+) -> dict:
+    "TRL's `TrainerState` fields a reward reads: global_step and max_steps in optimizer steps (updates a step x steps), and the rollout steps."
+    U = cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size  # optimizer steps per rollout step
+    return dict(
+        global_step=steps_done * U, max_steps=cfg.total_steps * U, rollout_step=steps_done, total_steps=cfg.total_steps
     )

@@ -183,9 +183,8 @@ def is_plugin(mode: str) -> bool:
     return any(REWARD_PLUGIN.fullmatch(m) is not None for m in mode.split(","))
 
 
-RUN_DIR_ENV = (
-    "DAPO_REF_RUN_DIR"  # the run's folder: a plug-in's server may not write beneath it (verify_server.protect)
-)
+# the run's folder: a plug-in's server may not write beneath it (verify_server.protect)
+RUN_DIR_ENV = "DAPO_REF_RUN_DIR"
 # the columns TRL's form gets besides prompts and completions
 BATCH_COLUMNS = ("data_source", "ground_truth", "extra_info", "ability")
 # and what TRL's GRPOTrainer passes besides, each where the function can take it (`verify_server.takes`): the

@@ -472,9 +472,8 @@ def resume_changes(
     return diff
 
 # %% ../nbs/08a_runs.ipynb #de8c32a7
-def torn_tail(path: str | Path) -> str | None:
-    "The last line of `path` when a killed write left it torn (no newline after it, not JSON); None otherwise."
-    text = Path(path).read_text(errors="replace")
+def _torn(text: str) -> str | None:
+    "The last line of `text` when a killed write left it torn (no newline after it, not JSON); None otherwise."
     if not text or text.endswith("\n"):
         return None
     tail = text.rsplit("\n", 1)[-1]
@@ -485,10 +484,16 @@ def torn_tail(path: str | Path) -> str | None:
         return tail
 
 
+def torn_tail(path: str | Path) -> str | None:
+    "The last line of the file `path` when a killed write left it torn (`_torn`); None otherwise."
+    return _torn(Path(path).read_text(errors="replace"))
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     "Rows of a `metrics.jsonl` file (a torn last line left out: `torn_tail`); `InputError` naming a line that is not a JSON row."
-    rows, lines = [], Path(path).read_text(errors="replace").splitlines()
-    for i, l in enumerate(lines[:-1] if torn_tail(path) is not None else lines, 1):
+    text = Path(path).read_text(errors="replace")
+    rows, lines = [], text.splitlines()
+    for i, l in enumerate(lines[:-1] if _torn(text) is not None else lines, 1):
         if not l.strip():
             continue
         try:
