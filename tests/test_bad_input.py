@@ -1231,7 +1231,9 @@ def test_ctrl_c_is_one_line_with_the_command_that_continues(tmp_path):
     "Ctrl-C in the middle of dapo-train: exit status 130, no traceback, one line naming the command that continues the run."
     import signal, time
 
-    argv = ["--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), "output_dir=run", "save_every=1", "--quiet"]
+    # a first checkpoint soon: no evaluation, a step of 2 groups from rounds of 4 prompts
+    small = ["val_before_train=false", "eval_every=0", "prompts_per_step=2", "gen_batch_size=4", "mini_batch_size=16"]
+    argv = ["--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), "output_dir=run", "save_every=1", *small, "--quiet"]
     # SIGINT as a terminal delivers it: a job started in the background (make -j, `&`) inherits SIGINT ignored, and
     # Python then installs no KeyboardInterrupt handler, so the child gets the default disposition back first
     p = subprocess.Popen(

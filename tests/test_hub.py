@@ -17,7 +17,9 @@ from fake_hub import FakeHub
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "--config=" + str(ROOT / "recipes" / "tiny-cpu.yaml")
-SHORT = ["eval_every=1", "save_every=1", "eval_k=1", "samples_per_step=0"]
+# a step of 2 groups from rounds of 4 prompts (the default step is 16 of 32): what a hub test reads is files, not learning
+SMALL = ["prompts_per_step=2", "gen_batch_size=4", "mini_batch_size=16"]
+SHORT = ["eval_every=1", "save_every=1", "eval_k=1", "samples_per_step=0", *SMALL]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,7 +149,7 @@ def test_model_revision_pinned_recorded_and_read_again_on_resume(monkeypatch, tm
     tiny = ensure_tiny_model()
     hub_snapshot(cache, "me/tiny", a, tiny)
     run, fresh = tmp_path / "run", tmp_path / "fresh"
-    base = [RECIPE, "model=me/tiny", "eval_every=0", "save_every=1", "eval_k=1", "samples_per_step=0"]
+    base = [RECIPE, "model=me/tiny", "eval_every=0", "save_every=1", "eval_k=1", "samples_per_step=0", *SMALL]
     assert main([*base, "total_steps=1", f"output_dir={run}"]) == 0, capsys.readouterr().err
     assert yaml.safe_load((run / "config.yaml").read_text())["model_revision"] == a
     hub_snapshot(

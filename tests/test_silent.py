@@ -13,6 +13,8 @@ from dapo_ref.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--threads", "1", "--quiet"]
+# a step of 2 groups from rounds of 4 prompts (the default step is 16 of 32): the resume tests read files, not learning
+SMALL = ["prompts_per_step=2", "gen_batch_size=4", "mini_batch_size=16"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,7 +83,7 @@ def test_an_output_dir_name_past_the_file_systems_limit_is_refused_first(tmp_pat
 
 def test_resume_over_a_metrics_line_that_is_no_json_names_the_line(tmp_path, capsys):
     out = tmp_path / "run"
-    args = [*RECIPE, "total_steps=1", "eval_every=0", "save_every=1", "eval_k=1", f"output_dir={out}"]
+    args = [*RECIPE, *SMALL, "total_steps=1", "eval_every=0", "save_every=1", "eval_k=1", f"output_dir={out}"]
     assert main(args) == 0
     capsys.readouterr()
     m = out / "metrics.jsonl"
@@ -96,7 +98,7 @@ def test_resume_over_a_metrics_line_that_is_no_json_names_the_line(tmp_path, cap
 def test_resume_after_a_torn_last_metrics_line_goes_on_and_keeps_it(tmp_path, capsys):
     "A write killed half way leaves a last line without its newline: the resume keeps it aside, not refuses."
     out = tmp_path / "run"
-    args = [*RECIPE, "eval_every=0", "save_every=1", "eval_k=1", "val_before_train=false", f"output_dir={out}"]
+    args = [*RECIPE, *SMALL, "eval_every=0", "save_every=1", "eval_k=1", "val_before_train=false", f"output_dir={out}"]
     assert main([*args, "total_steps=1"]) == 0
     m = out / "metrics.jsonl"
     m.write_text(m.read_text() + '{"step": 2, "ac')  # no newline: the writer was killed here
@@ -136,7 +138,7 @@ def test_held_out_problems_that_are_all_trained_on_are_refused(tmp_path, capsys)
 
 def test_a_warm_up_longer_than_the_run_is_said(tmp_path, capsys):
     args = ["total_steps=1", "warmup_steps=5", "eval_every=0", "val_before_train=false", f"output_dir={tmp_path / 'r'}"]
-    assert main([*RECIPE, *args]) == 0
+    assert main([*RECIPE, *SMALL, *args]) == 0
     out = capsys.readouterr().out
     assert "warmup_steps = 5 > total_steps = 1: the learning rate rises over the whole run and never reaches" in out
 

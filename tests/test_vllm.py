@@ -573,6 +573,7 @@ def launch_vllm_job(tmp_path, tp: int, steps: int = 2):
 
 # ---------------------------------------------------------------- the real run's shape in miniature: 4 ranks, 2 engines
 @pytest.mark.skipif(CUDA, reason="the CPU miniature of the colocated layout (four CPU processes)")
+@pytest.mark.ranks
 def test_four_ranks_two_independent_tp2_engines(tmp_path):
     """torchrun --nproc_per_node 4 running `dapo-train` (tests/tp_worker.py): two independent vLLM engines at
     tensor_parallel_size 2 (ranks 0-1 and 2-3, external_launcher, no vLLM data-parallel group), the learner at
@@ -643,6 +644,7 @@ def test_four_ranks_two_independent_tp2_engines(tmp_path):
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU miniature of the colocated layout (four CPU processes)")
+@pytest.mark.ranks
 def test_four_ranks_four_tp1_engines(tmp_path):
     """The 7B recipe's layout shrunk (tensor parallel 1: one engine per rank), 4 ranks, ZeRO-3, one DAPO step and the
     held-out evaluation. Every engine must be an external-launcher engine on its own rank: with vLLM's default
@@ -677,6 +679,7 @@ def test_four_ranks_four_tp1_engines(tmp_path):
 
 
 # ---------------------------------------------------------------- dapo-eval --backend vllm --tensor-parallel 2
+@pytest.mark.ranks
 def test_dapo_eval_vllm_tp2_matches_transformers_greedy(tmp_path):
     """`dapo-eval --backend vllm --tensor-parallel 2` (one process; vLLM starts its two workers) on the tiny model and 8
     held-out problems, greedy: every problem's predictions, and so avg@k / pass@k / maj@k, equal `--backend hf`'s."""
