@@ -27,7 +27,7 @@ from .reward_pool import extra_means  # noqa: F401 (for algorithm, which imports
 # %% auto #0
 __all__ = ['score_response', 'overlong_penalty', 'score_batch', 'trl_context', 'trainer_state']
 
-# %% ../nbs/02_reward.ipynb #cbce2a3e
+# %% ../nbs/02_reward.ipynb #c6996d87
 def _check_mode(mode: str):
     "The caller's contract: a known mode (a recipe's `reward:` was validated by `DAPOConfig` already)."
     assert all(m in REWARD_MODES or is_plugin(m) for m in mode.split(",")), (
@@ -36,6 +36,20 @@ def _check_mode(mode: str):
     )
 
 
+def _pooled(response: str, ground_truth, mode: str, window, timeout_s: float, answer_format: str) -> dict | None:
+    "A plug-in or several rewards: scored in the bounded worker pool (`score_batch`), a round of one. None otherwise."
+    _check_mode(mode)
+    if is_plugin(mode) or "," in mode:
+        s, a, _, p = score_batch(
+            [response], [ground_truth], mode, timeout_s, window=window, return_preds=True, answer_format=answer_format
+        )
+        return {"score": float(s[0]), "acc": bool(a[0]), "pred": p[0]}
+    assert window is None or window >= 1, (
+        f"window = {window}: the number of trailing characters searched must be >= 1, or None for all"
+    )
+    return None
+
+# %% ../nbs/02_reward.ipynb #cbce2a3e
 def score_response(
     response: str,  # the decoded response (EOS text stripped)
     ground_truth,  # the reference answer (str, or a number)
@@ -48,15 +62,8 @@ def score_response(
 ) -> dict:  # {"score": ±1.0, "acc": bool, "pred": str}
     "Eq. 7: +1.0 if the response's final answer is equivalent to the ground truth under `mode`, else -1.0."
     mode = "math-verify" if use_math_verify else mode
-    _check_mode(mode)
-    if is_plugin(mode) or "," in mode:  # plug-ins, several rewards: in the bounded worker pool, a round of one
-        s, a, _, p = score_batch(
-            [response], [ground_truth], mode, timeout_s, window=window, return_preds=True, answer_format=answer_format
-        )
-        return {"score": float(s[0]), "acc": bool(a[0]), "pred": p[0]}
-    assert window is None or window >= 1, (
-        f"window = {window}: the number of trailing characters searched must be >= 1, or None for all"
-    )
+    if (pooled := _pooled(response, ground_truth, mode, window, timeout_s, answer_format)) is not None:
+        return pooled  # a reward plug-in, or several rewards (Engineering, above)
     tail = response if window is None else response[-window:]
     boxed = answer_format == "boxed"
     if mode == "dapo-reference":  # verbatim: no match reads as "[INVALID]", which is normalised and compared too

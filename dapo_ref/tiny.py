@@ -22,7 +22,7 @@ __all__ = ['MAX_VALUE', 'MAX_OPS', 'HELDOUT_MOD', 'EOS_TOKEN', 'QWEN2_PRETOKENIZ
 
 # %% ../nbs/06_tiny.ipynb #ffa67a1f
 MAX_VALUE = 9  # every number of a problem and of its correct working is one digit, 0..MAX_VALUE
-MAX_OPS = 6  # K: problems have 1..K operations, so the working has 1..K lines
+MAX_OPS = 6  # n_max: problems have 1..n_max operations, so the working has 1..n_max lines
 _VERBS = {"+": "add", "-": "subtract", "*": "multiply by"}
 _APPLY = {"+": lambda x, d: x + d, "-": lambda x, d: x - d, "*": lambda x, d: x * d}
 
@@ -114,7 +114,7 @@ def tiny_splits(
     n_train: int,  # training prompts
     n_eval: int,  # held-out prompts
     seed: int = 0,  # the same seed gives the same lists
-    max_ops: int = MAX_OPS,  # K: operations per problem are uniform in 1..K
+    max_ops: int = MAX_OPS,  # n_max: operations per problem are uniform in 1..n_max
 ) -> tuple[list[MathExample], list[MathExample]]:
     "Distinct train and held-out tiny problems as `MathExample`s; the two lists never share a problem text."
     rng = random.Random(f"tiny-splits-{seed}")
@@ -236,7 +236,7 @@ def sft_batches(
     n_batches: int,  # batches to yield
     batch_size: int = 32,  # sequences per batch
     p_err: float = 0.25,  # probability that a step's written result is wrong
-    max_ops: int = MAX_OPS,  # K
+    max_ops: int = MAX_OPS,  # n_max
     seed: int = 0,  # data seed
     p_lazy: float = 0.0,  # probability that the response is a bare guess `Answer: g`, g in 0..99
     stream: str = "tiny-sft",  # name of the data stream (stage 2 draws from its own)
