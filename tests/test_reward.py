@@ -493,7 +493,10 @@ from dapo_ref.reward import score_batch
 from dapo_ref.reward_pool import default_workers
 dist.init_process_group("gloo")
 r = dist.get_rank()
-s, a, m = score_batch(["Answer: 0.5", "Answer: 0.6", "Answer: 9^{9^{9^{9}}}"], ["\\\\frac12"] * 3, mode="math-verify", timeout=2)
+# the bound: 6 s, not 2: each rank's server is fresh, and on a loaded 2-core machine (a CI run with both pytest workers
+# busy) a plain comparison once took over 2 s there and was counted as a timeout; the tower never ends, so any bound
+# counts it exactly once
+s, a, m = score_batch(["Answer: 0.5", "Answer: 0.6", "Answer: 9^{9^{9^{9}}}"], ["\\\\frac12"] * 3, mode="math-verify", timeout=6)
 print("RANK", r, s.tolist(), m["reward_timeouts"], default_workers(), flush=True)
 dist.destroy_process_group()
 """
