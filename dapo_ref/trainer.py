@@ -496,9 +496,9 @@ def _start(self: Trainer, resume: bool, overwrite: bool = False):
     elif resume:
         self.log(f"resume: no checkpoint under {self.out / 'checkpoints'}; starting from scratch")
     if main:  # metrics.jsonl holds exactly the rows up to the checkpoint (a killed run may have written more) ...
-        old = read_metrics(self.out / "metrics.jsonl") if (self.out / "metrics.jsonl").is_file() else []
-        dropped = old[len(self.rows) :] if old[: len(self.rows)] == self.rows else old
         m = self.out / "metrics.jsonl"
+        old = read_metrics(m) if m.is_file() else []
+        dropped = old[len(self.rows) :] if old[: len(self.rows)] == self.rows else old
         if m.is_file() and (torn := torn_tail(m)) is not None:  # a killed write's half line: kept aside too
             dropped = [*dropped, dict(torn_line=torn)]
         if dropped:  # ... and the rows after it are kept aside, not lost

@@ -346,9 +346,7 @@ def serve():
             FORM = sys.argv[2] if len(sys.argv) > 2 else "pair"
             MEMORY_MB = int(sys.argv[3]) if len(sys.argv) > 3 else 0
             if os.environ.get(RUN_DIR_ENV):  # the plug-in and its workers may not write the run's files
-                import tempfile
-
-                import atexit, shutil
+                import atexit, shutil, tempfile
 
                 os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="dapo-plugin-")  # made before the rules: writable
                 atexit.register(shutil.rmtree, os.environ["TMPDIR"], True)
